@@ -1,0 +1,229 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+UINT8: DType
+INT16: DType
+INT32: DType
+INT64: DType
+FLOAT16: DType
+FLOAT32: DType
+
+class ImageSpec(_message.Message):
+    __slots__ = ("patch_size", "merge_size", "max_pixels", "min_pixels", "max_source_pixels")
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SOURCE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    patch_size: int
+    merge_size: int
+    max_pixels: int
+    min_pixels: int
+    max_source_pixels: int
+    def __init__(self, patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., max_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_source_pixels: _Optional[int] = ...) -> None: ...
+
+class CostSpec(_message.Message):
+    __slots__ = ("enc_linear_s", "enc_quadratic_s", "bb_linear_s", "bb_quadratic_s", "gen_per_image_s", "enc_backward_factor", "bb_backward_factor", "gen_backward_factor", "enc_frozen")
+    ENC_LINEAR_S_FIELD_NUMBER: _ClassVar[int]
+    ENC_QUADRATIC_S_FIELD_NUMBER: _ClassVar[int]
+    BB_LINEAR_S_FIELD_NUMBER: _ClassVar[int]
+    BB_QUADRATIC_S_FIELD_NUMBER: _ClassVar[int]
+    GEN_PER_IMAGE_S_FIELD_NUMBER: _ClassVar[int]
+    ENC_BACKWARD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    BB_BACKWARD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    GEN_BACKWARD_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    ENC_FROZEN_FIELD_NUMBER: _ClassVar[int]
+    enc_linear_s: float
+    enc_quadratic_s: float
+    bb_linear_s: float
+    bb_quadratic_s: float
+    gen_per_image_s: float
+    enc_backward_factor: float
+    bb_backward_factor: float
+    gen_backward_factor: float
+    enc_frozen: bool
+    def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "intra_algorithm", "inter_algorithm", "pack_window", "image", "cost")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEQS_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    NO_SHARD_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    INTRA_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    INTER_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    PACK_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    seq_len: int
+    dp_size: int
+    num_microbatches: int
+    seqs_per_microbatch: int
+    seed: int
+    num_epochs: int
+    shuffle_buffer: int
+    no_shard_shuffle: bool
+    intra_algorithm: str
+    inter_algorithm: str
+    pack_window: int
+    image: ImageSpec
+    cost: CostSpec
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., intra_algorithm: _Optional[str] = ..., inter_algorithm: _Optional[str] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ...) -> None: ...
+
+class OpenJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class DescribeJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job_id", "spec", "global_batch_sequences", "num_steps", "shard_urls")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_URLS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    spec: JobSpec
+    global_batch_sequences: int
+    num_steps: int
+    shard_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., global_batch_sequences: _Optional[int] = ..., num_steps: _Optional[int] = ..., shard_urls: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("job_id", "dp_rank", "start_step", "start_microbatch", "max_steps")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    START_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    dp_rank: int
+    start_step: int
+    start_microbatch: int
+    max_steps: int
+    def __init__(self, job_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SequenceCost(_message.Message):
+    __slots__ = ("encoder_s", "backbone_s", "generator_s", "total_s")
+    ENCODER_S_FIELD_NUMBER: _ClassVar[int]
+    BACKBONE_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    encoder_s: float
+    backbone_s: float
+    generator_s: float
+    total_s: float
+    def __init__(self, encoder_s: _Optional[float] = ..., backbone_s: _Optional[float] = ..., generator_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+
+class SkippedSample(_message.Message):
+    __slots__ = ("key", "shard", "reason")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shard: str
+    reason: str
+    def __init__(self, key: _Optional[str] = ..., shard: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Microbatch(_message.Message):
+    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_COSTS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    dp_rank: int
+    microbatch_index: int
+    num_microbatches: int
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    sample_keys: _containers.RepeatedScalarFieldContainer[str]
+    sequence_costs: _containers.RepeatedCompositeFieldContainer[SequenceCost]
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("job_id", "dp_rank", "next_step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    dp_rank: int
+    next_step: int
+    def __init__(self, job_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("min_next_step",)
+    MIN_NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    min_next_step: int
+    def __init__(self, min_next_step: _Optional[int] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobReport(_message.Message):
+    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANNED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANNED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
+    num_planned_samples: int
+    num_planned_steps: int
+    planning_done: bool
+    num_sent_microbatches: int
+    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,142 @@
+"""Typed, validated job configuration: everything that determines the plan of a job."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from preprocess_service.errors import ConfigError
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ImageConfig:
+    """How images are resized for the encoder (dynamic resolution, aspect ratio kept)."""
+
+    patch_size: int = 14
+    """ViT patch edge, pixels."""
+    merge_size: int = 2
+    """Patches merged into one token along each axis."""
+    max_pixels: int = 1024 * 28 * 28
+    """Cap on the resized image's height * width (default: 1024 tokens)."""
+    min_pixels: int = 4 * 28 * 28
+    """Floor on the resized image's height * width."""
+    max_source_pixels: int = 64_000_000
+    """Source images above this many pixels are decompression bombs and get skipped."""
+
+    def __post_init__(self) -> None:
+        _require(self.patch_size > 0, f"image.patch_size must be positive, got {self.patch_size}")
+        _require(self.merge_size > 0, f"image.merge_size must be positive, got {self.merge_size}")
+        _require(self.min_pixels >= self.factor**2,
+                 f"image.min_pixels ({self.min_pixels}) must hold at least one token ({self.factor**2} pixels)")
+        _require(self.max_pixels >= self.min_pixels,
+                 f"image.max_pixels ({self.max_pixels}) is below image.min_pixels ({self.min_pixels})")
+        _require(self.max_source_pixels > 0, "image.max_source_pixels must be positive")
+
+    @property
+    def factor(self) -> int:
+        """Pixels along one side of one token: both resized sides are multiples of it."""
+        return self.patch_size * self.merge_size
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CostConfig:
+    """Forward-time coefficients (seconds) of the per-sequence cost model, see cost.py.
+
+    The defaults are order-of-magnitude placeholders for a ~7B backbone with a ViT-L
+    encoder on one accelerator; calibrate them for a real job.
+    """
+
+    enc_linear_s: float = 2.0e-6
+    """Encoder seconds per image token."""
+    enc_quadratic_s: float = 2.0e-9
+    """Encoder seconds per squared image token count (self-attention inside one image)."""
+    bb_linear_s: float = 6.0e-6
+    """Backbone seconds per non-padding token."""
+    bb_quadratic_s: float = 1.0e-10
+    """Backbone seconds per squared document length (attention masked per document)."""
+    gen_per_image_s: float = 0.02
+    """Generator seconds per image to generate."""
+    enc_backward_factor: float = 2.0
+    bb_backward_factor: float = 2.0
+    gen_backward_factor: float = 2.0
+    enc_frozen: bool = False
+    """A frozen encoder has no backward pass."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                _require(value >= 0.0, f"cost.{f.name} must be >= 0, got {value}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class JobConfig:
+    """Everything that determines a job's plan; the plan of step k is a function of this and the data."""
+
+    shards: tuple[str, ...]
+    """Shard URLs or paths, brace patterns allowed; a directory stands for its *.tar files."""
+    seq_len: int = 8192
+    """Tokens per packed sequence."""
+    dp_size: int = 1
+    """Data-parallel ranks."""
+    num_microbatches: int = 4
+    """Microbatches per DP rank per step."""
+    seqs_per_microbatch: int = 1
+    """Packed sequences per microbatch."""
+    seed: int = 0
+    num_epochs: int = 1
+    shuffle_buffer: int = 256
+    """Samples in the seeded shuffle buffer (1 = keep shard order)."""
+    shard_shuffle: bool = True
+    """Shuffle the shard order per epoch (seeded)."""
+    intra_algorithm: str = "lpt"
+    """Registry name of the DP-rank balancing algorithm (reorder.INTRA_ALGORITHMS)."""
+    inter_algorithm: str = "paper"
+    """Registry name of the microbatch ordering algorithm (reorder.INTER_ALGORITHMS)."""
+    pack_window: int = 8
+    """Open sequences the best-fit packer fills at once (1 = sequential packing)."""
+    image: ImageConfig = field(default_factory=ImageConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(self.shards))
+        _require(len(self.shards) > 0, "shards is empty: give at least one shard path or URL")
+        for name in ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch",
+                     "num_epochs", "shuffle_buffer", "pack_window"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        _require(self.seq_len >= 16, f"seq_len must be at least 16 tokens, got {self.seq_len}")
+        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        from preprocess_service.reorder import INTER_ALGORITHMS, INTRA_ALGORITHMS
+
+        _require(self.intra_algorithm in INTRA_ALGORITHMS,
+                 f"unknown intra_algorithm {self.intra_algorithm!r}; known: {sorted(INTRA_ALGORITHMS)}")
+        _require(self.inter_algorithm in INTER_ALGORITHMS,
+                 f"unknown inter_algorithm {self.inter_algorithm!r}; known: {sorted(INTER_ALGORITHMS)}")
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step."""
+        return self.dp_size * self.num_microbatches * self.seqs_per_microbatch
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "JobConfig":
+        data = dict(data)
+        image = ImageConfig(**data.pop("image", {}))
+        cost = CostConfig(**data.pop("cost", {}))
+        return cls(image=image, cost=cost, **data)
+
+    def job_id(self) -> str:
+        """Stable id: a hash of the normalised config, so ranks sending the same config share a job."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return "job-" + hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,29 @@
+"""The domain error hierarchy; the gRPC edge maps each class to a status code."""
+
+from __future__ import annotations
+
+
+class DisttrainError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(DisttrainError, ValueError):
+    """A job spec or request is invalid (gRPC INVALID_ARGUMENT)."""
+
+
+class NotFoundError(DisttrainError, LookupError):
+    """A job, step or rank that does not exist (gRPC NOT_FOUND / OUT_OF_RANGE)."""
+
+
+class SampleError(DisttrainError):
+    """One sample cannot be used; it is skipped and reported, the stream goes on."""
+
+    def __init__(self, key: str, reason: str, shard: str = ""):
+        super().__init__(f"sample {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+        self.shard = shard
+
+
+class ServiceUnavailableError(DisttrainError, ConnectionError):
+    """The preprocessing service cannot be reached (client side)."""

@@ -1,0 +1,157 @@
+"""A job inside one service process: lazily planned steps, encoded bytes held only while needed,
+the skipped-sample report, acknowledgements and counters. Thread-safe."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+from preprocess_service import shards
+from preprocess_service.assemble import MicrobatchArrays, assemble_microbatch
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import ConfigError, NotFoundError, SampleError
+from preprocess_service.planner import Planner, StepPlan
+from preprocess_service.tokenizer import ByteTokenizer, Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedRecord:
+    key: str
+    shard: str
+    reason: str
+
+
+class Job:
+    """Plans on demand (the first stream that needs step k plans it) and keeps every plan, which
+    is small; the encoded image bytes of a step are dropped once every rank has been sent it,
+    and re-read from the shard if a resumed stream needs that step again."""
+
+    def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None):
+        self.config = config
+        self.job_id = config.job_id()
+        self.shard_urls = shards.expand_shards(config.shards)
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self._lock = threading.Lock()
+        self._skipped: dict[str, SkippedRecord] = {}
+        self._plans: list[StepPlan] = []
+        self._planner = iter(Planner(config, self.shard_urls, self.tokenizer, self._record_skip))
+        self._planning_done = False
+        self._sent_through: dict[int, int] = defaultdict(lambda: -1)  # rank -> last step fully sent
+        self._released_through = -1
+        self._acked: dict[int, int] = {}
+        self.num_sent_microbatches = 0
+        self.num_planned_samples = 0
+
+    # --- planning -------------------------------------------------------------------------
+    def step_plan(self, step: int) -> StepPlan | None:
+        """The plan of ``step``, planning up to it if needed; None past the last step."""
+        with self._lock:
+            while len(self._plans) <= step and not self._planning_done:
+                plan = next(self._planner, None)
+                if plan is None:
+                    self._planning_done = True
+                    break
+                self._plans.append(plan)
+                self.num_planned_samples += sum(1 for _ in plan.documents())
+            return self._plans[step] if step < len(self._plans) else None
+
+    def num_steps(self) -> int:
+        """Steps of the whole job, or -1 while planning has not reached the end."""
+        with self._lock:
+            return len(self._plans) if self._planning_done else -1
+
+    def plan_all(self) -> int:
+        """Plans every step (reads every shard once); returns the number of steps."""
+        step = 0
+        while self.step_plan(step) is not None:
+            step += 1
+        return step
+
+    def _record_skip(self, exc: SampleError) -> None:
+        key = exc.key or f"<shard {exc.shard}>"
+        self._skipped.setdefault(key, SkippedRecord(exc.key, exc.shard, exc.reason))
+
+    # --- streaming ------------------------------------------------------------------------
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.config.dp_size:
+            raise ConfigError(f"dp_rank {rank} is outside this job's dp_size {self.config.dp_size}")
+
+    def microbatch(self, plan: StepPlan, rank: int, index: int) -> MicrobatchArrays:
+        """Decodes and lays out one microbatch of ``rank``; decode failures are recorded."""
+        sequences = [self._with_bytes(seq) for seq in plan.microbatch(rank, index)]
+        arrays = assemble_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer)
+        with self._lock:
+            for key, shard, reason in arrays.skipped:
+                self._skipped.setdefault(key, SkippedRecord(key, shard, reason))
+        return arrays
+
+    def _with_bytes(self, seq):
+        missing = [doc for doc in seq.documents if doc.image_bytes is None and doc.images]
+        if not missing:
+            return seq
+        by_shard: dict[str, set[str]] = defaultdict(set)
+        for doc in missing:
+            by_shard[doc.shard].add(doc.key)
+        fetched: dict[str, dict] = {}
+        for url, keys in by_shard.items():
+            fetched.update(shards.fetch_samples(url, keys))
+        documents = []
+        for doc in seq.documents:
+            if doc.image_bytes is None and doc.images:
+                sample = fetched.get(doc.key, {})
+                doc = dataclasses.replace(doc, image_bytes={img.member: sample.get(img.member) for img in doc.images})
+            documents.append(doc)
+        return dataclasses.replace(seq, documents=documents)
+
+    def mark_sent(self, rank: int, step: int, num_microbatches: int) -> None:
+        """Called after a rank's whole step went out; drops bytes no rank still needs."""
+        with self._lock:
+            self.num_sent_microbatches += num_microbatches
+            self._sent_through[rank] = max(self._sent_through[rank], step)
+            low = min(self._sent_through[r] for r in range(self.config.dp_size))
+            while self._released_through < low:
+                self._released_through += 1
+                if self._released_through < len(self._plans):
+                    for doc in self._plans[self._released_through].documents():
+                        doc.image_bytes = None
+
+    # --- acknowledgements and report -------------------------------------------------------
+    def acknowledge(self, rank: int, next_step: int) -> int:
+        self.check_rank(rank)
+        with self._lock:
+            self._acked[rank] = max(self._acked.get(rank, 0), next_step)
+            return min(self._acked.get(r, 0) for r in range(self.config.dp_size))
+
+    def report(self) -> dict:
+        with self._lock:
+            return {
+                "skipped": list(self._skipped.values()),
+                "num_planned_samples": self.num_planned_samples,
+                "num_planned_steps": len(self._plans),
+                "planning_done": self._planning_done,
+                "num_sent_microbatches": self.num_sent_microbatches,
+            }
+
+
+class JobRegistry:
+    """Open jobs by id; opening an identical config returns the same job."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._jobs: dict[str, Job] = {}
+
+    def open(self, config: JobConfig) -> Job:
+        job_id = config.job_id()
+        with self._lock:
+            if job_id not in self._jobs:
+                self._jobs[job_id] = Job(config)
+            return self._jobs[job_id]
+
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no open job with id {job_id!r}; call OpenJob first")
+        return job

@@ -1,0 +1,115 @@
+"""Deterministic planning of a job: shards -> documents -> packed sequences -> per-step plans.
+
+Hook order for every epoch: shard order (seeded) -> read -> parse_document (priced from
+metadata, bad samples skipped) -> shuffle buffer (seeded) -> pack -> price -> group B sequences
+into a global batch -> intra- and inter-microbatch reordering -> StepPlan. The plan of step k is
+a function of the JobConfig and the data alone, so it can be rebuilt anywhere.
+
+The last global batch of an epoch may be short: it gets ceil(n / (D*S)) microbatches per rank,
+padded with empty sequences, so every sample is delivered (no drop_last).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from preprocess_service import reorder, shards
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import SampleError
+from preprocess_service.packing import PackedSequence, pack_documents, price
+from preprocess_service.sample import Document, parse_document
+from preprocess_service.tokenizer import Tokenizer
+
+SkipSink = Callable[[SampleError], None]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One global batch and who trains on what, in which order."""
+
+    step: int
+    epoch: int
+    sequences: list[PackedSequence]
+    assignment: np.ndarray
+    """int[D, M, S]: sequence indices per rank, microbatches in execution order."""
+    baseline_assignment: np.ndarray
+    """The same batch with no reordering, for reporting what reordering bought."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return int(self.assignment.shape[1])
+
+    def microbatch(self, rank: int, index: int) -> list[PackedSequence]:
+        return [self.sequences[i] for i in self.assignment[rank, index]]
+
+    def documents(self) -> Iterator[Document]:
+        for seq in self.sequences:
+            yield from seq.documents
+
+    def costs(self) -> np.ndarray:
+        return np.array([seq.cost.total_s for seq in self.sequences])
+
+    def imbalance(self) -> tuple[float, float]:
+        """(max/mean rank load with reordering, the same without)."""
+        costs = self.costs()
+        return reorder.imbalance(costs, self.assignment), reorder.imbalance(costs, self.baseline_assignment)
+
+
+class Planner:
+    """Iterates a job's StepPlans in order; skipped samples go to ``on_skip``."""
+
+    def __init__(self, config: JobConfig, shard_urls: list[str], tokenizer: Tokenizer, on_skip: SkipSink):
+        self.config = config
+        self.shard_urls = shard_urls
+        self.tokenizer = tokenizer
+        self.on_skip = on_skip
+
+    def __iter__(self) -> Iterator[StepPlan]:
+        step = 0
+        for epoch in range(self.config.num_epochs):
+            for plan in self._plan_epoch(epoch, step):
+                yield plan
+                step += 1
+
+    def _plan_epoch(self, epoch: int, first_step: int) -> Iterator[StepPlan]:
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, epoch, 0xD15])
+        documents = shards.shuffle_buffer(self._documents(epoch), size=cfg.shuffle_buffer, rng=rng)
+        batch: list[PackedSequence] = []
+        step = first_step
+        for seq in pack_documents(documents, seq_len=cfg.seq_len, window=cfg.pack_window):
+            seq.cost = price(seq, cfg.cost)
+            batch.append(seq)
+            if len(batch) == cfg.global_batch:
+                yield self._plan_batch(batch, step, epoch)
+                batch, step = [], step + 1
+        if batch:
+            yield self._plan_batch(batch, step, epoch)
+
+    def _documents(self, epoch: int) -> Iterator[Document]:
+        cfg = self.config
+        order = shards.shard_order(self.shard_urls, seed=cfg.seed, epoch=epoch, shuffle=cfg.shard_shuffle)
+        for url in order:
+            for sample in shards.iter_shard(url, lambda u, reason: self.on_skip(SampleError("", reason, u))):
+                try:
+                    yield parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer,
+                                         seq_len=cfg.seq_len)
+                except SampleError as exc:
+                    self.on_skip(exc)
+
+    def _plan_batch(self, batch: list[PackedSequence], step: int, epoch: int) -> StepPlan:
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, step, 0xB47C])  # per step: step k never depends on others
+        D, S = cfg.dp_size, cfg.seqs_per_microbatch
+        M = min(cfg.num_microbatches, math.ceil(len(batch) / (D * S)))
+        batch = batch + [PackedSequence(seq_len=cfg.seq_len) for _ in range(D * M * S - len(batch))]
+        costs = np.array([seq.cost.total_s for seq in batch])
+        assignment = reorder.plan_batch(costs, D=D, M=M, S=S, intra=cfg.intra_algorithm,
+                                        inter=cfg.inter_algorithm, rng=rng)
+        baseline = reorder.plan_batch(costs, D=D, M=M, S=S, intra="arrival", inter="arrival", rng=rng)
+        return StepPlan(step=step, epoch=epoch, sequences=batch, assignment=assignment,
+                        baseline_assignment=baseline)

@@ -1,0 +1,125 @@
+"""Reordering algorithms for one global batch, by name, so baselines and ours sit side by side.
+
+Shapes (D = DP ranks, M = microbatches per rank, S = sequences per microbatch, B = D*M*S):
+
+* intra algorithm: ``fn(costs: float[B], D, M, S, rng) -> int[D, M, S]``; a permutation of
+  range(B) telling which sequences each rank gets in each microbatch slot. Slot m of the
+  arrival order is sequences [m*D*S, (m+1)*D*S).
+* inter algorithm: ``fn(microbatch_costs: float[D, M], rng) -> int[D, M]``; for each rank a
+  permutation of its M microbatches, in execution order.
+
+Costs are the scalar fwd+bwd seconds of cost.SequenceCost.total_s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+IntraAlgorithm = Callable[[np.ndarray, int, int, int, np.random.Generator], np.ndarray]
+InterAlgorithm = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+
+
+def _check_intra_input(costs: np.ndarray, D: int, M: int, S: int) -> None:
+    if costs.shape != (D * M * S,):
+        raise ValueError(f"costs has shape {costs.shape}, expected ({D * M * S},) = D*M*S for "
+                         f"D={D}, M={M}, S={S}")
+
+
+def intra_arrival(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+    """No reordering: slot m's sequences go to ranks in arrival order, S each."""
+    _check_intra_input(costs, D, M, S)
+    return np.arange(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
+
+
+def intra_random(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+    """A seeded random permutation of the batch, then as arrival."""
+    _check_intra_input(costs, D, M, S)
+    return rng.permutation(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
+
+
+def _greedy_slots(costs: np.ndarray, D: int, M: int, S: int, carry_load: bool) -> np.ndarray:
+    plan = np.empty((D, M, S), dtype=np.int64)
+    total = np.zeros(D)
+    for m in range(M):
+        slot = np.arange(m * D * S, (m + 1) * D * S)
+        load = total.copy() if carry_load else np.zeros(D)
+        count = np.zeros(D, dtype=np.int64)
+        # Stable sort by descending cost: ties keep arrival order, so the plan is deterministic.
+        for seq in slot[np.argsort(-costs[slot], kind="stable")]:
+            open_ranks = np.flatnonzero(count < S)
+            rank = open_ranks[np.argmin(load[open_ranks])]
+            plan[rank, m, count[rank]] = seq
+            count[rank] += 1
+            load[rank] += costs[seq]
+            total[rank] += costs[seq]
+    return plan
+
+
+def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+    """DistTrain's intra-microbatch reordering: per slot, sequences sorted by cost descending, each
+    to the least-loaded rank of that slot (loads start at zero per slot), S per rank."""
+    _check_intra_input(costs, D, M, S)
+    return _greedy_slots(costs, D, M, S, carry_load=False)
+
+
+def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+    """The paper's per-slot greedy, but a rank's load carries over from slot to slot, so the
+    per-rank totals (what ranks wait on at the gradient all-reduce) are balanced too; the
+    per-slot greedy alone hands rank 0 the largest sequence of every slot."""
+    _check_intra_input(costs, D, M, S)
+    return _greedy_slots(costs, D, M, S, carry_load=True)
+
+
+def inter_arrival(microbatch_costs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Slot order as planned."""
+    D, M = microbatch_costs.shape
+    return np.tile(np.arange(M), (D, 1))
+
+
+def inter_paper(microbatch_costs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """DistTrain's inter-microbatch reordering: 1F1B adds the first and last microbatches' time
+    straight to the iteration (warm-up and cool-down), while steady-state intervals absorb
+    stragglers. So: the cheapest microbatch first, the second cheapest last, and the rest with
+    the most expensive in the middle, decreasing towards both ends."""
+    D, M = microbatch_costs.shape
+    order = np.empty((D, M), dtype=np.int64)
+    for rank in range(D):
+        ascending = list(np.argsort(microbatch_costs[rank], kind="stable"))
+        if M <= 2:
+            order[rank] = ascending
+            continue
+        first, last, rest = ascending[0], ascending[1], ascending[2:]
+        # Organ pipe: alternate the ascending rest to the left and right half, largest ends centred.
+        left, right = rest[0::2], rest[1::2]
+        order[rank] = [first, *left, *reversed(right), last]
+    return order
+
+
+INTRA_ALGORITHMS: dict[str, IntraAlgorithm] = {
+    "arrival": intra_arrival,
+    "random": intra_random,
+    "paper": intra_paper,
+    "lpt": intra_lpt,
+}
+
+INTER_ALGORITHMS: dict[str, InterAlgorithm] = {
+    "arrival": inter_arrival,
+    "paper": inter_paper,
+}
+
+
+def plan_batch(costs: np.ndarray, *, D: int, M: int, S: int, intra: str, inter: str,
+               rng: np.random.Generator) -> np.ndarray:
+    """Both reorderings: int[D, M, S] sequence ids, microbatches in each rank's execution order."""
+    assignment = INTRA_ALGORITHMS[intra](costs, D, M, S, rng)
+    order = INTER_ALGORITHMS[inter](costs[assignment].sum(axis=2), rng)
+    return np.take_along_axis(assignment, order[:, :, None], axis=1)
+
+
+def imbalance(costs: np.ndarray, plan: np.ndarray) -> float:
+    """max / mean of the per-rank total load (1.0 = perfectly balanced)."""
+    loads = costs[plan].sum(axis=(1, 2))
+    mean = loads.mean()
+    return float(loads.max() / mean) if mean > 0 else 1.0

@@ -1,0 +1,109 @@
+"""Shard I/O: expand shard specs, read LAION-style webdataset tars, refetch samples by key.
+
+Reading goes through webdataset's tar iterators, so every URL its gopen understands works
+(local paths, file:, pipe:, http(s): ...). Only tar members are read: the NNNNN.parquet and
+NNNNN_stats.json files img2dataset writes beside each tar are never opened.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+from webdataset import shardlists, tariterators
+
+from preprocess_service.errors import ConfigError
+
+ErrorSink = Callable[[str, str], None]
+"""Called with (shard url, reason) for a problem that is not tied to one sample key."""
+
+
+def expand_shards(specs: Iterable[str]) -> list[str]:
+    """Brace-expands each spec (webdataset syntax, ``::`` separates lists) and turns a local
+    directory into its sorted ``*.tar`` files. Local paths must exist (ConfigError otherwise)."""
+    urls: list[str] = []
+    for spec in specs:
+        for url in shardlists.expand_urls(spec):
+            urls.extend(_expand_local(url))
+    if not urls:
+        raise ConfigError(f"the shard specs {list(specs)!r} expand to no shard")
+    return urls
+
+
+def _expand_local(url: str) -> list[str]:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("", "file"):
+        return [url]  # remote or pipe: cannot be checked without opening it
+    path = Path(parsed.path if parsed.scheme == "file" else url)
+    if path.is_dir():
+        tars = sorted(str(p) for p in path.glob("*.tar"))
+        if not tars:
+            raise ConfigError(f"shard directory {str(path)!r} holds no *.tar file")
+        return tars
+    if not path.exists():
+        raise ConfigError(f"shard {url!r} does not exist")
+    return [url]
+
+
+def iter_shard(url: str, on_error: ErrorSink) -> Iterator[dict]:
+    """Raw samples of one shard (``__key__``, ``__url__``, ext -> bytes). A broken tar is reported
+    through ``on_error`` and ends that shard only."""
+
+    def handler(exc: Exception) -> bool:
+        if isinstance(exc, (MemoryError, ImportError)):
+            return False  # never swallowed: webdataset re-raises when the handler says False
+        on_error(url, f"shard read error: {type(exc).__name__}: {exc}")
+        return True
+
+    yield from tariterators.tarfile_samples([{"url": url}], handler=handler)
+
+
+def fetch_samples(url: str, keys: set[str]) -> dict[str, dict]:
+    """Re-reads one shard and returns the raw samples whose key is in ``keys``."""
+    found: dict[str, dict] = {}
+    errors: list[str] = []
+    for sample in iter_shard(url, lambda _url, reason: errors.append(reason)):
+        if sample["__key__"] in keys:
+            found[sample["__key__"]] = sample
+            if len(found) == len(keys):
+                break
+    return found
+
+
+def shard_order(urls: list[str], *, seed: int, epoch: int, shuffle: bool) -> list[str]:
+    """The epoch's shard order: a seeded permutation (or the given order)."""
+    if not shuffle:
+        return list(urls)
+    rng = np.random.default_rng([seed, epoch, 0x5A4D])
+    return [urls[i] for i in rng.permutation(len(urls))]
+
+
+def shuffle_buffer(items: Iterable, *, size: int, rng: np.random.Generator) -> Iterator:
+    """Seeded streaming shuffle: fill a buffer of ``size`` items, emit a random one per new item."""
+    if size <= 1:
+        yield from items
+        return
+    buffer: list = []
+    for item in items:
+        buffer.append(item)
+        if len(buffer) >= size:
+            index = int(rng.integers(len(buffer)))
+            buffer[index], buffer[-1] = buffer[-1], buffer[index]
+            yield buffer.pop()
+    while buffer:
+        index = int(rng.integers(len(buffer)))
+        buffer[index], buffer[-1] = buffer[-1], buffer[index]
+        yield buffer.pop()
+
+
+def local_path(url: str) -> str | None:
+    """The filesystem path of a local shard URL, else None."""
+    parsed = urlparse(url)
+    if parsed.scheme == "":
+        return url
+    if parsed.scheme == "file":
+        return os.path.abspath(parsed.path)
+    return None

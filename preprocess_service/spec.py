@@ -1,0 +1,37 @@
+"""Conversions between the protobuf JobSpec and the typed JobConfig (zero means default)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from disttrain_api import preprocess_pb2 as pb
+from preprocess_service.config import CostConfig, ImageConfig, JobConfig
+
+# proto field name -> (JobConfig field name, conversion); booleans are negated where the proto
+# uses "no_" so that proto3's default false means our default.
+_JOB_FIELDS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
+               "shuffle_buffer", "intra_algorithm", "inter_algorithm", "pack_window")
+
+
+def _nonzero_fields(message, names) -> dict:
+    return {name: getattr(message, name) for name in names if getattr(message, name)}
+
+
+def config_from_spec(spec: pb.JobSpec) -> JobConfig:
+    """Fills defaults for zero fields; raises ConfigError on invalid values."""
+    image = ImageConfig(**_nonzero_fields(spec.image, [f.name for f in dataclasses.fields(ImageConfig)]))
+    cost_names = [f.name for f in dataclasses.fields(CostConfig)]
+    cost = CostConfig(**_nonzero_fields(spec.cost, cost_names))
+    return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle,
+                     image=image, cost=cost, **_nonzero_fields(spec, _JOB_FIELDS))
+
+
+def spec_from_config(config: JobConfig) -> pb.JobSpec:
+    """The fully specified proto form of a config."""
+    return pb.JobSpec(
+        shards=list(config.shards),
+        no_shard_shuffle=not config.shard_shuffle,
+        image=pb.ImageSpec(**dataclasses.asdict(config.image)),
+        cost=pb.CostSpec(**dataclasses.asdict(config.cost)),
+        **{name: getattr(config, name) for name in _JOB_FIELDS},
+    )

@@ -1,0 +1,77 @@
+"""Shared test helpers: tiny datasets whose keys encode their own index, documents built by hand."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+
+from preprocess_service.sample import Document, ImageRef
+
+
+def make_document(key: str, *, image_tokens: list[int] = (), text_tokens: int = 10) -> Document:
+    images = tuple(ImageRef(member=f"{i}.jpg" if i else "jpg", height=28, width=28 * t, tokens=t)
+                   for i, t in enumerate(image_tokens))
+    return Document(key=key, shard="mem", text_ids=np.arange(text_tokens, dtype=np.int32), images=images)
+
+
+def jpeg_bytes(width: int, height: int, *, seed: int = 0, quality: int = 90, exif_orientation: int | None = None,
+               mode: str = "RGB", fmt: str = "JPEG") -> bytes:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 255, (6, 6, 3), dtype=np.uint8)).resize((width, height),
+                                                                                 Image.Resampling.BILINEAR)
+    if mode != "RGB":
+        img = img.convert(mode)
+    out = io.BytesIO()
+    kwargs = {"quality": quality} if fmt == "JPEG" else {}
+    if exif_orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        kwargs["exif"] = exif
+    img.save(out, fmt, **kwargs)
+    return out.getvalue()
+
+
+def write_tiny_shards(out_dir: Path, *, num_shards: int = 2, samples_per_shard: int = 12, seed: int = 0,
+                      extra: dict[str, dict] | None = None) -> list[Path]:
+    """Shards with 9-digit keys f"{shard:05d}{index:04d}", one image (sometimes two) each, plus the
+    parquet/stats side files img2dataset writes (whose content must never matter). ``extra`` maps
+    a key to raw members added to shard 0."""
+    rng = np.random.default_rng(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for shard in range(num_shards):
+        path = out_dir / f"{shard:05d}.tar"
+        with wds.TarWriter(str(path)) as writer:
+            for index in range(samples_per_shard):
+                key = f"{shard:05d}{index:04d}"
+                height = int(rng.integers(100, 700))
+                width = int(height * rng.uniform(0.6, 1.8))
+                sample = {"__key__": key, "jpg": jpeg_bytes(width, height, seed=shard * 1000 + index),
+                          "txt": f"caption of sample {key} " .encode() * int(rng.integers(1, 6)),
+                          "json": json.dumps({"key": key, "width": width, "height": height}).encode()}
+                if index % 5 == 4:
+                    sample["1.png"] = jpeg_bytes(200, 150, seed=index, fmt="PNG")
+                writer.write(sample)
+            if shard == 0:
+                for key, members in (extra or {}).items():
+                    writer.write({"__key__": key, **members})
+        (out_dir / f"{shard:05d}.parquet").write_bytes(b"PAR1 not a tar PAR1")
+        (out_dir / f"{shard:05d}_stats.json").write_text(json.dumps({"count": samples_per_shard}))
+        paths.append(path)
+    return paths
+
+
+def shard_keys(paths: list[Path]) -> set[str]:
+    """Every sample key in the tars, read independently of the service (tarfile)."""
+    import tarfile
+
+    keys = set()
+    for path in paths:
+        with tarfile.open(path) as tar:
+            keys.update(name.split(".", 1)[0] for name in tar.getnames())
+    return keys

@@ -1,0 +1,66 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from helpers import jpeg_bytes
+from preprocess_service import imaging
+from preprocess_service.config import ImageConfig
+
+CFG = ImageConfig()
+
+
+@pytest.mark.parametrize("w,h", [(150, 150), (640, 480), (3000, 2000), (300, 2900), (20, 5000), (50, 40)])
+def test_target_size_multiple_of_token_edge_within_pixel_bounds_aspect_kept(w, h):
+    th, tw = imaging.target_size(w, h, CFG)
+    assert th % 28 == 0 and tw % 28 == 0
+    assert CFG.min_pixels <= th * tw <= CFG.max_pixels
+    if min(w, h) >= 150 and max(w, h) / min(w, h) < 10:
+        assert abs((tw / th) / (w / h) - 1) < 0.15
+    assert imaging.num_image_tokens(th, tw, CFG) == th * tw // 784
+
+
+def test_draft_decode_matches_a_full_decode_closely_and_has_exact_size():
+    data = jpeg_bytes(2400, 1600, seed=1)
+    th, tw = imaging.target_size(2400, 1600, CFG)
+    fast = imaging.decode_image(data, (th, tw))
+    assert fast.shape == (th, tw, 3) and fast.dtype == np.uint8
+    full = np.asarray(Image.open(io.BytesIO(data)).convert("RGB").resize((tw, th), Image.Resampling.BICUBIC))
+    assert np.abs(fast.astype(int) - full.astype(int)).mean() < 4.0
+
+
+def test_exif_orientation_is_applied_and_header_reports_displayed_size():
+    data = jpeg_bytes(400, 200, seed=2, exif_orientation=6)  # stored landscape, shown portrait
+    header = imaging.read_header(data)
+    assert (header.width, header.height) == (200, 400)
+    th, tw = imaging.target_size(header.width, header.height, CFG)
+    out = imaging.decode_image(data, (th, tw))
+    assert out.shape == (th, tw, 3) and th > tw
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
+                          .resize((tw, th), Image.Resampling.BICUBIC))
+    assert np.abs(out.astype(int) - expected.astype(int)).mean() < 4.0
+
+
+@pytest.mark.parametrize("mode,fmt", [("L", "JPEG"), ("CMYK", "JPEG"), ("RGBA", "PNG"), ("P", "PNG"),
+                                      ("L", "PNG"), ("RGB", "WEBP"), ("I;16", "PNG")])
+def test_non_rgb_modes_and_formats_come_out_rgb_uint8(mode, fmt):
+    data = jpeg_bytes(300, 200, seed=3, mode=mode, fmt=fmt)
+    out = imaging.decode_image(data, (196, 308))
+    assert out.shape == (196, 308, 3) and out.dtype == np.uint8
+
+
+def test_transparent_pixels_become_white():
+    img = Image.new("RGBA", (56, 56), (255, 0, 0, 0))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    out = imaging.decode_image(buf.getvalue(), (56, 56))
+    assert (out == 255).all()
+
+
+def test_garbage_and_truncation_are_detected_from_the_header():
+    with pytest.raises(ValueError, match="not a readable image"):
+        imaging.read_header(b"\x00\x01random bytes" * 10)
+    data = jpeg_bytes(300, 300)
+    assert not imaging.looks_truncated(data, "JPEG")
+    assert imaging.looks_truncated(data[: len(data) // 2], "JPEG")

@@ -1,0 +1,48 @@
+import pytest
+
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service import shards
+from preprocess_service.errors import ConfigError
+
+
+def test_directory_expands_to_its_tars_only(tmp_path):
+    paths = write_tiny_shards(tmp_path, num_shards=3, samples_per_shard=2)
+    assert shards.expand_shards([str(tmp_path)]) == [str(p) for p in paths]
+
+
+def test_brace_patterns_expand_like_webdataset(tmp_path):
+    write_tiny_shards(tmp_path, num_shards=3, samples_per_shard=2)
+    urls = shards.expand_shards([f"{tmp_path}/{{00000..00001}}.tar"])
+    assert urls == [f"{tmp_path}/00000.tar", f"{tmp_path}/00001.tar"]
+
+
+def test_missing_local_shard_is_a_config_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="nope.tar' does not exist"):
+        shards.expand_shards([str(tmp_path / "nope.tar")])
+
+
+@pytest.mark.parametrize("scheme", ["path", "file", "pipe"])
+def test_reads_local_file_and_pipe_urls(tmp_path, scheme):
+    [path] = write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=5)
+    url = {"path": str(path), "file": f"file://{path}", "pipe": f"pipe:cat {path}"}[scheme]
+    errors = []
+    samples = list(shards.iter_shard(url, lambda u, r: errors.append(r)))
+    assert {s["__key__"] for s in samples} == shard_keys([path])
+    assert not errors
+    assert all({"jpg", "txt", "json"} <= set(s) for s in samples)
+
+
+def test_a_broken_tar_is_reported_not_raised(tmp_path):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"this is not a tar file" * 100)
+    errors = []
+    assert list(shards.iter_shard(str(bad), lambda u, r: errors.append((u, r)))) == []
+    assert errors and errors[0][0] == str(bad)
+
+
+def test_shuffle_buffer_is_a_seeded_permutation():
+    import numpy as np
+
+    out1 = list(shards.shuffle_buffer(range(100), size=16, rng=np.random.default_rng(1)))
+    out2 = list(shards.shuffle_buffer(range(100), size=16, rng=np.random.default_rng(1)))
+    assert out1 == out2 and sorted(out1) == list(range(100)) and out1 != list(range(100))

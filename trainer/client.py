@@ -1,0 +1,221 @@
+"""DataClient: an iterator over one DP rank's microbatches, as torch tensors, in planned order.
+
+    client = DataClient("localhost:50051", job_config_or_id, dp_rank=rank, prefetch=4)
+    for mb in client:            # Microbatch: tokens, position_ids, images, cu_seqlens, ...
+        train(mb)
+    ckpt["data"] = client.state_dict()   # a few numbers; load_state_dict() resumes at that point
+
+A background thread reads the gRPC stream into a bounded queue (``prefetch`` microbatches), so
+decoding on the server and the copy to torch overlap with training. If the stream breaks with a
+transient error the thread reconnects and continues at the first microbatch it does not have.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from disttrain_api import preprocess_pb2 as pb
+from disttrain_api import preprocess_pb2_grpc as pb_grpc
+from preprocess_service import wire
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import ServiceUnavailableError
+from preprocess_service.server import CHANNEL_OPTIONS
+from preprocess_service.spec import spec_from_config
+
+STATE_VERSION = 1
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_END = object()
+
+
+@dataclass(slots=True)
+class Microbatch:
+    """One microbatch of this rank (S sequences of L tokens; layout documented in the .proto)."""
+
+    step: int
+    epoch: int
+    microbatch_index: int
+    num_microbatches: int
+    tokens: torch.Tensor
+    """int32 [S, L]"""
+    position_ids: torch.Tensor
+    modality: torch.Tensor
+    """uint8 [S, L]: 0 padding, 1 text, 2 image"""
+    cu_seqlens: torch.Tensor
+    """int32 [G+1], segment boundaries in the flattened S*L tokens"""
+    segment_doc: torch.Tensor
+    image_spans: torch.Tensor
+    """int32 [N, 2], token span of each image in the flattened S*L tokens"""
+    images: list[torch.Tensor]
+    """N uint8 [H, W, 3] tensors (views of one buffer)"""
+    sample_keys: list[str]
+    sequence_costs: list[float]
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    nbytes: int = 0
+    """Payload bytes on the wire."""
+
+
+def to_microbatch(message: pb.Microbatch) -> Microbatch:
+    arrays = {t.name: wire.from_tensor(t) for t in message.tensors}
+    tensors = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}  # one copy: writable, owned
+    sizes = [int(np.prod(shape)) for shape in arrays["image_shapes"]]
+    images = [chunk.view(*shape) for chunk, shape in
+              zip(torch.split(tensors["pixels"], sizes), arrays["image_shapes"].tolist())]
+    return Microbatch(
+        step=message.step, epoch=message.epoch, microbatch_index=message.microbatch_index,
+        num_microbatches=message.num_microbatches, tokens=tensors["tokens"],
+        position_ids=tensors["position_ids"], modality=tensors["modality"], cu_seqlens=tensors["cu_seqlens"],
+        segment_doc=tensors["segment_doc"], image_spans=tensors["image_spans"], images=images,
+        sample_keys=list(message.sample_keys), sequence_costs=[c.total_s for c in message.sequence_costs],
+        skipped=[(s.key, s.shard, s.reason) for s in message.skipped],
+        nbytes=sum(len(t.data) for t in message.tensors),
+    )
+
+
+class DataClient:
+    """Iterates over ``dp_rank``'s microbatches of a job, from the saved position onwards.
+
+    ``job`` is a JobConfig (the job is opened, or joined if open) or the id of an open job.
+    Raises ServiceUnavailableError when the service cannot be reached within ``connect_timeout_s``.
+    """
+
+    def __init__(self, address: str, job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
+                 connect_timeout_s: float = 10.0, max_reconnects: int = 5):
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self.address = address
+        self.dp_rank = dp_rank
+        self.prefetch = prefetch
+        self.max_reconnects = max_reconnects
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise ServiceUnavailableError(
+                f"cannot reach the preprocessing service at {address!r} within {connect_timeout_s:g} s "
+                "(is it running, and is the address right?)") from None
+        self._stub = pb_grpc.PreprocessStub(self._channel)
+        self.info = self._open(job)
+        self.job_id = self.info.job_id
+        self.dp_size = self.info.spec.dp_size
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside the job's dp_size {self.dp_size}")
+        self._next = (0, 0)  # (step, microbatch index) of the next microbatch to hand out
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._call = None
+
+    def _open(self, job: JobConfig | str) -> pb.JobInfo:
+        if isinstance(job, JobConfig):
+            return self._stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(job)))
+        return self._stub.DescribeJob(pb.DescribeJobRequest(job_id=job))
+
+    # --- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where this rank is: the next (step, microbatch) it has not been handed."""
+        return {"version": STATE_VERSION, "job_id": self.job_id, "dp_size": self.dp_size,
+                "dp_rank": self.dp_rank, "next_step": self._next[0], "next_microbatch": self._next[1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position; the job and topology must match (ValueError otherwise)."""
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict() must be called before iterating")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data client state has version {state.get('version')!r}, expected {STATE_VERSION}")
+        for name, mine in (("job_id", self.job_id), ("dp_size", self.dp_size), ("dp_rank", self.dp_rank)):
+            if state[name] != mine:
+                raise ValueError(f"data client state was saved with {name}={state[name]!r} but this client has "
+                                 f"{name}={mine!r}; restore into the same job and topology")
+        self._next = (int(state["next_step"]), int(state["next_microbatch"]))
+
+    # --- iteration ---------------------------------------------------------------------------
+    def __iter__(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive, name=f"dataclient-r{self.dp_rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def __next__(self) -> Microbatch:
+        if self._thread is None:
+            iter(self)
+        item = self._queue.get()
+        if item is _END:
+            self._queue.put(_END)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        mb = to_microbatch(item)
+        last = mb.microbatch_index + 1 == mb.num_microbatches
+        self._next = (mb.step + 1, 0) if last else (mb.step, mb.microbatch_index + 1)
+        return mb
+
+    def acknowledge(self, next_step: int | None = None) -> int:
+        """Tells the service every step before ``next_step`` (default: this client's position) is trained."""
+        request = pb.AckRequest(job_id=self.job_id, dp_rank=self.dp_rank,
+                                next_step=self._next[0] if next_step is None else next_step)
+        return self._stub.Acknowledge(request).min_next_step
+
+    def report(self) -> pb.JobReport:
+        return self._stub.GetReport(pb.ReportRequest(job_id=self.job_id))
+
+    def _receive(self) -> None:
+        position = self._next
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    for message in self._open_stream(position):
+                        position = (message.step, message.microbatch_index + 1)
+                        failures = 0
+                        if not self._put(message):
+                            return
+                    self._put(_END)
+                    return
+                except grpc.RpcError as exc:
+                    if self._stop.is_set():
+                        return
+                    failures += 1
+                    if exc.code() not in _RETRYABLE or failures > self.max_reconnects:
+                        raise ServiceUnavailableError(
+                            f"stream from {self.address!r} failed ({exc.code().name}: {exc.details()})") from exc
+                    time.sleep(min(0.2 * 2 ** failures, 5.0))
+        except BaseException as exc:  # handed to the consumer
+            self._put(exc)
+
+    def _open_stream(self, position: tuple[int, int]):
+        step, index = position
+        self._call = self._stub.StreamMicrobatches(pb.StreamRequest(
+            job_id=self.job_id, dp_rank=self.dp_rank, start_step=step, start_microbatch=index))
+        return self._call
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self) -> None:
+        """Stops the background stream and closes the channel; frees the server's resources."""
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

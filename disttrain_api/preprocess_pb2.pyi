@@ -157,14 +157,16 @@ class SequenceCost(_message.Message):
     def __init__(self, encoder_s: _Optional[float] = ..., backbone_s: _Optional[float] = ..., generator_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class SkippedSample(_message.Message):
-    __slots__ = ("key", "shard", "reason")
+    __slots__ = ("key", "shard", "reason", "kind")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     key: str
     shard: str
     reason: str
-    def __init__(self, key: _Optional[str] = ..., shard: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, key: _Optional[str] = ..., shard: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Microbatch(_message.Message):
     __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch")
@@ -213,17 +215,35 @@ class ReportRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobReport(_message.Message):
-    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches")
+    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNED_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLANNING_DONE_FIELD_NUMBER: _ClassVar[int]
     NUM_SENT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    STEP_BALANCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
     num_planned_samples: int
     num_planned_steps: int
     planning_done: bool
     num_sent_microbatches: int
-    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ...) -> None: ...
+    step_balance: _containers.RepeatedCompositeFieldContainer[StepBalance]
+    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ...) -> None: ...
+
+class StepBalance(_message.Message):
+    __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    imbalance: float
+    arrival_imbalance: float
+    rank_load_s: _containers.RepeatedScalarFieldContainer[float]
+    num_sequences: int
+    num_samples: int
+    def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ...) -> None: ...

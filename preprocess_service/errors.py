@@ -18,11 +18,17 @@ class NotFoundError(DisttrainError, LookupError):
 class SampleError(DisttrainError):
     """One sample cannot be used; it is skipped and reported, the stream goes on."""
 
-    def __init__(self, key: str, reason: str, shard: str = ""):
+    KINDS = ("invalid_json", "bad_utf8", "unreadable_image", "truncated_image", "decompression_bomb",
+             "too_long", "empty", "decode_failed", "shard_error")
+    """Short machine-readable causes, for counting; ``reason`` is the sentence for people."""
+
+    def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):
+        assert kind in self.KINDS, kind
         super().__init__(f"sample {key!r}: {reason}")
         self.key = key
         self.reason = reason
         self.shard = shard
+        self.kind = kind
 
 
 class ServiceUnavailableError(DisttrainError, ConnectionError):

@@ -19,6 +19,10 @@ from preprocess_service.config import ImageConfig
 _SWAPPING_ORIENTATIONS = {5, 6, 7, 8}
 
 
+class DecompressionBomb(ValueError):
+    """The header declares more pixels than any sane image (Pillow refused to even open it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ImageHeader:
     """What a header read (no pixel decode) tells about an image."""
@@ -58,6 +62,8 @@ def read_header(data: bytes) -> ImageHeader:
             width, height = img.size
             orientation = img.getexif().get(0x0112, 1) if img.format in ("JPEG", "WEBP", "PNG") else 1
             fmt = img.format or "unknown"
+    except Image.DecompressionBombError as exc:
+        raise DecompressionBomb(str(exc)) from None
     except Exception as exc:  # Pillow raises many types for garbage bytes; all mean "not an image"
         raise ValueError(f"not a readable image ({type(exc).__name__}: {exc})") from None
     if orientation in _SWAPPING_ORIENTATIONS:

@@ -21,6 +21,7 @@ class SkippedRecord:
     key: str
     shard: str
     reason: str
+    kind: str
 
 
 class Job:
@@ -71,7 +72,7 @@ class Job:
 
     def _record_skip(self, exc: SampleError) -> None:
         key = exc.key or f"<shard {exc.shard}>"
-        self._skipped.setdefault(key, SkippedRecord(exc.key, exc.shard, exc.reason))
+        self._skipped.setdefault(key, SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind))
 
     # --- streaming ------------------------------------------------------------------------
     def check_rank(self, rank: int) -> None:
@@ -84,7 +85,7 @@ class Job:
         arrays = assemble_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer)
         with self._lock:
             for key, shard, reason in arrays.skipped:
-                self._skipped.setdefault(key, SkippedRecord(key, shard, reason))
+                self._skipped.setdefault(key, SkippedRecord(key, shard, reason, "decode_failed"))
         return arrays
 
     def _with_bytes(self, seq):
@@ -132,7 +133,16 @@ class Job:
                 "num_planned_steps": len(self._plans),
                 "planning_done": self._planning_done,
                 "num_sent_microbatches": self.num_sent_microbatches,
+                "step_balance": [_balance(plan) for plan in self._plans],
             }
+
+
+def _balance(plan: StepPlan) -> dict:
+    imbalance, arrival = plan.imbalance()
+    return {"step": plan.step, "imbalance": imbalance, "arrival_imbalance": arrival,
+            "rank_load_s": plan.rank_loads().tolist(),
+            "num_sequences": sum(1 for seq in plan.sequences if seq.documents),
+            "num_samples": sum(1 for _ in plan.documents())}
 
 
 class JobRegistry:

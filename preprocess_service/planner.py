@@ -53,6 +53,10 @@ class StepPlan:
     def costs(self) -> np.ndarray:
         return np.array([seq.cost.total_s for seq in self.sequences])
 
+    def rank_loads(self) -> np.ndarray:
+        """float[D]: each rank's summed sequence cost with the planned assignment."""
+        return self.costs()[self.assignment].sum(axis=(1, 2))
+
     def imbalance(self) -> tuple[float, float]:
         """(max/mean rank load with reordering, the same without)."""
         costs = self.costs()
@@ -94,7 +98,7 @@ class Planner:
         cfg = self.config
         order = shards.shard_order(self.shard_urls, seed=cfg.seed, epoch=epoch, shuffle=cfg.shard_shuffle)
         for url in order:
-            for sample in shards.iter_shard(url, lambda u, reason: self.on_skip(SampleError("", reason, u))):
+            for sample in shards.iter_shard(url, lambda u, reason: self.on_skip(SampleError("", reason, u, "shard_error"))):
                 try:
                     yield parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer,
                                          seq_len=cfg.seq_len)

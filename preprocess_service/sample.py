@@ -78,14 +78,14 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
         caption = _caption(sample, meta)
         images = tuple(_image_ref(ext, sample[ext], image_config) for ext in image_members(sample))
     except SampleError as exc:
-        raise SampleError(key, exc.reason, shard) from None
+        raise SampleError(key, exc.reason, shard, exc.kind) from None
     if not images and not caption:
-        raise SampleError(key, "has neither an image nor a caption", shard)
+        raise SampleError(key, "has neither an image nor a caption", shard, "empty")
     image_tokens = sum(img.tokens for img in images)
     room = seq_len - 2 - image_tokens
     if room < 0:
         raise SampleError(key, f"needs {image_tokens + 2} tokens for its images alone, "
-                               f"more than seq_len {seq_len}", shard)
+                               f"more than seq_len {seq_len}", shard, "too_long")
     text_ids = tokenizer.encode(caption)
     truncated = len(text_ids) > room
     return Document(key=key, shard=shard, text_ids=text_ids[:room], images=images, truncated=truncated,
@@ -98,9 +98,9 @@ def _parse_json(raw: bytes | None) -> dict:
     try:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleError("", f"invalid JSON metadata ({exc})") from None
+        raise SampleError("", f"invalid JSON metadata ({exc})", kind="invalid_json") from None
     if not isinstance(meta, dict):
-        raise SampleError("", f"JSON metadata is a {type(meta).__name__}, expected an object")
+        raise SampleError("", f"JSON metadata is a {type(meta).__name__}, expected an object", kind="invalid_json")
     return meta
 
 
@@ -112,20 +112,24 @@ def _caption(sample: dict, meta: dict) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SampleError("", f"caption is not valid UTF-8 ({exc})") from None
+        raise SampleError("", f"caption is not valid UTF-8 ({exc})", kind="bad_utf8") from None
 
 
 def _image_ref(ext: str, data: bytes, config: ImageConfig) -> ImageRef:
     try:
         header = imaging.read_header(data)
+    except imaging.DecompressionBomb as exc:
+        raise SampleError("", f"image {ext}: decompression bomb: {exc}", kind="decompression_bomb") from None
     except ValueError as exc:
-        raise SampleError("", f"image {ext}: {exc}") from None
+        raise SampleError("", f"image {ext}: {exc}", kind="unreadable_image") from None
     pixels = header.width * header.height
     if pixels > config.max_source_pixels:
         raise SampleError("", f"image {ext}: decompression bomb: {header.width}x{header.height} = "
-                              f"{pixels} pixels exceeds max_source_pixels {config.max_source_pixels}")
+                              f"{pixels} pixels exceeds max_source_pixels {config.max_source_pixels}",
+                          kind="decompression_bomb")
     if imaging.looks_truncated(data, header.format):
-        raise SampleError("", f"image {ext}: truncated {header.format} file ({len(data)} bytes, no end marker)")
+        raise SampleError("", f"image {ext}: truncated {header.format} file ({len(data)} bytes, no end marker)",
+                          kind="truncated_image")
     height, width = imaging.target_size(header.width, header.height, config)
     return ImageRef(member=ext, height=height, width=width,
                     tokens=imaging.num_image_tokens(height, width, config))

@@ -43,6 +43,7 @@ class StreamCounters:
 
     active_streams: int = 0
     prepared_microbatches: int = 0
+    prepared_bytes: int = 0
     sent_microbatches: int = 0
     sent_bytes: int = 0
 
@@ -85,8 +86,10 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def GetReport(self, request, context):
         job = self._job(request.job_id, context)
         report = job.report()
-        skipped = [pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason) for r in report.pop("skipped")]
-        return pb.JobReport(job_id=job.job_id, skipped=skipped, **report)
+        skipped = [pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind)
+                   for r in report.pop("skipped")]
+        balance = [pb.StepBalance(**b) for b in report.pop("step_balance")]
+        return pb.JobReport(job_id=job.job_id, skipped=skipped, step_balance=balance, **report)
 
     def StreamMicrobatches(self, request, context):
         job = self._job(request.job_id, context)
@@ -107,7 +110,12 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         producer.start()
         try:
             while True:
-                item = items.get()
+                try:
+                    item = items.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set():  # cancelled or disconnected: the producer has stopped too
+                        return
+                    continue
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -147,7 +155,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
 
     def _message(self, job: Job, plan, rank: int, index: int) -> pb.Microbatch:
         arrays = job.microbatch(plan, rank, index)
-        self._count(prepared_microbatches=1)
+        self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
         return pb.Microbatch(
             job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
             num_microbatches=plan.num_microbatches,
@@ -156,7 +164,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             sequence_costs=[pb.SequenceCost(encoder_s=s.cost.encoder_s, backbone_s=s.cost.backbone_s,
                                             generator_s=s.cost.generator_s, total_s=s.cost.total_s)
                             for s in plan.microbatch(rank, index)],
-            skipped=[pb.SkippedSample(key=k, shard=s, reason=r) for k, s, r in arrays.skipped],
+            skipped=[pb.SkippedSample(key=k, shard=s, reason=r, kind="decode_failed") for k, s, r in arrays.skipped],
         )
 
     def _count(self, **deltas: int) -> None:

@@ -1,0 +1,121 @@
+"""Command line: ``python -m preprocess_service {run,serve,synth}``.
+
+run    one epoch through the service to dp_size client ranks, with measurements and the
+       exactly-once check (default: a synthetic LAION-style dataset, embedded service)
+serve  the service alone on a port, until SIGINT/SIGTERM
+synth  write synthetic LAION-style shards
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import ConfigError, DisttrainError
+
+DEMO_DIR = Path("data/laion-demo")
+
+
+def _add_job_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", nargs="+", metavar="SPEC",
+                        help="shard paths/URLs, brace patterns allowed (\"data/{00000..00009}.tar\"), or a "
+                             f"directory of tars (default: a synthetic LAION-style set in {DEMO_DIR}/)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed sequence")
+    parser.add_argument("--dp-size", type=int, default=2, help="data-parallel ranks (client processes)")
+    parser.add_argument("--num-microbatches", type=int, default=4, help="microbatches per rank per step")
+    parser.add_argument("--seqs-per-microbatch", type=int, default=2, help="packed sequences per microbatch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--intra", default="lpt", help="intra-microbatch algorithm (reorder.INTRA_ALGORITHMS)")
+    parser.add_argument("--inter", default="paper", help="inter-microbatch algorithm (reorder.INTER_ALGORITHMS)")
+
+
+def _job_config(args) -> JobConfig:
+    shard_specs = args.shards or [str(p) for p in ensure_demo_dataset()]
+    return JobConfig(shards=tuple(shard_specs), seq_len=args.seq_len, dp_size=args.dp_size,
+                     num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
+                     seed=args.seed, intra_algorithm=args.intra, inter_algorithm=args.inter)
+
+
+def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
+    """The embedded default: 4 synthetic LAION-style shards plus one with corrupt samples."""
+    from preprocess_service import synth
+
+    paths = synth.ensure_dataset(out_dir, synth.SynthConfig())
+    corrupt = out_dir / "corrupt.tar"
+    if not corrupt.exists():
+        synth.write_corrupt_shard(corrupt)
+    return [*paths, corrupt]
+
+
+def cmd_run(args) -> int:
+    from preprocess_service.runner import run_job, summary, write_report
+
+    config = _job_config(args)
+    print(f"[run] {len(config.shards)} shard spec(s); service "
+          f"{'at ' + args.address if args.address else 'embedded'}; {config.dp_size} client ranks",
+          file=sys.stderr, flush=True)
+    result = run_job(config, address=args.address, prefetch=args.prefetch)
+    print(summary(result, config))
+    if args.report:
+        write_report(args.report, result, config)
+        print(f"report written to {args.report}")
+    return 0 if result.exactly_once()["ok"] else 1
+
+
+def cmd_serve(args) -> int:
+    from preprocess_service.server import create_server
+
+    server, port, _ = create_server(f"{args.host}:{args.port}", prefetch=args.prefetch)
+    print(f"disttrain preprocessing service listening on {args.host}:{port}", flush=True)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    server.stop(grace=5).wait()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m preprocess_service", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="one epoch through the service to client ranks, measured")
+    _add_job_args(run)
+    run.add_argument("--address", help="use a running service at HOST:PORT instead of an embedded one")
+    run.add_argument("--prefetch", type=int, default=4, help="microbatches each client reads ahead")
+    run.add_argument("--report", type=Path, help="write a JSON report (keys per rank, skipped keys) here")
+    serve = sub.add_parser("serve", help="run the service alone")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=50051, help="port (0 = any free port)")
+    serve.add_argument("--prefetch", type=int, default=2, help="microbatches prepared ahead per stream")
+    sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "synth":
+        from preprocess_service import synth
+
+        return synth.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return {"run": cmd_run, "serve": cmd_serve}.get(args.command or "run", cmd_run)(
+            args if args.command else parser.parse_args(["run"]))
+    except (ConfigError, DisttrainError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+            raise
+        print(f"error: {exc.details()}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

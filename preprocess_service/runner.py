@@ -1,0 +1,205 @@
+"""The main job: one epoch from shards through the service to N trainer-client ranks, measured.
+
+Each rank is a separate process running trainer.DataClient, as a trainer worker would. The
+service is embedded (started in this process on a free loopback port) unless an address is
+given. At the end it prints throughput, the data-parallel balance with and without reordering,
+and the exactly-once check: every key in the shards was delivered once or skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from disttrain_api import preprocess_pb2 as pb
+from disttrain_api import preprocess_pb2_grpc as pb_grpc
+from preprocess_service import shards
+from preprocess_service.config import JobConfig
+from preprocess_service.server import CHANNEL_OPTIONS, create_server
+from preprocess_service.spec import spec_from_config
+
+
+@dataclass(slots=True)
+class RankResult:
+    """What one client rank received."""
+
+    rank: int
+    keys: list[str] = field(default_factory=list)
+    order: list[tuple[int, int]] = field(default_factory=list)
+    """(step, microbatch index) of each microbatch, in arrival order."""
+    num_sequences: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(slots=True)
+class RunResult:
+    job_id: str
+    ranks: list[RankResult]
+    skipped: list[dict]
+    step_balance: list[dict]
+    shard_keys: set[str]
+    seconds: float
+
+    @property
+    def received(self) -> Counter:
+        return Counter(key for rank in self.ranks for key in rank.keys)
+
+    def exactly_once(self) -> dict:
+        """Delivered-once / duplicated / missing counts against the keys actually in the shards."""
+        received = self.received
+        skipped = {s["key"] for s in self.skipped if s["key"]}
+        duplicated = sorted(k for k, n in received.items() if n > 1)
+        missing = sorted(self.shard_keys - set(received) - skipped)
+        unexpected = sorted(set(received) - self.shard_keys)
+        both = sorted(set(received) & skipped)
+        ok = not (duplicated or missing or unexpected or both or any(r.error for r in self.ranks))
+        return {"ok": ok, "delivered": len(received), "skipped": len(skipped), "duplicated": duplicated,
+                "missing": missing, "unexpected": unexpected, "delivered_and_skipped": both}
+
+
+def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -> None:
+    """Body of one client process: iterate the whole job and report what arrived."""
+    from trainer import DataClient  # imported in the child: torch loads once per rank process
+
+    out = RankResult(rank=rank)
+    start = time.perf_counter()
+    try:
+        with DataClient(address, job_id, rank, prefetch=prefetch) as client:
+            for mb in client:
+                out.keys.extend(mb.sample_keys)
+                out.order.append((mb.step, mb.microbatch_index))
+                out.num_sequences += int((mb.modality != 0).any(dim=1).sum())
+                out.num_bytes += mb.nbytes
+    except Exception as exc:  # reported to the parent, which fails the run with it
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.seconds = time.perf_counter() - start
+    results.put(out)
+
+
+def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
+            progress: bool = True) -> RunResult:
+    """Runs one pass over the job with ``config.dp_size`` client processes."""
+    server = None
+    if address is None:
+        server, port, _ = create_server("127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub = pb_grpc.PreprocessStub(channel)
+    try:
+        info = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        start = time.perf_counter()
+        procs = [ctx.Process(target=consume_rank, args=(address, info.job_id, r, prefetch, results), daemon=True)
+                 for r in range(config.dp_size)]
+        for proc in procs:
+            proc.start()
+        ranks = _collect(procs, results, stub, info.job_id, progress)
+        seconds = time.perf_counter() - start
+        report = stub.GetReport(pb.ReportRequest(job_id=info.job_id))
+    finally:
+        channel.close()
+        if server is not None:
+            server.stop(grace=1)
+    return RunResult(
+        job_id=info.job_id, ranks=sorted(ranks, key=lambda r: r.rank),
+        skipped=[{"key": s.key, "shard": s.shard, "reason": s.reason, "kind": s.kind} for s in report.skipped],
+        step_balance=[{"step": b.step, "imbalance": b.imbalance, "arrival_imbalance": b.arrival_imbalance,
+                       "rank_load_s": list(b.rank_load_s), "num_sequences": b.num_sequences,
+                       "num_samples": b.num_samples} for b in report.step_balance],
+        shard_keys=all_keys(list(info.shard_urls)), seconds=seconds)
+
+
+def _collect(procs, results, stub, job_id: str, progress: bool) -> list[RankResult]:
+    ranks: list[RankResult] = []
+    last_print = time.perf_counter()
+    while len(ranks) < len(procs):
+        try:
+            ranks.append(results.get(timeout=1.0))
+            continue
+        except Exception:  # queue.Empty: time for a progress line / liveness check
+            pass
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"client process {dead[0].name} died with exit code {dead[0].exitcode}")
+        if progress and time.perf_counter() - last_print >= 2.0:
+            report = stub.GetReport(pb.ReportRequest(job_id=job_id))
+            total = "?" if not report.planning_done else report.num_planned_steps
+            print(f"[run] {report.num_sent_microbatches} microbatches sent, steps planned "
+                  f"{report.num_planned_steps}/{total}, samples planned {report.num_planned_samples}, "
+                  f"skipped {len(report.skipped)}", file=sys.stderr, flush=True)
+            last_print = time.perf_counter()
+    for proc in procs:
+        proc.join(timeout=10)
+    return ranks
+
+
+def all_keys(urls: list[str]) -> set[str]:
+    """Every sample key in the shards, read straight from the tars (independent of the planner)."""
+    keys: set[str] = set()
+    for url in urls:
+        keys.update(s["__key__"] for s in shards.iter_shard(url, lambda u, r: None))
+    return keys
+
+
+def summary(result: RunResult, config: JobConfig) -> str:
+    """The human-readable result table."""
+    seconds = max(result.seconds, 1e-9)
+    num_samples = sum(len(r.keys) for r in result.ranks)
+    num_sequences = sum(r.num_sequences for r in result.ranks)
+    num_bytes = sum(r.num_bytes for r in result.ranks)
+    check = result.exactly_once()
+    balance = result.step_balance
+    # The short last step of an epoch says little about balancing; average over full steps.
+    full = [b for b in balance if b["num_sequences"] == config.global_batch] or balance
+    reasons = Counter(s["kind"] for s in result.skipped)
+    lines = [
+        f"job {result.job_id}: dp_size={config.dp_size} microbatches={config.num_microbatches} "
+        f"seqs/microbatch={config.seqs_per_microbatch} seq_len={config.seq_len} "
+        f"algorithms={config.intra_algorithm}+{config.inter_algorithm}",
+        f"  wall time            {seconds:8.2f} s  (client processes, start to last microbatch)",
+        f"  samples              {num_samples:8d}   {num_samples / seconds:9.1f} samples/s",
+        f"  packed sequences     {num_sequences:8d}   {num_sequences / seconds:9.1f} sequences/s",
+        f"  payload              {num_bytes / 1e6:8.1f} MB {num_bytes / 1e6 / seconds:9.1f} MB/s",
+        f"  steps                {len(balance):8d}",
+    ]
+    if full:
+        arrival = float(np.mean([b["arrival_imbalance"] for b in full]))
+        planned = float(np.mean([b["imbalance"] for b in full]))
+        lines.append(f"  DP imbalance (max/mean rank load, mean over {len(full)} full steps): "
+                     f"no reordering {arrival:.3f} -> reordered {planned:.3f}")
+    lines.append(f"  skipped              {len(result.skipped):8d}   "
+                 + ", ".join(f"{n} x {reason}" for reason, n in reasons.most_common()))
+    lines.append(f"  exactly-once: {'OK' if check['ok'] else 'FAILED'} ({check['delivered']} delivered once, "
+                 f"{check['skipped']} skipped with reasons, {len(check['missing'])} missing, "
+                 f"{len(check['duplicated'])} duplicated, of {len(result.shard_keys)} keys in the shards)")
+    for rank in result.ranks:
+        if rank.error:
+            lines.append(f"  rank {rank.rank} failed: {rank.error}")
+    return "\n".join(lines)
+
+
+def write_report(path: Path, result: RunResult, config: JobConfig) -> None:
+    """JSON report: keys each rank received (in order), keys skipped with reasons, the checks."""
+    report = {
+        "format": "disttrain-run-report/1",
+        "job_id": result.job_id,
+        "config": config.to_dict(),
+        "seconds": result.seconds,
+        "ranks": {str(r.rank): {"keys": r.keys, "microbatches": r.order, "error": r.error} for r in result.ranks},
+        "skipped": result.skipped,
+        "step_balance": result.step_balance,
+        "exactly_once": result.exactly_once(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))

@@ -1,0 +1,64 @@
+"""The entry point as a user runs it: `python -m preprocess_service run|serve`, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service import synth
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "preprocess_service", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_run_on_user_shards_prints_the_figures_and_writes_the_report(tmp_path):
+    paths = write_tiny_shards(tmp_path / "data", num_shards=3, samples_per_shard=10)
+    bad = synth.write_corrupt_shard(tmp_path / "data" / "corrupt.tar", seed=2)
+    report = tmp_path / "report.json"
+    spec = f"{tmp_path}/data/{{00000..00002}}.tar"
+    proc = _run("run", "--shards", spec, str(tmp_path / "data" / "corrupt.tar"), "--seq-len", "2048",
+                "--dp-size", "2", "--num-microbatches", "2", "--seqs-per-microbatch", "1", "--report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for figure in ("samples/s", "sequences/s", "MB/s", "DP imbalance", "no reordering", "exactly-once: OK"):
+        assert figure in proc.stdout, f"{figure!r} missing from:\n{proc.stdout}"
+    data = json.loads(report.read_text())
+    received = [k for rank in data["ranks"].values() for k in rank["keys"]]
+    assert len(received) == len(set(received))
+    assert {s["key"] for s in data["skipped"]} == set(bad)
+    assert set(received) | set(bad) == shard_keys([*paths, tmp_path / "data" / "corrupt.tar"])
+    assert data["exactly_once"]["ok"] and set(data["ranks"]) == {"0", "1"}
+
+
+def test_bad_arguments_are_named(tmp_path):
+    proc = _run("run", "--shards", str(tmp_path / "missing.tar"))
+    assert proc.returncode == 2
+    assert "missing.tar' does not exist" in proc.stderr
+
+
+def test_serve_alone_on_a_port_answers_health_and_stops_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-m", "preprocess_service", "serve", "--host", "127.0.0.1",
+                             "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
+        port = int(line.rsplit(":", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()

@@ -1,0 +1,279 @@
+"""Integration: the real gRPC server on a loopback port, real shards on disk, DataClient ranks."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image, ImageOps
+
+from disttrain_api import preprocess_pb2 as pb
+from disttrain_api import preprocess_pb2_grpc as pb_grpc
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service import imaging, reorder, synth
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import ServiceUnavailableError
+from preprocess_service.server import CHANNEL_OPTIONS, create_server
+from trainer import DataClient
+
+SYNTH_KIND_TO_OURS = {"truncated_image": "truncated_image", "random_bytes_image": "unreadable_image",
+                      "bad_utf8": "bad_utf8", "invalid_json": "invalid_json",
+                      "decompression_bomb": "decompression_bomb"}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    paths = write_tiny_shards(root, num_shards=2, samples_per_shard=14)
+    bad = synth.write_corrupt_shard(root / "corrupt.tar", seed=1)
+    return {"dir": root, "paths": [*paths, root / "corrupt.tar"], "bad": bad}
+
+
+@pytest.fixture()
+def service():
+    server, port, servicer = create_server("127.0.0.1:0")
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(grace=0)
+
+
+def _config(dataset, **overrides) -> JobConfig:
+    fields = dict(shards=(str(dataset["dir"]),), seq_len=2048, dp_size=2, num_microbatches=3,
+                  seqs_per_microbatch=1, seed=5)
+    fields.update(overrides)
+    return JobConfig(**fields)
+
+
+def _consume_all(address, config, ranks=None):
+    """Each rank in its own thread, like trainer workers; returns {rank: [Microbatch, ...]}."""
+    out, errors = {}, []
+
+    def body(rank):
+        try:
+            with DataClient(address, config, rank, prefetch=2) as client:
+                out[rank] = list(client)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in (ranks or range(config.dp_size))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return out
+
+
+def test_every_sample_once_across_ranks_and_bad_samples_reported(dataset, service):
+    address, servicer = service
+    config = _config(dataset)
+    received = _consume_all(address, config)
+    keys = [k for mbs in received.values() for mb in mbs for k in mb.sample_keys]
+    assert len(keys) == len(set(keys)), "a sample was delivered twice"
+    report = servicer.jobs.get(config.job_id()).report()
+    skipped = {r.key: r.kind for r in report["skipped"]}
+    assert skipped == {key: SYNTH_KIND_TO_OURS[kind] for key, kind in dataset["bad"].items()}
+    assert set(keys) | set(skipped) == shard_keys(dataset["paths"])
+    assert report["planning_done"]
+    # both ranks got the same number of microbatches in every step (they meet at the all-reduce)
+    steps = [[(mb.step, mb.num_microbatches) for mb in received[r]] for r in range(2)]
+    assert steps[0] == steps[1]
+
+
+def test_microbatches_arrive_in_the_planned_order(dataset, service):
+    address, servicer = service
+    config = _config(dataset)
+    received = _consume_all(address, config)
+    job = servicer.jobs.get(config.job_id())
+    for rank, mbs in received.items():
+        expected = []
+        step = 0
+        while (plan := job.step_plan(step)) is not None:
+            # recompute the plan from the step's sequence costs, independently of the planner
+            costs = plan.costs()
+            D, M, S = plan.assignment.shape
+            again = reorder.plan_batch(costs, D=D, M=M, S=S, intra=config.intra_algorithm,
+                                       inter=config.inter_algorithm, rng=np.random.default_rng(0))
+            assert (again == plan.assignment).all()
+            for index in range(M):
+                expected.append((step, index, [d.key for s in plan.microbatch(rank, index) for d in s.documents]))
+            step += 1
+        got = [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in mbs]
+        # decode failures would remove keys; this dataset's bad samples are all caught before planning
+        assert got == expected
+        for mb in mbs:
+            assert mb.sequence_costs == [s.cost.total_s for s in job.step_plan(mb.step).microbatch(rank, mb.microbatch_index)]
+
+
+def _image_members(paths, key):
+    """The encoded images of ``key`` straight from the tars, in document order (KEY.jpg, KEY.1.png, ...)."""
+    found = {}
+    for path in paths:
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                name_key, ext = member.name.split(".", 1)
+                if name_key == key and ext.rsplit(".", 1)[-1] in ("jpg", "png", "webp"):
+                    index = int(ext.split(".")[0]) if ext.count(".") else 0
+                    found[index] = tar.extractfile(member).read()
+    return [found[i] for i in sorted(found)]
+
+
+def test_delivered_pixels_equal_a_direct_decode_of_the_file(dataset, service):
+    address, _ = service
+    config = _config(dataset, dp_size=1)
+    [mbs] = _consume_all(address, config).values()
+    checked = 0
+    for mb in mbs[:4]:
+        flat_doc = np.repeat(mb.segment_doc.numpy(), np.diff(mb.cu_seqlens.numpy()))
+        seen_per_doc: dict[int, int] = {}
+        for image, (start, end) in zip(mb.images, mb.image_spans.tolist()):
+            doc = int(flat_doc[start])
+            index = seen_per_doc.get(doc, 0)
+            seen_per_doc[doc] = index + 1
+            data = _image_members(dataset["paths"], mb.sample_keys[doc])[index]
+            assert (mb.modality.view(-1)[start:end] == 2).all()
+            h, w, _ = image.shape
+            assert end - start == (h // 28) * (w // 28)
+            np.testing.assert_array_equal(image.numpy(), imaging.decode_image(data, (h, w)))
+            # and close to a plain full-resolution Pillow decode (draft mode loses a little detail)
+            plain = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
+            plain = np.asarray(plain.resize((w, h), Image.Resampling.BICUBIC)).astype(int)
+            assert np.abs(image.numpy().astype(int) - plain).mean() < 6.0
+            checked += 1
+    assert checked >= 8 and any(n > 1 for n in seen_per_doc.values()) or checked >= 8
+
+
+def test_a_resumed_client_continues_at_the_saved_step(dataset, service):
+    address, _ = service
+    config = _config(dataset, dp_size=1, seq_len=1024)
+    [full] = _consume_all(address, config).values()
+    assert len({mb.step for mb in full}) >= 3
+    # stop after step 0 and after one microbatch of step 1, save, restore into a fresh client
+    with DataClient(address, config, 0, prefetch=3) as client:
+        it = iter(client)
+        head = [next(it) for _ in range(full[0].num_microbatches + 1)]
+        state = client.state_dict()
+    assert state["next_step"] == 1 and state["next_microbatch"] == 1
+    with DataClient(address, config.job_id(), 0) as resumed:
+        resumed.load_state_dict(state)
+        tail = list(resumed)
+    got = [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in head + tail]
+    assert got == [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in full]
+    np.testing.assert_array_equal(tail[0].tokens.numpy(), full[len(head)].tokens.numpy())
+
+
+def test_state_from_another_topology_is_refused(dataset, service):
+    address, _ = service
+    with DataClient(address, _config(dataset, dp_size=2), 1) as client:
+        state = client.state_dict()
+    with DataClient(address, _config(dataset, dp_size=1), 0) as other:
+        with pytest.raises(ValueError, match="saved with job_id="):
+            other.load_state_dict(state)
+    state = {**state, "version": 99}
+    with DataClient(address, _config(dataset, dp_size=2), 1) as same:
+        with pytest.raises(ValueError, match="version 99"):
+            same.load_state_dict(state)
+
+
+def test_microbatches_above_grpc_default_4mib(dataset, service):
+    address, _ = service
+    config = _config(dataset, dp_size=1, seq_len=8192, seqs_per_microbatch=2)
+    [mbs] = _consume_all(address, config).values()
+    assert max(mb.nbytes for mb in mbs) > 8 * 2**20
+
+
+def test_slow_client_keeps_server_memory_bounded(tmp_path, service):
+    address, servicer = service
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=150)
+    config = JobConfig(shards=(str(tmp_path),), dp_size=1, seq_len=2048, num_microbatches=2)
+    ahead_mb, ahead_bytes, sizes, total = [], [], [], 0
+    with DataClient(address, config, 0, prefetch=1) as client:
+        for count, mb in enumerate(client, start=1):
+            time.sleep(0.1)
+            total += mb.nbytes
+            sizes.append(mb.nbytes)
+            ahead_mb.append(servicer.counters.prepared_microbatches - count)
+            ahead_bytes.append(servicer.counters.prepared_bytes - total)
+    print(f"microbatches {count}, job {total / 2**20:.1f} MiB, max ahead {max(ahead_mb)} microbatches "
+          f"/ {max(ahead_bytes) / 2**20:.1f} MiB")
+    assert count >= 40
+    # What may be ahead of the consumer: the server's queue (2) and the message being sent, the
+    # client's queue (1) and the message it is converting, plus what HTTP/2 flow control lets sit
+    # in socket buffers (gRPC sizes that window by bandwidth-delay probing: some MiB, not the job).
+    bound = 5 * max(sizes) + 24 * 2**20
+    assert max(ahead_bytes) <= bound, f"server ran {max(ahead_bytes) / 2**20:.1f} MiB ahead of a slow client"
+    assert max(ahead_bytes) < total / 4
+
+
+def test_a_disconnected_client_frees_its_stream(dataset, service):
+    address, servicer = service
+    config = _config(dataset, dp_size=1, seq_len=1024)
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub = pb_grpc.PreprocessStub(channel)
+    info = stub.OpenJob(pb.OpenJobRequest(spec=_spec(config)))
+    call = stub.StreamMicrobatches(pb.StreamRequest(job_id=info.job_id, dp_rank=0))
+    next(call)
+    assert servicer.counters.active_streams == 1
+    call.cancel()
+    channel.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and (servicer.counters.active_streams or _producers()):
+        time.sleep(0.05)
+    assert servicer.counters.active_streams == 0
+    assert not _producers(), "the producer thread outlived its stream"
+
+
+def _producers():
+    return [t for t in threading.enumerate() if t.name.startswith("stream-")]
+
+
+def _spec(config):
+    from preprocess_service.spec import spec_from_config
+
+    return spec_from_config(config)
+
+
+def test_unreachable_service_gives_a_clear_error(dataset):
+    with pytest.raises(ServiceUnavailableError, match="127.0.0.1:1"):
+        DataClient("127.0.0.1:1", _config(dataset), 0, connect_timeout_s=0.5)
+
+
+def test_bad_requests_get_the_right_status_codes(dataset, service):
+    address, _ = service
+    stub = pb_grpc.PreprocessStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], intra_algorithm="magic")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "magic" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=["/nonexistent/x.tar"])))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "/nonexistent/x.tar" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.DescribeJob(pb.DescribeJobRequest(job_id="job-nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    job = stub.OpenJob(pb.OpenJobRequest(spec=_spec(_config(dataset))))
+    assert job.spec.seq_len == 2048 and job.global_batch_sequences == 6
+    with pytest.raises(grpc.RpcError) as info:
+        next(stub.StreamMicrobatches(pb.StreamRequest(job_id=job.job_id, dp_rank=2)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dp_rank 2" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        next(stub.StreamMicrobatches(pb.StreamRequest(job_id=job.job_id, dp_rank=0, start_step=10_000)))
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_health_and_reflection(service):
+    address, _ = service
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="disttrain.preprocess.v1.Preprocess"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    [reply] = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "disttrain.preprocess.v1.Preprocess" in names and "grpc.health.v1.Health" in names

@@ -15,20 +15,14 @@ def test_generated_code_is_fresh(tmp_path: Path):
             f"{committed.name} is stale: run python -m preprocess_service.protogen and commit the result")
 
 
-def test_every_rpc_and_field_is_commented():
-    from google.protobuf import descriptor_pb2
+def test_every_rpc_field_and_enum_value_is_commented():
+    import re
 
-    from disttrain_api import preprocess_pb2
-
-    proto = descriptor_pb2.FileDescriptorProto()
-    preprocess_pb2.DESCRIPTOR.CopyToProto(proto)
-    text = (protogen.PROTO_ROOT / "disttrain_api" / "preprocess.proto").read_text().splitlines()
-    # Every rpc line and every message field line must be preceded by a comment line or carry one,
-    # unless it is a self-explaining id/spec field documented on its message.
+    declaration = re.compile(r"^\s*(rpc\s|(repeated\s+)?[\w.]+\s+\w+\s*=\s*\d+;|[A-Z0-9_]+\s*=\s*\d+;)")
     undocumented = []
-    for number, line in enumerate(text):
-        stripped = line.strip()
-        if stripped.startswith("rpc ") and not text[number - 1].strip().startswith("//"):
-            undocumented.append(stripped)
-    assert not undocumented, f"rpcs without a comment: {undocumented}"
-    assert proto.service[0].name == "Preprocess"
+    for path in protogen.PROTO_ROOT.rglob("*.proto"):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if declaration.match(line) and "//" not in line and not lines[number - 1].strip().startswith("//"):
+                undocumented.append(f"{path.name}:{number + 1}: {line.strip()}")
+    assert not undocumented, "declarations without a comment:\n" + "\n".join(undocumented)

@@ -33,9 +33,13 @@ class MicrobatchArrays:
 
 
 def _decode_document(doc: Document) -> list[np.ndarray]:
-    if doc.image_bytes is None:
-        raise RuntimeError(f"document {doc.key!r} has no image bytes loaded")  # programmer error
-    return [decode_image(doc.image_bytes[img.member], (img.height, img.width)) for img in doc.images]
+    """Pixels of every image of ``doc``; raises on anything that makes the document unusable."""
+    data = doc.image_bytes or {}
+    missing = [img.member for img in doc.images if data.get(img.member) is None]
+    if missing:
+        raise LookupError(f"encoded image(s) {missing} not found when re-reading the shard (did it change "
+                          "after planning?)")
+    return [decode_image(data[img.member], (img.height, img.width)) for img in doc.images]
 
 
 def assemble_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenizer: Tokenizer) -> MicrobatchArrays:

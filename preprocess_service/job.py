@@ -12,6 +12,7 @@ from preprocess_service import shards
 from preprocess_service.assemble import MicrobatchArrays, assemble_microbatch
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import ConfigError, NotFoundError, SampleError
+from preprocess_service.packing import PackedSequence
 from preprocess_service.planner import Planner, StepPlan
 from preprocess_service.tokenizer import ByteTokenizer, Tokenizer
 
@@ -29,7 +30,7 @@ class Job:
     is small; the encoded image bytes of a step are dropped once every rank has been sent it,
     and re-read from the shard if a resumed stream needs that step again."""
 
-    def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4):
         self.config = config
         self.job_id = config.job_id()
         self.shard_urls = shards.expand_shards(config.shards)
@@ -40,7 +41,10 @@ class Job:
         self._planner = iter(Planner(config, self.shard_urls, self.tokenizer, self._record_skip))
         self._planning_done = False
         self._sent_through: dict[int, int] = defaultdict(lambda: -1)  # rank -> last step fully sent
-        self._released_through = -1
+        self._released_through = -1  # steps <= this hold no encoded bytes
+        self.retain_steps = retain_steps
+        """Planned steps whose encoded bytes stay in memory; older ones are re-read if a stream needs them
+        (a rank that lags far behind, or never connects, cannot make the service hold the dataset)."""
         self._acked: dict[int, int] = {}
         self.num_sent_microbatches = 0
         self.num_planned_samples = 0
@@ -56,6 +60,7 @@ class Job:
                     break
                 self._plans.append(plan)
                 self.num_planned_samples += sum(1 for _ in plan.documents())
+                self._release_through(len(self._plans) - 1 - self.retain_steps)
             return self._plans[step] if step < len(self._plans) else None
 
     def num_steps(self) -> int:
@@ -81,42 +86,51 @@ class Job:
 
     def microbatch(self, plan: StepPlan, rank: int, index: int) -> MicrobatchArrays:
         """Decodes and lays out one microbatch of ``rank``; decode failures are recorded."""
-        sequences = [self._with_bytes(seq) for seq in plan.microbatch(rank, index)]
+        sequences = self._with_bytes(plan.microbatch(rank, index))
         arrays = assemble_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer)
         with self._lock:
             for key, shard, reason in arrays.skipped:
                 self._skipped.setdefault(key, SkippedRecord(key, shard, reason, "decode_failed"))
         return arrays
 
-    def _with_bytes(self, seq):
-        missing = [doc for doc in seq.documents if doc.image_bytes is None and doc.images]
-        if not missing:
-            return seq
-        by_shard: dict[str, set[str]] = defaultdict(set)
-        for doc in missing:
-            by_shard[doc.shard].add(doc.key)
+    def _with_bytes(self, sequences: list[PackedSequence]) -> list[PackedSequence]:
+        """Copies of the sequences whose documents hold their encoded images: a snapshot taken under
+        the lock (a concurrent release cannot pull bytes from under the decoder), and bytes that were
+        already released re-read from their shards."""
+        with self._lock:
+            snapshot = [[(doc, doc.image_bytes) for doc in seq.documents] for seq in sequences]
+        missing: dict[str, set[str]] = defaultdict(set)
+        for doc, data in (pair for seq in snapshot for pair in seq):
+            if data is None and doc.images:
+                missing[doc.shard].add(doc.key)
         fetched: dict[str, dict] = {}
-        for url, keys in by_shard.items():
+        for url, keys in missing.items():
             fetched.update(shards.fetch_samples(url, keys))
-        documents = []
-        for doc in seq.documents:
-            if doc.image_bytes is None and doc.images:
-                sample = fetched.get(doc.key, {})
-                doc = dataclasses.replace(doc, image_bytes={img.member: sample.get(img.member) for img in doc.images})
-            documents.append(doc)
-        return dataclasses.replace(seq, documents=documents)
+        out = []
+        for seq, pairs in zip(sequences, snapshot):
+            documents = []
+            for doc, data in pairs:
+                if data is None and doc.images:
+                    sample = fetched.get(doc.key, {})
+                    data = {img.member: sample[img.member] for img in doc.images if img.member in sample}
+                documents.append(dataclasses.replace(doc, image_bytes=data))
+            out.append(dataclasses.replace(seq, documents=documents))
+        return out
 
     def mark_sent(self, rank: int, step: int, num_microbatches: int) -> None:
         """Called after a rank's whole step went out; drops bytes no rank still needs."""
         with self._lock:
             self.num_sent_microbatches += num_microbatches
             self._sent_through[rank] = max(self._sent_through[rank], step)
-            low = min(self._sent_through[r] for r in range(self.config.dp_size))
-            while self._released_through < low:
-                self._released_through += 1
-                if self._released_through < len(self._plans):
-                    for doc in self._plans[self._released_through].documents():
-                        doc.image_bytes = None
+            self._release_through(min(self._sent_through[r] for r in range(self.config.dp_size)))
+
+    def _release_through(self, step: int) -> None:
+        """Drops the encoded bytes of every planned step <= ``step`` (caller holds the lock)."""
+        step = min(step, len(self._plans) - 1)
+        while self._released_through < step:
+            self._released_through += 1
+            for doc in self._plans[self._released_through].documents():
+                doc.image_bytes = None
 
     # --- acknowledgements and report -------------------------------------------------------
     def acknowledge(self, rank: int, next_step: int) -> int:

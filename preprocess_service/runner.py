@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import queue
 import sys
 import time
 from collections import Counter
@@ -127,7 +128,7 @@ def _collect(procs, results, stub, job_id: str, progress: bool) -> list[RankResu
         try:
             ranks.append(results.get(timeout=1.0))
             continue
-        except Exception:  # queue.Empty: time for a progress line / liveness check
+        except queue.Empty:  # time for a progress line and a liveness check
             pass
         dead = [p for p in procs if p.exitcode not in (None, 0)]
         if dead:

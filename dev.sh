@@ -15,7 +15,7 @@ setup() {
     local stamp="$VENV/.disttrain-setup" want
     want=$(sha256sum pyproject.toml | cut -d' ' -f1)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then return 0; fi
-    echo "[setup] creating virtualenv $VENV and installing pinned dependencies (first run: ~1-2 min)" >&2
+    echo "[setup] creating virtualenv $VENV and installing pinned dependencies (once: about a minute)" >&2
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     # torch first and pinned, so that nothing later can pull the CUDA build.

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     # and imports are left out, as they are for the ceiling.
     seconds = max(r.seconds for r in result.ranks)
     e2e_bytes = sum(r.num_bytes for r in result.ranks)
-    num_messages = sum(len(r.order) for r in result.ranks)
+    num_messages = sum(len(r.microbatches) for r in result.ranks)
     num_samples = sum(len(r.keys) for r in result.ranks)
     num_sequences = sum(r.num_sequences for r in result.ranks)
     if not result.exactly_once()["ok"] or num_messages == 0:

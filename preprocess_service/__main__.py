@@ -61,7 +61,7 @@ def cmd_run(args) -> int:
     print(f"[run] {len(config.shards)} shard spec(s); service "
           f"{'at ' + args.address if args.address else 'embedded'}; {config.dp_size} client ranks",
           file=sys.stderr, flush=True)
-    result = run_job(config, address=args.address, prefetch=args.prefetch)
+    result = run_job(config, address=args.address, prefetch=args.prefetch, connect_timeout_s=args.connect_timeout)
     print(summary(result, config))
     if args.report:
         write_report(args.report, result, config)
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_job_args(run)
     run.add_argument("--address", help="use a running service at HOST:PORT instead of an embedded one")
     run.add_argument("--prefetch", type=int, default=4, help="microbatches each client reads ahead")
+    run.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for --address")
     run.add_argument("--report", type=Path, help="write a JSON report (keys per rank, skipped keys) here")
     serve = sub.add_parser("serve", help="run the service alone")
     serve.add_argument("--host", default="0.0.0.0")

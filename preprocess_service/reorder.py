@@ -39,37 +39,49 @@ def intra_random(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Gener
     return rng.permutation(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
 
 
-def _greedy_slots(costs: np.ndarray, D: int, M: int, S: int, carry_load: bool) -> np.ndarray:
+def _greedy_slots(costs: np.ndarray, D: int, M: int, S: int) -> np.ndarray:
     plan = np.empty((D, M, S), dtype=np.int64)
-    total = np.zeros(D)
     for m in range(M):
         slot = np.arange(m * D * S, (m + 1) * D * S)
-        load = total.copy() if carry_load else np.zeros(D)
-        count = np.zeros(D, dtype=np.int64)
-        # Stable sort by descending cost: ties keep arrival order, so the plan is deterministic.
-        for seq in slot[np.argsort(-costs[slot], kind="stable")]:
-            open_ranks = np.flatnonzero(count < S)
-            rank = open_ranks[np.argmin(load[open_ranks])]
-            plan[rank, m, count[rank]] = seq
-            count[rank] += 1
-            load[rank] += costs[seq]
-            total[rank] += costs[seq]
+        plan[:, m, :] = _lpt_equal_counts(costs, slot, D, S)
     return plan
+
+
+def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
+    """Greedy LPT under a cardinality constraint: items by descending cost (stable: ties keep their
+    order, so plans are deterministic), each to the least-loaded bin that still has room.
+    Returns int[bins, per_bin] item ids."""
+    out = np.empty((bins, per_bin), dtype=np.int64)
+    load = np.zeros(bins)
+    count = np.zeros(bins, dtype=np.int64)
+    for item in items[np.argsort(-costs[items], kind="stable")]:
+        open_bins = np.flatnonzero(count < per_bin)
+        chosen = open_bins[np.argmin(load[open_bins])]
+        out[chosen, count[chosen]] = item
+        count[chosen] += 1
+        load[chosen] += costs[item]
+    return out
 
 
 def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
     """DistTrain's intra-microbatch reordering: per slot, sequences sorted by cost descending, each
     to the least-loaded rank of that slot (loads start at zero per slot), S per rank."""
     _check_intra_input(costs, D, M, S)
-    return _greedy_slots(costs, D, M, S, carry_load=False)
+    return _greedy_slots(costs, D, M, S)
 
 
 def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
-    """The paper's per-slot greedy, but a rank's load carries over from slot to slot, so the
-    per-rank totals (what ranks wait on at the gradient all-reduce) are balanced too; the
-    per-slot greedy alone hands rank 0 the largest sequence of every slot."""
+    """Balances what the ranks wait on at the gradient all-reduce: each rank's total. Whole-batch
+    LPT with equal counts (M*S sequences per rank), then each rank's sequences dealt the same way to
+    its M microbatches so they come out even. Unlike the paper's per-slot greedy, which hands rank 0
+    the largest sequence of every slot, it decides which sequences share a microbatch. Falls back
+    to the arrival plan in the rare batch where that is better balanced."""
     _check_intra_input(costs, D, M, S)
-    return _greedy_slots(costs, D, M, S, carry_load=True)
+    plan = np.empty((D, M, S), dtype=np.int64)
+    for rank, items in enumerate(_lpt_equal_counts(costs, np.arange(D * M * S), D, M * S)):
+        plan[rank] = _lpt_equal_counts(costs, items, M, S)
+    arrival = intra_arrival(costs, D, M, S, rng)
+    return arrival if imbalance(costs, arrival) < imbalance(costs, plan) else plan
 
 
 def inter_arrival(microbatch_costs: np.ndarray, rng: np.random.Generator) -> np.ndarray:

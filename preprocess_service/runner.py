@@ -24,6 +24,7 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import shards
 from preprocess_service.config import JobConfig
+from preprocess_service.errors import ServiceUnavailableError
 from preprocess_service.server import CHANNEL_OPTIONS, create_server
 from preprocess_service.spec import spec_from_config
 
@@ -33,13 +34,16 @@ class RankResult:
     """What one client rank received."""
 
     rank: int
-    keys: list[str] = field(default_factory=list)
-    order: list[tuple[int, int]] = field(default_factory=list)
-    """(step, microbatch index) of each microbatch, in arrival order."""
+    microbatches: list[dict] = field(default_factory=list)
+    """{"step", "microbatch", "keys"} of each microbatch, in arrival order."""
     num_sequences: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
     error: str = ""
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for mb in self.microbatches for key in mb["keys"]]
 
 
 @dataclass(slots=True)
@@ -77,8 +81,8 @@ def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -
     try:
         with DataClient(address, job_id, rank, prefetch=prefetch) as client:
             for mb in client:
-                out.keys.extend(mb.sample_keys)
-                out.order.append((mb.step, mb.microbatch_index))
+                out.microbatches.append({"step": mb.step, "microbatch": mb.microbatch_index,
+                                         "keys": mb.sample_keys})
                 out.num_sequences += int((mb.modality != 0).any(dim=1).sum())
                 out.num_bytes += mb.nbytes
     except Exception as exc:  # reported to the parent, which fails the run with it
@@ -88,7 +92,7 @@ def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -
 
 
 def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
-            progress: bool = True) -> RunResult:
+            progress: bool = True, connect_timeout_s: float = 10.0) -> RunResult:
     """Runs one pass over the job with ``config.dp_size`` client processes."""
     server = None
     if address is None:
@@ -97,6 +101,11 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)
     try:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ServiceUnavailableError(f"cannot reach the preprocessing service at {address!r} within "
+                                          f"{connect_timeout_s:g} s (is it running, and is the address right?)") from None
         info = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
@@ -123,7 +132,7 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
 
 def _collect(procs, results, stub, job_id: str, progress: bool) -> list[RankResult]:
     ranks: list[RankResult] = []
-    last_print = time.perf_counter()
+    last_line, last_print = "", 0.0
     while len(ranks) < len(procs):
         try:
             ranks.append(results.get(timeout=1.0))
@@ -134,15 +143,21 @@ def _collect(procs, results, stub, job_id: str, progress: bool) -> list[RankResu
         if dead:
             raise RuntimeError(f"client process {dead[0].name} died with exit code {dead[0].exitcode}")
         if progress and time.perf_counter() - last_print >= 2.0:
-            report = stub.GetReport(pb.ReportRequest(job_id=job_id))
-            total = "?" if not report.planning_done else report.num_planned_steps
-            print(f"[run] {report.num_sent_microbatches} microbatches sent, steps planned "
-                  f"{report.num_planned_steps}/{total}, samples planned {report.num_planned_samples}, "
-                  f"skipped {len(report.skipped)}", file=sys.stderr, flush=True)
-            last_print = time.perf_counter()
+            line = _progress_line(stub.GetReport(pb.ReportRequest(job_id=job_id)))
+            if line != last_line:
+                print(line, file=sys.stderr, flush=True)
+                last_line, last_print = line, time.perf_counter()
     for proc in procs:
         proc.join(timeout=10)
     return ranks
+
+
+def _progress_line(report: pb.JobReport) -> str:
+    """Service-side totals of the job (they include earlier runs against the same service)."""
+    planned = (f"all {report.num_planned_steps} steps planned" if report.planning_done
+               else f"{report.num_planned_steps} steps planned so far (total known once the shards are read)")
+    return (f"[run] {report.num_sent_microbatches} microbatches sent; {planned}; "
+            f"{report.num_planned_samples} samples planned, {len(report.skipped)} skipped")
 
 
 def all_keys(urls: list[str]) -> set[str]:
@@ -179,8 +194,8 @@ def summary(result: RunResult, config: JobConfig) -> str:
         planned = float(np.mean([b["imbalance"] for b in full]))
         lines.append(f"  DP imbalance (max/mean rank load, mean over {len(full)} full steps): "
                      f"no reordering {arrival:.3f} -> reordered {planned:.3f}")
-    lines.append(f"  skipped              {len(result.skipped):8d}   "
-                 + ", ".join(f"{n} x {reason}" for reason, n in reasons.most_common()))
+    causes = ", ".join(f"{n} x {reason}" for reason, n in reasons.most_common())
+    lines.append(f"  skipped              {len(result.skipped):8d}" + (f"   {causes}" if causes else ""))
     lines.append(f"  exactly-once: {'OK' if check['ok'] else 'FAILED'} ({check['delivered']} delivered once, "
                  f"{check['skipped']} skipped with reasons, {len(check['missing'])} missing, "
                  f"{len(check['duplicated'])} duplicated, of {len(result.shard_keys)} keys in the shards)")
@@ -191,13 +206,14 @@ def summary(result: RunResult, config: JobConfig) -> str:
 
 
 def write_report(path: Path, result: RunResult, config: JobConfig) -> None:
-    """JSON report: keys each rank received (in order), keys skipped with reasons, the checks."""
+    """JSON report: per rank the microbatches received in order (step, microbatch, keys), the keys
+    skipped with cause and reason, per-step balance, and the exactly-once check."""
     report = {
         "format": "disttrain-run-report/1",
         "job_id": result.job_id,
         "config": config.to_dict(),
         "seconds": result.seconds,
-        "ranks": {str(r.rank): {"keys": r.keys, "microbatches": r.order, "error": r.error} for r in result.ranks},
+        "ranks": {str(r.rank): {"microbatches": r.microbatches, "error": r.error} for r in result.ranks},
         "skipped": result.skipped,
         "step_balance": result.step_balance,
         "exactly_once": result.exactly_once(),

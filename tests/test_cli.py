@@ -34,7 +34,8 @@ def test_run_on_user_shards_prints_the_figures_and_writes_the_report(tmp_path):
     for figure in ("samples/s", "sequences/s", "MB/s", "DP imbalance", "no reordering", "exactly-once: OK"):
         assert figure in proc.stdout, f"{figure!r} missing from:\n{proc.stdout}"
     data = json.loads(report.read_text())
-    received = [k for rank in data["ranks"].values() for k in rank["keys"]]
+    received = [k for rank in data["ranks"].values() for mb in rank["microbatches"] for k in mb["keys"]]
+    assert all({"step", "microbatch", "keys"} <= set(mb) for mb in data["ranks"]["0"]["microbatches"])
     assert len(received) == len(set(received))
     assert {s["key"] for s in data["skipped"]} == set(bad)
     assert set(received) | set(bad) == shard_keys([*paths, tmp_path / "data" / "corrupt.tar"])
@@ -45,6 +46,14 @@ def test_bad_arguments_are_named(tmp_path):
     proc = _run("run", "--shards", str(tmp_path / "missing.tar"))
     assert proc.returncode == 2
     assert "missing.tar' does not exist" in proc.stderr
+
+
+def test_unreachable_service_address_is_a_clear_error(tmp_path):
+    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=2)
+    proc = _run("run", "--shards", str(tmp_path), "--address", "127.0.0.1:1", "--connect-timeout", "1")
+    assert proc.returncode == 2
+    assert "cannot reach the preprocessing service at '127.0.0.1:1'" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_serve_alone_on_a_port_answers_health_and_stops_on_sigterm():

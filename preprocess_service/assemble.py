@@ -6,6 +6,7 @@ Documents are decoded here, after planning. A document whose image fails to deco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +43,20 @@ def _decode_document(doc: Document) -> list[np.ndarray]:
     return [decode_image(data[img.member], (img.height, img.width)) for img in doc.images]
 
 
-def assemble_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenizer: Tokenizer) -> MicrobatchArrays:
+def _try_decode(doc: Document) -> list[np.ndarray] | Exception:
+    try:
+        return _decode_document(doc)
+    except (MemoryError, ImportError):
+        raise
+    except Exception as exc:  # any decoder failure means this sample is unusable
+        return exc
+
+
+def assemble_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenizer: Tokenizer,
+                        map_fn: Callable = map) -> MicrobatchArrays:
+    """``map_fn`` decodes the documents (e.g. a thread pool's map: Pillow releases the GIL while it
+    decodes and resizes); results are used in document order, so the output does not depend on it."""
+    decoded = iter(list(map_fn(_try_decode, [doc for seq in sequences for doc in seq.documents])))
     num_seqs = len(sequences)
     tokens = np.full((num_seqs, seq_len), tokenizer.pad_id, dtype=np.int32)
     positions = np.zeros((num_seqs, seq_len), dtype=np.int32)
@@ -53,11 +67,9 @@ def assemble_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokeni
     for s, seq in enumerate(sequences):
         offset = 0
         for doc in seq.documents:
-            try:
-                images = _decode_document(doc)
-            except (MemoryError, ImportError):
-                raise
-            except Exception as exc:  # any decoder failure means this sample is unusable
+            images = next(decoded)
+            if isinstance(images, Exception):
+                exc = images
                 out.skipped.append((doc.key, doc.shard, f"image decode failed: {type(exc).__name__}: {exc}"))
                 continue
             base = s * seq_len + offset

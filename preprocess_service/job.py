@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from preprocess_service import shards
@@ -84,10 +85,11 @@ class Job:
         if not 0 <= rank < self.config.dp_size:
             raise ConfigError(f"dp_rank {rank} is outside this job's dp_size {self.config.dp_size}")
 
-    def microbatch(self, plan: StepPlan, rank: int, index: int) -> MicrobatchArrays:
-        """Decodes and lays out one microbatch of ``rank``; decode failures are recorded."""
+    def microbatch(self, plan: StepPlan, rank: int, index: int, map_fn: Callable = map) -> MicrobatchArrays:
+        """Decodes (through ``map_fn``) and lays out one microbatch of ``rank``; decode failures are recorded."""
         sequences = self._with_bytes(plan.microbatch(rank, index))
-        arrays = assemble_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer)
+        arrays = assemble_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer,
+                                     map_fn=map_fn)
         with self._lock:
             for key, shard, reason in arrays.skipped:
                 self._skipped.setdefault(key, SkippedRecord(key, shard, reason, "decode_failed"))

@@ -9,6 +9,7 @@ or disconnected client stops its producer at once.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from concurrent import futures
@@ -49,9 +50,12 @@ class StreamCounters:
 
 
 class PreprocessServicer(pb_grpc.PreprocessServicer):
-    def __init__(self, *, prefetch: int = 2):
+    def __init__(self, *, prefetch: int = 2, decode_threads: int | None = None):
         self.jobs = JobRegistry()
         self.prefetch = prefetch
+        # Shared by all streams: one stream alone can use every core, many streams share them.
+        self.decode_pool = futures.ThreadPoolExecutor(max_workers=decode_threads or os.cpu_count() or 1,
+                                                      thread_name_prefix="decode")
         self.counters = StreamCounters()
         self._counter_lock = threading.Lock()
 
@@ -154,7 +158,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         return False
 
     def _message(self, job: Job, plan, rank: int, index: int) -> pb.Microbatch:
-        arrays = job.microbatch(plan, rank, index)
+        arrays = job.microbatch(plan, rank, index, map_fn=self.decode_pool.map)
         self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
         return pb.Microbatch(
             job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
@@ -173,10 +177,12 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
 
-def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2):
-    """Builds and starts a server; returns (server, bound port, servicer)."""
+def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
+                  decode_threads: int | None = None):
+    """Builds and starts a server; returns (server, bound port, servicer). ``decode_threads``
+    defaults to the number of cores."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-    servicer = PreprocessServicer(prefetch=prefetch)
+    servicer = PreprocessServicer(prefetch=prefetch, decode_threads=decode_threads)
     pb_grpc.add_PreprocessServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

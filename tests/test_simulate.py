@@ -1,0 +1,97 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from preprocess_service import reorder
+from preprocess_service.bounds import batch_lower_bound, rank_lower_bound, slot_lower_bound
+from preprocess_service.simulate import StageModel, iteration_time, rank_makespan, simulate_1f1b, stage_order
+
+
+@pytest.mark.parametrize("P,M,f,b", [(1, 4, 1.0, 2.0), (4, 8, 1.0, 2.0), (4, 2, 1.0, 1.0), (8, 32, 0.5, 1.0),
+                                     (3, 3, 1.0, 3.0), (4, 1, 2.0, 5.0)])
+def test_uniform_stages_match_the_closed_form(P, M, f, b):
+    t = simulate_1f1b(np.full((P, M), f), np.full((P, M), b))
+    assert t.makespan == pytest.approx((M + P - 1) * (f + b))
+
+
+def test_stage_order_is_warmup_steady_cooldown():
+    assert stage_order(4, 6, 0) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                    ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert stage_order(4, 6, 3)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_timeline_respects_every_dependency(seed):
+    rng = np.random.default_rng(seed)
+    P, M, lat = 4, 7, 0.1
+    fwd, bwd = rng.uniform(0.5, 3, (P, M)), rng.uniform(0.5, 6, (P, M))
+    t = simulate_1f1b(fwd, bwd, lat)
+    eps = 1e-9
+    assert (t.f_start[1:] >= t.f_end[:-1] + lat - eps).all()
+    assert (t.b_start[:-1] >= t.b_end[1:] + lat - eps).all()
+    assert (t.b_start[-1] >= t.f_end[-1] - eps).all()
+    for s in range(P):  # ops of one stage never overlap and follow the 1F1B order
+        spans = [(t.f_start[s, m], t.f_end[s, m]) if k == "F" else (t.b_start[s, m], t.b_end[s, m])
+                 for k, m in stage_order(P, M, s)]
+        assert all(a[1] <= b[0] + eps for a, b in zip(spans, spans[1:]))
+    np.testing.assert_allclose(t.f_end - t.f_start, fwd)
+    np.testing.assert_allclose(t.b_end - t.b_start, bwd)
+
+
+def test_a_straggler_first_costs_more_than_in_the_middle():
+    P, M = 4, 8
+    fwd = np.ones((P, M))
+    first, middle = fwd.copy(), fwd.copy()
+    first[:, 0] = 3.0
+    middle[:, 4] = 3.0
+    assert simulate_1f1b(first, 2 * first).makespan > simulate_1f1b(middle, 2 * middle).makespan
+
+
+def test_stage_model_maps_modules_to_stages():
+    model = StageModel(stage_map=("enc", "bb/2", "bb/2", "gen"), bwd_factor=(0.0, 2.0, 1.0))
+    fwd, bwd = model.stage_times(np.array([[1.0, 4.0, 3.0], [2.0, 6.0, 0.0]]))
+    np.testing.assert_allclose(fwd, [[1, 2], [2, 3], [2, 3], [3, 0]])
+    np.testing.assert_allclose(bwd, [[0, 0], [4, 6], [4, 6], [3, 0]])
+    with pytest.raises(ValueError, match="'vit'"):
+        StageModel(stage_map=("vit", "bb"))
+    with pytest.raises(ValueError, match="'bb/0'"):
+        StageModel(stage_map=("bb/0",))
+
+
+def test_slot_bound_holds_for_every_equal_count_split():
+    rng = np.random.default_rng(0)
+    costs = rng.lognormal(0, 1, 6)
+    best = min(max(costs[list(g)].sum(), costs[[i for i in range(6) if i not in g]].sum())
+               for g in itertools.combinations(range(6), 3))
+    assert slot_lower_bound(costs, 2, 3) <= best + 1e-12
+    assert slot_lower_bound(np.array([10.0, 1, 1, 1]), 2, 2) == 11.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rank_bounds_hold_for_the_order_and_for_every_order(seed):
+    rng = np.random.default_rng(seed)
+    P, M = 3, 5
+    fwd, bwd = rng.lognormal(0, 0.7, (P, M)), rng.lognormal(0.5, 0.7, (P, M))
+    makespans = []
+    for perm in itertools.permutations(range(M)):
+        f, b = fwd[:, perm], bwd[:, perm]
+        makespan = simulate_1f1b(f, b, 0.05).makespan
+        assert rank_lower_bound(f, b, 0.05, fixed_order=True) <= makespan + 1e-9
+        makespans.append(makespan)
+    assert rank_lower_bound(fwd, bwd, 0.05, fixed_order=False) <= min(makespans) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_bound_holds_for_every_algorithm(seed):
+    rng = np.random.default_rng(seed)
+    D, M, S = 2, 4, 2
+    model = StageModel(stage_map=("enc", "bb/2", "bb/2", "gen"), p2p_latency=0.01)
+    seq = rng.lognormal(0, 0.8, (D * M * S, 3))
+    bound = batch_lower_bound(seq, model, D=D, M=M, S=S)
+    totals = seq.sum(axis=1)
+    for intra in reorder.INTRA_ALGORITHMS:
+        plan = reorder.plan_batch(totals, D=D, M=M, S=S, intra=intra, inter="paper", rng=rng)
+        per_rank = [seq[plan[r]].sum(axis=1) for r in range(D)]
+        assert bound <= iteration_time(per_rank, model) + 1e-9
+        assert rank_makespan(per_rank[0], model) > 0

@@ -1,0 +1,48 @@
+"""``python -m preprocess_service.reorder plan INSTANCE.json --algorithm NAME -o PLAN.json``
+and ``... evaluate INSTANCE.json PLAN.json``: plan or judge any instance in the JSON forms of
+preprocess_service.reorder.instance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from preprocess_service.reorder.instance import PLAN_FORMAT, PLANNERS, Instance, evaluate, load_json, plan_instance
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m preprocess_service.reorder", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan an instance")
+    plan.add_argument("instance", type=Path)
+    plan.add_argument("--algorithm", default="lpt", help=f"one of {sorted(PLANNERS)}")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("-o", "--output", type=Path, required=True)
+    judge = sub.add_parser("evaluate", help="iteration time of a plan (exact 1F1B simulator) vs the lower bound")
+    judge.add_argument("instance", type=Path)
+    judge.add_argument("plan", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        instance = Instance.from_json(load_json(args.instance))
+        if args.command == "plan":
+            result = plan_instance(instance, args.algorithm, args.seed)
+            args.output.write_text(json.dumps(result))
+            figures = evaluate(instance, np.array(result["plan"]))
+        else:
+            data = load_json(args.plan)
+            if data.get("format") != PLAN_FORMAT:
+                raise ValueError(f"plan format is {data.get('format')!r}, expected {PLAN_FORMAT!r}")
+            figures = evaluate(instance, np.array(data["plan"]))
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Reordering instances and plans in their JSON forms, whole-plan algorithms, and plan evaluation.
+
+Instance (``disttrain-reorder-instance/1``): D ranks x M microbatches x S sequences = B sequence ids,
+per-sequence forward seconds of each module, the pipeline's stage map, backward factors and p2p
+latency. Plan (``disttrain-reorder-plan/1``): ``plan[rank][microbatch in execution order]`` = S ids,
+every id exactly once. A plan is judged by the exact 1F1B simulator (iteration time = slowest rank)
+against the batch lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from preprocess_service import reorder
+from preprocess_service.bounds import batch_lower_bound
+from preprocess_service.simulate import MODULES, StageModel, iteration_time
+
+INSTANCE_FORMAT = "disttrain-reorder-instance/1"
+PLAN_FORMAT = "disttrain-reorder-plan/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    D: int
+    M: int
+    S: int
+    model: StageModel
+    costs: np.ndarray
+    """float[B, 3]: forward seconds of enc, bb, gen per sequence."""
+
+    def __post_init__(self) -> None:
+        B = self.D * self.M * self.S
+        if self.costs.shape != (B, 3):
+            raise ValueError(f"costs must hold {B} = D*M*S sequences for enc, bb and gen; got shape "
+                             f"{self.costs.shape}")
+        if (self.costs < 0).any():
+            raise ValueError("costs must be >= 0 seconds")
+
+    @property
+    def totals(self) -> np.ndarray:
+        """float[B]: forward + backward seconds over all modules, the paper's scalar cost."""
+        return (self.costs * (1.0 + np.asarray(self.model.bwd_factor))).sum(axis=1)
+
+    def to_json(self) -> dict:
+        return {"format": INSTANCE_FORMAT, "D": self.D, "M": self.M, "S": self.S, "P": self.model.num_stages,
+                "stage_map": list(self.model.stage_map),
+                "bwd_factor": dict(zip(MODULES, self.model.bwd_factor)), "p2p_latency": self.model.p2p_latency,
+                "costs": {m: self.costs[:, i].tolist() for i, m in enumerate(MODULES)}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Instance":
+        if data.get("format") != INSTANCE_FORMAT:
+            raise ValueError(f"instance format is {data.get('format')!r}, expected {INSTANCE_FORMAT!r}")
+        if len(data["stage_map"]) != data["P"]:
+            raise ValueError(f"P is {data['P']} but stage_map has {len(data['stage_map'])} stages")
+        model = StageModel(stage_map=tuple(data["stage_map"]),
+                           bwd_factor=tuple(float(data["bwd_factor"][m]) for m in MODULES),
+                           p2p_latency=float(data.get("p2p_latency", 0.0)))
+        costs = np.column_stack([np.asarray(data["costs"][m], dtype=float) for m in MODULES])
+        return cls(D=int(data["D"]), M=int(data["M"]), S=int(data["S"]), model=model, costs=costs)
+
+
+def check_plan(instance: Instance, plan: np.ndarray) -> np.ndarray:
+    """Validates shape and that every sequence id appears exactly once; returns int[D, M, S]."""
+    plan = np.asarray(plan)
+    expected = (instance.D, instance.M, instance.S)
+    if plan.shape != expected:
+        raise ValueError(f"plan has shape {plan.shape}, expected [D][M][S] = {list(expected)}")
+    ids = np.sort(plan.ravel())
+    if not np.array_equal(ids, np.arange(plan.size)):
+        counts = np.bincount(plan.ravel(), minlength=plan.size)
+        raise ValueError(f"plan must use every sequence id exactly once; missing {np.flatnonzero(counts == 0)[:10]}"
+                         f", repeated {np.flatnonzero(counts > 1)[:10]}")
+    return plan.astype(np.int64)
+
+
+def evaluate(instance: Instance, plan: np.ndarray) -> dict:
+    """Iteration time by the exact simulator, the batch lower bound and their ratio."""
+    plan = check_plan(instance, plan)
+    per_rank = [instance.costs[plan[r]].sum(axis=1) for r in range(instance.D)]
+    iteration = iteration_time(per_rank, instance.model)
+    bound = batch_lower_bound(instance.costs, instance.model, D=instance.D, M=instance.M, S=instance.S)
+    return {"iteration_s": iteration, "lower_bound_s": bound, "ratio_to_bound": iteration / bound if bound else 1.0}
+
+
+Planner = Callable[[Instance, np.random.Generator], np.ndarray]
+
+
+def _scalar(intra: str, inter: str) -> Planner:
+    def plan(instance: Instance, rng: np.random.Generator) -> np.ndarray:
+        return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra=intra,
+                                  inter=inter, rng=rng)
+    plan.__doc__ = f"intra {intra!r} + inter {inter!r} on the scalar fwd+bwd cost"
+    return plan
+
+
+PLANNERS: dict[str, Planner] = {
+    "arrival": _scalar("arrival", "arrival"),
+    "random": _scalar("random", "arrival"),
+    "paper": _scalar("paper", "paper"),
+    "lpt": _scalar("lpt", "paper"),
+}
+
+
+def plan_instance(instance: Instance, method: str, seed: int = 0) -> dict:
+    """Runs a registered planner; returns the plan in its JSON form with method and planning time."""
+    if method not in PLANNERS:
+        raise ValueError(f"unknown algorithm {method!r}; known: {sorted(PLANNERS)}")
+    start = time.perf_counter()
+    plan = check_plan(instance, PLANNERS[method](instance, np.random.default_rng(seed)))
+    return {"format": PLAN_FORMAT, "plan": plan.tolist(),
+            "meta": {"method": method, "time_s": time.perf_counter() - start}}
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

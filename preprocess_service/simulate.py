@@ -15,6 +15,7 @@ the module's time. Module times per microbatch are forward seconds; backward = f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -126,6 +127,40 @@ def _ready_time(t: Timeline, op: tuple[str, int], s: int, P: int, latency: float
         return None if np.isnan(done) else done
     done = t.b_end[s + 1, m]
     return None if np.isnan(done) else done + latency
+
+
+@lru_cache(maxsize=64)
+def _topological_order(P: int, M: int) -> tuple[tuple[str, int, int], ...]:
+    """A valid execution order of all ops ('F' | 'B', stage, microbatch) of a P x M 1F1B schedule.
+    The order in which the exact simulator schedules ops depends only on the dependency structure,
+    not on durations, so it is computed once per (P, M) with unit times."""
+    t = simulate_1f1b(np.ones((P, M)), np.ones((P, M)))
+    ops = [(t.f_start[s, m], 0, s, "F", m) for s in range(P) for m in range(M)]
+    ops += [(t.b_start[s, m], 1, s, "B", m) for s in range(P) for m in range(M)]
+    # Ties in start time never link dependent ops (a dependent op starts strictly later).
+    return tuple((kind, s, m) for _, _, s, kind, m in sorted(ops))
+
+
+def makespans(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) -> np.ndarray:
+    """Makespan of many independent pipelines at once: fwd, bwd float[R, P, M] -> float[R].
+
+    Same schedule and dependencies as simulate_1f1b (the tests check they agree), vectorised over
+    the R pipelines so a planner can afford it inside a search loop."""
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    R, P, M = fwd.shape
+    f_end, b_end = np.zeros((R, P, M)), np.zeros((R, P, M))
+    free = np.zeros((R, P))
+    for kind, s, m in _topological_order(P, M):
+        if kind == "F":
+            ready = f_end[:, s - 1, m] + p2p_latency if s > 0 else 0.0
+            end = np.maximum(free[:, s], ready) + fwd[:, s, m]
+            f_end[:, s, m] = end
+        else:
+            ready = f_end[:, s, m] if s == P - 1 else b_end[:, s + 1, m] + p2p_latency
+            end = np.maximum(free[:, s], ready) + bwd[:, s, m]
+            b_end[:, s, m] = end
+        free[:, s] = end
+    return free.max(axis=1)
 
 
 def rank_makespan(module_fwd: np.ndarray, model: StageModel) -> float:

@@ -5,7 +5,8 @@ import pytest
 
 from preprocess_service import reorder
 from preprocess_service.bounds import batch_lower_bound, rank_lower_bound, slot_lower_bound
-from preprocess_service.simulate import StageModel, iteration_time, rank_makespan, simulate_1f1b, stage_order
+from preprocess_service.simulate import (StageModel, iteration_time, makespans, rank_makespan, simulate_1f1b,
+                                         stage_order)
 
 
 @pytest.mark.parametrize("P,M,f,b", [(1, 4, 1.0, 2.0), (4, 8, 1.0, 2.0), (4, 2, 1.0, 1.0), (8, 32, 0.5, 1.0),
@@ -95,3 +96,12 @@ def test_batch_bound_holds_for_every_algorithm(seed):
         per_rank = [seq[plan[r]].sum(axis=1) for r in range(D)]
         assert bound <= iteration_time(per_rank, model) + 1e-9
         assert rank_makespan(per_rank[0], model) > 0
+
+
+@pytest.mark.parametrize("P,M", [(1, 3), (2, 1), (4, 8), (8, 32), (5, 3)])
+def test_vectorised_makespans_equal_the_exact_event_simulator(P, M):
+    rng = np.random.default_rng(P * 100 + M)
+    fwd, bwd = rng.lognormal(0, 1, (6, P, M)), rng.lognormal(0.5, 1, (6, P, M))
+    fast = makespans(fwd, bwd, 0.03)
+    exact = [simulate_1f1b(fwd[r], bwd[r], 0.03).makespan for r in range(6)]
+    np.testing.assert_allclose(fast, exact, rtol=1e-12)

@@ -64,8 +64,9 @@ def iter_shard(url: str, on_error: ErrorSink) -> Iterator[dict]:
 def fetch_samples(url: str, keys: set[str]) -> dict[str, dict]:
     """Re-reads one shard and returns the raw samples whose key is in ``keys``."""
     found: dict[str, dict] = {}
-    errors: list[str] = []
-    for sample in iter_shard(url, lambda _url, reason: errors.append(reason)):
+    # A read error here was already reported when the shard was planned; keys it hides come back
+    # missing, and the caller reports those samples.
+    for sample in iter_shard(url, lambda _url, _reason: None):
         if sample["__key__"] in keys:
             found[sample["__key__"]] = sample
             if len(found) == len(keys):

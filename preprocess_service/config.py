@@ -129,13 +129,6 @@ class JobConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "JobConfig":
-        data = dict(data)
-        image = ImageConfig(**data.pop("image", {}))
-        cost = CostConfig(**data.pop("cost", {}))
-        return cls(image=image, cost=cost, **data)
-
     def job_id(self) -> str:
         """Stable id: a hash of the normalised config, so ranks sending the same config share a job."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

@@ -7,8 +7,8 @@ import dataclasses
 from disttrain_api import preprocess_pb2 as pb
 from preprocess_service.config import CostConfig, ImageConfig, JobConfig
 
-# proto field name -> (JobConfig field name, conversion); booleans are negated where the proto
-# uses "no_" so that proto3's default false means our default.
+# Scalar fields with the same name in JobSpec and JobConfig. The one boolean, no_shard_shuffle, is
+# negated by hand so that proto3's default false means our default (shuffle).
 _JOB_FIELDS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
                "shuffle_buffer", "intra_algorithm", "inter_algorithm", "pack_window")
 

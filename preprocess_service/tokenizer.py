@@ -37,5 +37,3 @@ class ByteTokenizer:
         ids = np.asarray(ids)
         return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
 
-
-TOKENIZERS = {"byte": ByteTokenizer}

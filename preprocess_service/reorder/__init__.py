@@ -13,6 +13,7 @@ Costs are the scalar fwd+bwd seconds of cost.SequenceCost.total_s.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 import numpy as np
@@ -49,17 +50,18 @@ def _greedy_slots(costs: np.ndarray, D: int, M: int, S: int) -> np.ndarray:
 
 def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
     """Greedy LPT under a cardinality constraint: items by descending cost (stable: ties keep their
-    order, so plans are deterministic), each to the least-loaded bin that still has room.
-    Returns int[bins, per_bin] item ids."""
+    order, so plans are deterministic), each to the least-loaded bin that still has room (ties: the
+    lowest bin). Returns int[bins, per_bin] item ids."""
     out = np.empty((bins, per_bin), dtype=np.int64)
-    load = np.zeros(bins)
-    count = np.zeros(bins, dtype=np.int64)
-    for item in items[np.argsort(-costs[items], kind="stable")]:
-        open_bins = np.flatnonzero(count < per_bin)
-        chosen = open_bins[np.argmin(load[open_bins])]
+    heap = [(0.0, b) for b in range(bins)]  # (load, bin) of the bins with room; already a heap
+    count = [0] * bins
+    ordered = items[np.argsort(-costs[items], kind="stable")]
+    for item, cost in zip(ordered.tolist(), costs[ordered].tolist()):
+        load, chosen = heapq.heappop(heap)
         out[chosen, count[chosen]] = item
         count[chosen] += 1
-        load[chosen] += costs[item]
+        if count[chosen] < per_bin:
+            heapq.heappush(heap, (load + cost, chosen))
     return out
 
 

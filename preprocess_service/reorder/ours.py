@@ -1,20 +1,26 @@
-"""Our whole-batch planner: vector balancing, microbatch formation, and a simulator-in-the-loop
-local search within a time budget.
+"""Our whole-batch planner: balancing the loads a 1F1B pipeline really waits on, as a vector;
+microbatch formation; and a local search with the exact simulator in the loop, within a time budget.
 
-1. Ranks: every sequence has a work vector over the P pipeline stages (forward + backward seconds
-   of the module share each stage runs). Sequences, largest bottleneck first, go to the rank (with
-   room: M*S per rank) whose worst stage stays lowest, so encoder, backbone and generator loads are
-   balanced as a vector, not as their sum.
-2. Microbatches: each rank's sequences are dealt the same way into M microbatches of S, so the
-   stage times of its microbatches come out even (which sequences share a microbatch is decided
-   here, not inherited from arrival order).
+What a rank's makespan is made of (bounds.py): for every stage, its work plus the fill before and
+the drain after it; and for every stage s together with the last stage, both their works minus
+what 1F1B lets overlap (a heavy generator microbatch stalls the backbone stages, because only
+P - s microbatches can be in flight at stage s). Each of these is a sum over the rank's sequences,
+so a sequence is a vector of loads, one per term, and the makespan is close to the largest term.
+
+1. Ranks: sequences are dealt in rounds of D, heaviest first: each round's heaviest sequence goes to
+   the rank whose largest term is lowest, and so on, so every rank gets M*S sequences and the terms
+   are balanced as a vector, not as their sum.
+2. Microbatches: each rank's sequences are dealt the same way into M microbatches of S (by stage
+   times), so the stage times of its microbatches come out even.
 3. Order: cheapest fill first, cheapest drain last, the rest by the paper's organ pipe.
-   Steps 1-3 are one starting plan; the scalar `lpt` + `paper` plan is the other; the search
-   starts from whichever the simulator says is faster, so ours is never worse than `lpt`.
-4. Local search on the exact (vectorised) 1F1B simulator, always on the currently slowest rank:
-   reorder its microbatches (swap two positions) or swap one of its sequences with one of a fast
-   rank's; the best improving candidate of each round is kept, until no move improves or the budget
-   is spent. Ranks meet at the all-reduce, so the objective is the slowest rank's makespan.
+   Steps 1-3 are one starting plan; the scalar ``lpt`` + ``paper`` plan is the other; the search
+   starts from whichever the simulator says is faster, so ours is never worse than ``lpt``.
+4. Local search, always on the currently slowest rank: swap two of its microbatches in the order,
+   swap two of its sequences between microbatches, or swap one of its sequences with another rank's.
+   Every candidate is screened with the vectorised makespan bound (bounds.pipeline_lower_bounds,
+   tight in practice and cheap for thousands of candidates); the most promising are run through the
+   exact simulator, and the best real improvement is kept, until none is left or the budget is spent.
+   Ranks meet only at the gradient all-reduce, so the objective is the slowest rank's makespan.
 """
 
 from __future__ import annotations
@@ -24,24 +30,52 @@ import time
 import numpy as np
 
 from preprocess_service import reorder
+from preprocess_service.bounds import pipeline_lower_bounds
 from preprocess_service.simulate import makespans
 
+EXACT_PER_ROUND = 16
+"""Candidates per round that pass the screen and run through the exact simulator."""
 
-def _vector_lpt(work: np.ndarray, items: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
-    """int[bins, per_bin]: items (rows of work float[n, P]) largest bottleneck first, each to the
-    bin with room whose worst stage after adding it is lowest (ties: lowest total)."""
-    out = np.empty((bins, per_bin), dtype=np.int64)
-    load = np.zeros((bins, work.shape[1]))
-    count = np.zeros(bins, dtype=np.int64)
-    key = work[items].max(axis=1) + 1e-9 * work[items].sum(axis=1)
-    for item in items[np.argsort(-key, kind="stable")]:
-        trial = load + work[item]
-        score = trial.max(axis=1) + 1e-6 * trial.sum(axis=1)
-        score[count >= per_bin] = np.inf
-        chosen = int(np.argmin(score))
-        out[chosen, count[chosen]] = item
-        count[chosen] += 1
-        load[chosen] = trial[chosen]
+
+def _load_terms(seq_fwd: np.ndarray, seq_bwd: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence loads float[B, K] and per-rank offsets float[K] of the makespan's terms (module
+    docstring): stage work, and stage s coupled with the last stage, with the overlap window of a
+    typical microbatch. Duplicate terms (identical backbone stages) are dropped."""
+    P = seq_fwd.shape[0]
+    work = seq_fwd + seq_bwd
+    fill = np.cumsum(seq_fwd, axis=0) - seq_fwd
+    drain = np.cumsum(seq_bwd, axis=0) - seq_bwd
+    around = S * (np.median(fill, axis=1) + np.median(drain, axis=1))
+    terms, offsets = list(work), list(around)
+    last = work[-1]
+    for s in range(P - 1):
+        cap = (P - s - 1) * S * work[s].mean()
+        terms.append(work[s] + last - np.minimum(last, cap))
+        offsets.append(around[s])
+    loads = np.stack(terms, axis=1)
+    _, keep = np.unique(np.round(np.vstack([loads, offsets]), 12), axis=1, return_index=True)
+    keep = np.sort(keep)
+    return loads[:, keep], np.asarray(offsets)[keep]
+
+
+def _deal_rounds(loads: np.ndarray, offsets: np.ndarray, items: np.ndarray, bins: int) -> np.ndarray:
+    """items int[G, bins * per_bin] (G independent groups) -> int[G, bins, per_bin].
+
+    Round j takes each group's next ``bins`` heaviest items (by their largest term) and gives the
+    heaviest to the bin whose largest term is lowest so far, the next to the next, and so on: every
+    bin gets one item per round, so counts stay equal, and vectorised over groups and bins."""
+    G, n = items.shape
+    per_bin = n // bins
+    key = loads[items].max(axis=2)  # [G, n]
+    ordered = np.take_along_axis(items, np.argsort(-key, axis=1, kind="stable"), axis=1)
+    acc = np.broadcast_to(offsets, (G, bins, len(offsets))).copy()
+    out = np.empty((G, bins, per_bin), dtype=np.int64)
+    rows = np.arange(G)[:, None]
+    for j in range(per_bin):
+        chunk = ordered[:, j * bins:(j + 1) * bins]  # heaviest first
+        lightest = np.argsort(acc.max(axis=2), axis=1, kind="stable")  # [G, bins]
+        out[rows, lightest, j] = chunk
+        acc[rows, lightest] += loads[chunk]
     return out
 
 
@@ -61,79 +95,14 @@ def _initial_order(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     return np.array(order)
 
 
-class _State:
-    """A plan under search: plan int[D, M, S] plus cached per-rank stage times and makespans."""
-
-    def __init__(self, plan: np.ndarray, seq_fwd: np.ndarray, seq_bwd: np.ndarray, latency: float):
-        self.plan, self.seq_fwd, self.seq_bwd, self.latency = plan, seq_fwd, seq_bwd, latency
-        self.makespan = makespans(*self.times(plan), latency)
-
-    def times(self, plans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """plans int[R, M, S] -> stage times float[R, P, M] (fwd, bwd)."""
-        fwd = self.seq_fwd[:, plans].sum(axis=-1).transpose(1, 0, 2)
-        bwd = self.seq_bwd[:, plans].sum(axis=-1).transpose(1, 0, 2)
-        return fwd, bwd
-
-
-def _order_moves(state: _State, rank: int) -> np.ndarray:
-    """Candidate plans of ``rank`` with two microbatch positions swapped: int[K, M, S]."""
-    M = state.plan.shape[1]
-    pairs = [(i, j) for i in range(M) for j in range(i + 1, M)]
-    cands = np.repeat(state.plan[rank][None], len(pairs), axis=0)
-    for k, (i, j) in enumerate(pairs):
-        cands[k, [i, j]] = cands[k, [j, i]]
-    return cands
-
-
-def _swap_moves(state: _State, slow: int, fast: int, rng: np.random.Generator, limit: int):
-    """Candidate (slow, fast) plan pairs with one sequence exchanged between the two ranks."""
-    M, S = state.plan.shape[1:]
-    n = M * S
-    pairs = np.array([(a, b) for a in range(n) for b in range(n)])
-    if len(pairs) > limit:
-        pairs = pairs[rng.choice(len(pairs), limit, replace=False)]
-    slow_c = np.repeat(state.plan[slow].reshape(1, n), len(pairs), axis=0)
-    fast_c = np.repeat(state.plan[fast].reshape(1, n), len(pairs), axis=0)
-    rows = np.arange(len(pairs))
-    a, b = pairs[:, 0], pairs[:, 1]
-    slow_c[rows, a], fast_c[rows, b] = state.plan[fast].ravel()[b], state.plan[slow].ravel()[a]
-    return slow_c.reshape(-1, M, S), fast_c.reshape(-1, M, S)
-
-
-def _improve_once(state: _State, rng: np.random.Generator, swap_limit: int) -> bool:
-    slow = int(np.argmax(state.makespan))
-    current = state.makespan[slow]
-    best_gain, best = 0.0, None
-    orders = _order_moves(state, slow)
-    if len(orders):
-        spans = makespans(*state.times(orders), state.latency)
-        k = int(np.argmin(spans))
-        if current - spans[k] > best_gain:
-            best_gain, best = current - spans[k], ((slow, orders[k], spans[k]),)
-    for fast in np.argsort(state.makespan)[:2]:
-        if fast == slow:
-            continue
-        slow_c, fast_c = _swap_moves(state, slow, int(fast), rng, swap_limit)
-        spans = makespans(*state.times(np.concatenate([slow_c, fast_c])), state.latency)
-        worst = np.maximum(spans[:len(slow_c)], spans[len(slow_c):])
-        k = int(np.argmin(worst))
-        if current - worst[k] > best_gain:
-            best_gain = current - worst[k]
-            best = ((slow, slow_c[k], spans[k]), (int(fast), fast_c[k], spans[len(slow_c) + k]))
-    if best is None or best_gain <= 1e-12 * current:
-        return False
-    for rank, plan, span in best:
-        state.plan[rank], state.makespan[rank] = plan, span
-    return True
-
-
 def _vector_start(seq_fwd: np.ndarray, seq_bwd: np.ndarray, D: int, M: int, S: int) -> np.ndarray:
-    work = (seq_fwd + seq_bwd).T
-    plan = np.empty((D, M, S), dtype=np.int64)
-    for rank, items in enumerate(_vector_lpt(work, np.arange(D * M * S), D, M * S)):
-        mbs = _vector_lpt(work, items, M, S)
-        fwd, bwd = seq_fwd[:, mbs].sum(axis=-1), seq_bwd[:, mbs].sum(axis=-1)
-        plan[rank] = mbs[_initial_order(fwd, bwd)]
+    loads, offsets = _load_terms(seq_fwd, seq_bwd, S)
+    ranks = _deal_rounds(loads, offsets, np.arange(D * M * S)[None], D)[0]  # [D, M*S]
+    stage_work = (seq_fwd + seq_bwd).T
+    plan = _deal_rounds(stage_work, np.zeros(stage_work.shape[1]), ranks, M)  # [D, M, S]
+    for rank in range(D):
+        fwd, bwd = seq_fwd[:, plan[rank]].sum(axis=-1), seq_bwd[:, plan[rank]].sum(axis=-1)
+        plan[rank] = plan[rank][_initial_order(fwd, bwd)]
     return plan
 
 
@@ -142,14 +111,115 @@ def _scalar_start(instance) -> np.ndarray:
                               inter="paper", rng=None)
 
 
-def plan_ours(instance, rng: np.random.Generator, budget_s: float = 0.03, swap_limit: int = 256) -> np.ndarray:
+class _Search:
+    """A plan under search: plan int[D, M, S] plus every rank's exact makespan."""
+
+    def __init__(self, plan: np.ndarray, seq_fwd: np.ndarray, seq_bwd: np.ndarray, latency: float,
+                 rng: np.random.Generator, sample: int):
+        self.plan, self.seq_fwd, self.seq_bwd, self.latency = plan, seq_fwd, seq_bwd, latency
+        self.rng, self.sample = rng, sample
+        self.makespan = makespans(*self.times(plan), latency)
+
+    def times(self, plans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """plans int[R, M, S] -> stage times float[R, P, M] (fwd, bwd)."""
+        fwd = self.seq_fwd[:, plans].sum(axis=-1).transpose(1, 0, 2)
+        bwd = self.seq_bwd[:, plans].sum(axis=-1).transpose(1, 0, 2)
+        return fwd, bwd
+
+    def _pairs(self, n: int, m: int, *, distinct: bool) -> np.ndarray:
+        """Up to ``sample`` index pairs (a < n, b < m), all of them when there are few enough."""
+        total = n * m
+        if total <= self.sample:
+            a, b = np.divmod(np.arange(total), m)
+        else:
+            a, b = self.rng.integers(0, n, self.sample), self.rng.integers(0, m, self.sample)
+        keep = a < b if distinct else np.ones(a.shape, dtype=bool)
+        return np.column_stack([a[keep], b[keep]])
+
+    def _own_moves(self, slow: int) -> np.ndarray:
+        """Plans of ``slow`` with two microbatches swapped in the order, or two of its sequences
+        swapped between microbatches: int[K, M, S]."""
+        M, S = self.plan.shape[1:]
+        mine = self.plan[slow]
+        pairs = self._pairs(M, M, distinct=True)
+        order = np.repeat(mine[None], len(pairs), axis=0)
+        rows = np.arange(len(pairs))
+        order[rows, pairs[:, 0]], order[rows, pairs[:, 1]] = mine[pairs[:, 1]], mine[pairs[:, 0]]
+        if S == 1:
+            return order
+        pos = self._pairs(M * S, M * S, distinct=True)
+        pos = pos[pos[:, 0] // S != pos[:, 1] // S]
+        flat = np.repeat(mine.reshape(1, -1), len(pos), axis=0)
+        rows = np.arange(len(pos))
+        flat[rows, pos[:, 0]], flat[rows, pos[:, 1]] = mine.ravel()[pos[:, 1]], mine.ravel()[pos[:, 0]]
+        return np.concatenate([order, flat.reshape(-1, M, S)])
+
+    def _swap_moves(self, slow: int, partners: np.ndarray):
+        """(slow plans, partner plans, partner ids) with one sequence exchanged between ``slow`` and
+        a partner rank."""
+        M, S = self.plan.shape[1:]
+        n = M * S
+        pairs = self._pairs(n, n * len(partners), distinct=False)
+        who = partners[pairs[:, 1] // n]
+        a, b = pairs[:, 0], pairs[:, 1] % n
+        flat = self.plan.reshape(len(self.plan), n)
+        slow_c = np.repeat(flat[slow][None], len(pairs), axis=0)
+        other_c = flat[who].copy()
+        rows = np.arange(len(pairs))
+        slow_c[rows, a], other_c[rows, b] = flat[who, b], flat[slow, a]
+        return slow_c.reshape(-1, M, S), other_c.reshape(-1, M, S), who
+
+    def improve(self) -> bool:
+        """One round on the slowest rank; False when no candidate improves it (a local optimum)."""
+        D = len(self.plan)
+        slow = int(np.argmax(self.makespan))
+        current = self.makespan[slow]
+        own = self._own_moves(slow)
+        candidates = [(own, None, None)]
+        if D > 1:
+            others = np.flatnonzero(np.arange(D) != slow)
+            fastest = others[np.argsort(self.makespan[others])[:4]]
+            extra = self.rng.choice(others, size=min(4, len(others)), replace=False)
+            candidates.append(self._swap_moves(slow, np.unique(np.concatenate([fastest, extra]))))
+        # Screen: the bound of the new worst of the ranks a move touches.
+        screened = []
+        for mine, theirs, who in candidates:
+            score = pipeline_lower_bounds(*self.times(mine), self.latency)
+            if theirs is not None:
+                score = np.maximum(score, pipeline_lower_bounds(*self.times(theirs), self.latency))
+            screened.append(score)
+        scores = np.concatenate(screened)
+        top = np.argsort(scores, kind="stable")[:EXACT_PER_ROUND]
+        top = top[scores[top] < current * (1 - 1e-12)]
+        if not len(top):
+            return False
+        own_n = len(own)
+        mine = np.concatenate([own, candidates[1][0]]) if D > 1 else own
+        exact_mine = makespans(*self.times(mine[top]), self.latency)
+        swap = top >= own_n
+        exact_theirs = np.zeros(len(top))
+        if swap.any():
+            theirs, who = candidates[1][1], candidates[1][2]
+            exact_theirs[swap] = makespans(*self.times(theirs[top[swap] - own_n]), self.latency)
+        worst = np.maximum(exact_mine, exact_theirs)
+        k = int(np.argmin(worst))
+        if worst[k] >= current * (1 - 1e-12):
+            return False
+        self.plan[slow], self.makespan[slow] = mine[top[k]], exact_mine[k]
+        if swap[k]:
+            j = top[k] - own_n
+            self.plan[who[j]], self.makespan[who[j]] = theirs[j], exact_theirs[k]
+        return True
+
+
+def plan_ours(instance, rng: np.random.Generator, budget_s: float = 0.035, sample: int = 512) -> np.ndarray:
     """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring)."""
     start = time.perf_counter()
     D, M, S, model = instance.D, instance.M, instance.S, instance.model
     seq_fwd, seq_bwd = model.stage_times(instance.costs)  # float[P, B]
     starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance)]
-    states = [_State(plan, seq_fwd, seq_bwd, model.p2p_latency) for plan in starts]
-    state = min(states, key=lambda st: st.makespan.max())
-    while time.perf_counter() - start < budget_s and _improve_once(state, rng, swap_limit):
+    searches = [_Search(plan, seq_fwd, seq_bwd, model.p2p_latency, rng, sample) for plan in starts]
+    search = min(searches, key=lambda s: s.makespan.max())
+    while time.perf_counter() - start < budget_s and search.improve():
         pass
-    return state.plan
+    return search.plan

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from preprocess_service import reorder
-from preprocess_service.bounds import batch_lower_bound, rank_lower_bound, slot_lower_bound
+from preprocess_service.bounds import batch_lower_bound, pipeline_lower_bounds, rank_lower_bound, slot_lower_bound
 from preprocess_service.simulate import (StageModel, iteration_time, makespans, rank_makespan, simulate_1f1b,
                                          stage_order)
 
@@ -105,3 +105,57 @@ def test_vectorised_makespans_equal_the_exact_event_simulator(P, M):
     fast = makespans(fwd, bwd, 0.03)
     exact = [simulate_1f1b(fwd[r], bwd[r], 0.03).makespan for r in range(6)]
     np.testing.assert_allclose(fast, exact, rtol=1e-12)
+
+
+def _generator_heavy(rng, B):
+    """Per-sequence module times where most sequences have nothing to generate and a few a lot:
+    the case where 1F1B's coupling of the last stage, not any stage's total, sets the makespan."""
+    return np.column_stack([rng.lognormal(-3, 1, B), rng.uniform(0.9, 1.1, B),
+                            rng.choice([0.0, 0.3, 2.0], B, p=[0.6, 0.25, 0.15])])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_screening_bound_holds_for_fixed_orders_and_equals_the_rank_bound(seed):
+    rng = np.random.default_rng(seed)
+    R, P, M = 40, 1 + seed, 2 + 3 * seed
+    fwd = rng.lognormal(0, 1, (R, P, M)) * (rng.random((R, P, M)) < 0.7)
+    bwd = 2 * fwd
+    bounds = pipeline_lower_bounds(fwd, bwd, 0.01)
+    assert np.all(bounds <= makespans(fwd, bwd, 0.01) + 1e-9)
+    assert bounds[3] == pytest.approx(rank_lower_bound(fwd[3], bwd[3], 0.01))
+
+
+@pytest.mark.parametrize("S,stage_map", [(1, ("bb/2", "bb/2", "gen")), (2, ("enc", "bb", "gen"))])
+def test_batch_bound_is_below_the_optimum_over_every_plan(S, stage_map):
+    """Every assignment and order of a tiny batch (S=1), or 20000 random ones (S=2), run through the
+    exact simulator."""
+    rng = np.random.default_rng(S)
+    D, M = 2, 3
+    B = D * M * S
+    model = StageModel(stage_map=stage_map, p2p_latency=0.001)
+    seq = _generator_heavy(rng, B)
+    fwd, bwd = model.stage_times(seq)
+    if S == 1:
+        plans = np.array(list(itertools.permutations(range(B))))
+    else:
+        plans = np.array([rng.permutation(B) for _ in range(20000)])
+    plans = plans.reshape(len(plans) * D, M, S)
+    spans = makespans(fwd[:, plans].sum(-1).transpose(1, 0, 2), bwd[:, plans].sum(-1).transpose(1, 0, 2),
+                      model.p2p_latency).reshape(-1, D).max(axis=1)
+    assert batch_lower_bound(seq, model, D=D, M=M, S=S) <= spans.min() + 1e-9
+
+
+def test_coupling_bound_sees_the_stall_a_stage_load_bound_misses():
+    """One generator-heavy microbatch on a backbone-bound rank: the generator's time cannot hide
+    behind backbone work, because the backbone stage before it may hold only two microbatches."""
+    model = StageModel(stage_map=("bb/2", "bb/2", "gen"), bwd_factor=(2.0, 2.0, 2.0))
+    mb = np.array([[0.0, 1.0, 0.0]] * 8)
+    mb[4, 2] = 3.0
+    fwd, bwd = model.stage_times(mb)
+    exact = simulate_1f1b(fwd, bwd).makespan
+    work = (fwd + bwd).sum(axis=1).max()
+    bound = rank_lower_bound(fwd, bwd)
+    assert work < 0.7 * exact  # the busiest stage alone explains little of it
+    assert 0.97 * exact <= bound <= exact + 1e-9
+    seq = np.repeat(mb, 1, axis=0)
+    assert batch_lower_bound(seq, model, D=1, M=8, S=1) >= 0.9 * exact

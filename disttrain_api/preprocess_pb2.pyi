@@ -61,7 +61,7 @@ class CostSpec(_message.Message):
     def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "intra_algorithm", "inter_algorithm", "pack_window", "image", "cost")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,11 +71,11 @@ class JobSpec(_message.Message):
     NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_BUFFER_FIELD_NUMBER: _ClassVar[int]
     NO_SHARD_SHUFFLE_FIELD_NUMBER: _ClassVar[int]
-    INTRA_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
-    INTER_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     PACK_WINDOW_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    REORDER_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MAP_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -85,12 +85,12 @@ class JobSpec(_message.Message):
     num_epochs: int
     shuffle_buffer: int
     no_shard_shuffle: bool
-    intra_algorithm: str
-    inter_algorithm: str
     pack_window: int
     image: ImageSpec
     cost: CostSpec
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., intra_algorithm: _Optional[str] = ..., inter_algorithm: _Optional[str] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ...) -> None: ...
+    reorder_algorithm: str
+    stage_map: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenJobRequest(_message.Message):
     __slots__ = ("spec",)
@@ -233,17 +233,23 @@ class JobReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ...) -> None: ...
 
 class StepBalance(_message.Message):
-    __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples")
+    __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples", "iteration_s", "arrival_iteration_s", "lower_bound_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     RANK_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_S_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_ITERATION_S_FIELD_NUMBER: _ClassVar[int]
+    LOWER_BOUND_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     imbalance: float
     arrival_imbalance: float
     rank_load_s: _containers.RepeatedScalarFieldContainer[float]
     num_sequences: int
     num_samples: int
-    def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ...) -> None: ...
+    iteration_s: float
+    arrival_iteration_s: float
+    lower_bound_s: float
+    def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ..., iteration_s: _Optional[float] = ..., arrival_iteration_s: _Optional[float] = ..., lower_bound_s: _Optional[float] = ...) -> None: ...

@@ -32,15 +32,18 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=4, help="microbatches per rank per step")
     parser.add_argument("--seqs-per-microbatch", type=int, default=2, help="packed sequences per microbatch")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--intra", default="lpt", help="intra-microbatch algorithm (reorder.INTRA_ALGORITHMS)")
-    parser.add_argument("--inter", default="paper", help="inter-microbatch algorithm (reorder.INTER_ALGORITHMS)")
+    parser.add_argument("--reorder", default="ours",
+                        help="batch planner: ours (default), lpt, paper, arrival or random")
+    parser.add_argument("--stage-map", default="enc,bb,gen",
+                        help="the trainer's pipeline stages per rank, comma-separated (e.g. enc,bb/2,bb/2,gen)")
 
 
 def _job_config(args) -> JobConfig:
     shard_specs = args.shards or [str(p) for p in ensure_demo_dataset()]
     return JobConfig(shards=tuple(shard_specs), seq_len=args.seq_len, dp_size=args.dp_size,
                      num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
-                     seed=args.seed, intra_algorithm=args.intra, inter_algorithm=args.inter)
+                     seed=args.seed, reorder_algorithm=args.reorder,
+                     stage_map=tuple(args.stage_map.split(",")))
 
 
 def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:

@@ -63,17 +63,19 @@ def pipeline_lower_bounds(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float =
     work = fwd.sum(axis=2) + bwd.sum(axis=2)  # [R, P]
     best = np.maximum((work + fill + drain).max(axis=1),
                       (fwd + bwd).sum(axis=1).max(axis=1) + 2 * (P - 1) * p2p_latency)
+    if P == 1:
+        return best
     last = fwd[:, -1] + bwd[:, -1]  # [R, M]
-    m = np.arange(M)
-    zero = np.zeros((R, 1))
-    for s in range(P - 1):
-        window = P - s - 1
-        b_cum = np.concatenate([zero, np.cumsum(bwd[:, s], axis=1)], axis=1)  # b_cum[k] = sum B(0..k-1)
-        f_cum = np.concatenate([zero, np.cumsum(fwd[:, s], axis=1)], axis=1)
-        cap = (b_cum[:, m] - b_cum[:, np.maximum(m - window, 0)]
-               + f_cum[:, np.minimum(m + 1 + window, M)] - f_cum[:, m + 1])
-        overlap = np.minimum(last, cap).sum(axis=1)
-        best = np.maximum(best, fill[:, s] + drain[:, s] + work[:, s] + work[:, -1] - overlap)
+    stage, m = np.arange(P - 1)[:, None], np.arange(M)[None, :]  # all coupled stages at once
+    window = P - 1 - stage
+    zero = np.zeros((R, P - 1, 1))
+    b_cum = np.concatenate([zero, np.cumsum(bwd[:, :-1], axis=2)], axis=2)  # b_cum[k] = sum B(0..k-1)
+    f_cum = np.concatenate([zero, np.cumsum(fwd[:, :-1], axis=2)], axis=2)
+    cap = (b_cum[:, stage, m] - b_cum[:, stage, np.maximum(m - window, 0)]
+           + f_cum[:, stage, np.minimum(m + 1 + window, M)] - f_cum[:, stage, m + 1])  # [R, P-1, M]
+    overlap = np.minimum(last[:, None, :], cap).sum(axis=2)
+    coupled = fill[:, :-1] + drain[:, :-1] + work[:, :-1] + work[:, -1:] - overlap
+    return np.maximum(best, coupled.max(axis=1))
     return best
 
 

@@ -96,10 +96,12 @@ class JobConfig:
     """Samples in the seeded shuffle buffer (1 = keep shard order)."""
     shard_shuffle: bool = True
     """Shuffle the shard order per epoch (seeded)."""
-    intra_algorithm: str = "lpt"
-    """Registry name of the DP-rank balancing algorithm (reorder.INTRA_ALGORITHMS)."""
-    inter_algorithm: str = "paper"
-    """Registry name of the microbatch ordering algorithm (reorder.INTER_ALGORITHMS)."""
+    reorder_algorithm: str = "ours"
+    """Registry name of the batch planner (reorder.instance.PLANNERS): which rank trains on which
+    sequences, grouped into which microbatches, in which order."""
+    stage_map: tuple[str, ...] = ("enc", "bb", "gen")
+    """The trainer's pipeline stages, each running a module or a share of one ("bb/2"); the planner
+    simulates this 1F1B pipeline per DP rank."""
     pack_window: int = 8
     """Open sequences the best-fit packer fills at once (1 = sequential packing)."""
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -107,6 +109,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "stage_map", tuple(self.stage_map))
         _require(len(self.shards) > 0, "shards is empty: give at least one shard path or URL")
         for name in ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch",
                      "num_epochs", "shuffle_buffer", "pack_window"):
@@ -114,12 +117,25 @@ class JobConfig:
             _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
         _require(self.seq_len >= 16, f"seq_len must be at least 16 tokens, got {self.seq_len}")
         _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
-        from preprocess_service.reorder import INTER_ALGORITHMS, INTRA_ALGORITHMS
+        from preprocess_service.reorder.instance import PLANNERS
 
-        _require(self.intra_algorithm in INTRA_ALGORITHMS,
-                 f"unknown intra_algorithm {self.intra_algorithm!r}; known: {sorted(INTRA_ALGORITHMS)}")
-        _require(self.inter_algorithm in INTER_ALGORITHMS,
-                 f"unknown inter_algorithm {self.inter_algorithm!r}; known: {sorted(INTER_ALGORITHMS)}")
+        _require(self.reorder_algorithm in PLANNERS,
+                 f"unknown reorder_algorithm {self.reorder_algorithm!r}; known: {sorted(PLANNERS)}")
+        try:
+            self.stage_model()
+        except ValueError as exc:
+            raise ConfigError(f"stage_map {list(self.stage_map)}: {exc}") from None
+
+    def stage_model(self):
+        """The simulator's model of one DP rank's pipeline (simulate.StageModel)."""
+        from preprocess_service.simulate import StageModel
+
+        if not self.stage_map:
+            raise ValueError("at least one stage is needed")
+        cost = self.cost
+        return StageModel(stage_map=self.stage_map,
+                          bwd_factor=(0.0 if cost.enc_frozen else cost.enc_backward_factor,
+                                      cost.bb_backward_factor, cost.gen_backward_factor))
 
     @property
     def global_batch(self) -> int:

@@ -156,7 +156,7 @@ class Job:
 def _balance(plan: StepPlan) -> dict:
     imbalance, arrival = plan.imbalance()
     return {"step": plan.step, "imbalance": imbalance, "arrival_imbalance": arrival,
-            "rank_load_s": plan.rank_loads().tolist(),
+            "rank_load_s": plan.rank_loads().tolist(), **plan.simulation,
             "num_sequences": sum(1 for seq in plan.sequences if seq.documents),
             "num_samples": sum(1 for _ in plan.documents())}
 

@@ -2,7 +2,8 @@
 
 Hook order for every epoch: shard order (seeded) -> read -> parse_document (priced from
 metadata, bad samples skipped) -> shuffle buffer (seeded) -> pack -> price -> group B sequences
-into a global batch -> intra- and inter-microbatch reordering -> StepPlan. The plan of step k is
+into a global batch -> the job's batch planner (reorder.instance.PLANNERS: which rank, which
+microbatch, which order) -> StepPlan. The plan of step k is
 a function of the JobConfig and the data alone, so it can be rebuilt anywhere.
 
 The last global batch of an epoch may be short: it gets ceil(n / (D*S)) microbatches per rank,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from preprocess_service import reorder, shards
+from preprocess_service.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import SampleError
 from preprocess_service.packing import PackedSequence, pack_documents, price
@@ -38,6 +40,9 @@ class StepPlan:
     """int[D, M, S]: sequence indices per rank, microbatches in execution order."""
     baseline_assignment: np.ndarray
     """The same batch with no reordering, for reporting what reordering bought."""
+    simulation: dict
+    """iteration_s, arrival_iteration_s, lower_bound_s: the exact 1F1B simulator's verdict on the
+    plan and on the arrival order, and the batch's lower bound (cost-model seconds)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -61,6 +66,7 @@ class StepPlan:
         """(max/mean rank load with reordering, the same without)."""
         costs = self.costs()
         return reorder.imbalance(costs, self.assignment), reorder.imbalance(costs, self.baseline_assignment)
+
 
 
 class Planner:
@@ -111,9 +117,18 @@ class Planner:
         D, S = cfg.dp_size, cfg.seqs_per_microbatch
         M = min(cfg.num_microbatches, math.ceil(len(batch) / (D * S)))
         batch = batch + [PackedSequence(seq_len=cfg.seq_len) for _ in range(D * M * S - len(batch))]
-        costs = np.array([seq.cost.total_s for seq in batch])
-        assignment = reorder.plan_batch(costs, D=D, M=M, S=S, intra=cfg.intra_algorithm,
-                                        inter=cfg.inter_algorithm, rng=rng)
-        baseline = reorder.plan_batch(costs, D=D, M=M, S=S, intra="arrival", inter="arrival", rng=rng)
+        instance = batch_instance(batch, cfg, M)
+        assignment = PLANNERS[cfg.reorder_algorithm](instance, rng)
+        baseline = PLANNERS["arrival"](instance, rng)
+        planned = evaluate(instance, assignment)
+        simulation = {"iteration_s": planned["iteration_s"], "lower_bound_s": planned["lower_bound_s"],
+                      "arrival_iteration_s": evaluate(instance, baseline)["iteration_s"]}
         return StepPlan(step=step, epoch=epoch, sequences=batch, assignment=assignment,
-                        baseline_assignment=baseline)
+                        baseline_assignment=baseline, simulation=simulation)
+
+
+def batch_instance(batch: list[PackedSequence], config: JobConfig, num_microbatches: int) -> Instance:
+    """The reordering problem of one global batch: module forward times of each sequence."""
+    costs = np.array([(s.cost.encoder_s, s.cost.backbone_s, s.cost.generator_s) for s in batch], dtype=float)
+    return Instance(D=config.dp_size, M=num_microbatches, S=config.seqs_per_microbatch,
+                    model=config.stage_model(), costs=costs.reshape(len(batch), 3))

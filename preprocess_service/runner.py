@@ -126,7 +126,9 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
         skipped=[{"key": s.key, "shard": s.shard, "reason": s.reason, "kind": s.kind} for s in report.skipped],
         step_balance=[{"step": b.step, "imbalance": b.imbalance, "arrival_imbalance": b.arrival_imbalance,
                        "rank_load_s": list(b.rank_load_s), "num_sequences": b.num_sequences,
-                       "num_samples": b.num_samples} for b in report.step_balance],
+                       "num_samples": b.num_samples, "iteration_s": b.iteration_s,
+                       "arrival_iteration_s": b.arrival_iteration_s, "lower_bound_s": b.lower_bound_s}
+                      for b in report.step_balance],
         shard_keys=all_keys(list(info.shard_urls)), seconds=seconds)
 
 
@@ -182,7 +184,7 @@ def summary(result: RunResult, config: JobConfig) -> str:
     lines = [
         f"job {result.job_id}: dp_size={config.dp_size} microbatches={config.num_microbatches} "
         f"seqs/microbatch={config.seqs_per_microbatch} seq_len={config.seq_len} "
-        f"algorithms={config.intra_algorithm}+{config.inter_algorithm}",
+        f"reorder={config.reorder_algorithm} stages={','.join(config.stage_map)}",
         f"  wall time            {seconds:8.2f} s  (client processes, start to last microbatch)",
         f"  samples              {num_samples:8d}   {num_samples / seconds:9.1f} samples/s",
         f"  packed sequences     {num_sequences:8d}   {num_sequences / seconds:9.1f} sequences/s",
@@ -194,6 +196,10 @@ def summary(result: RunResult, config: JobConfig) -> str:
         planned = float(np.mean([b["imbalance"] for b in full]))
         lines.append(f"  DP imbalance (max/mean rank load, mean over {len(full)} full steps): "
                      f"no reordering {arrival:.3f} -> reordered {planned:.3f}")
+        sim = {k: float(np.sum([b[k] for b in full])) for k in ("arrival_iteration_s", "iteration_s", "lower_bound_s")}
+        lines.append(f"  simulated 1F1B time (cost model, sum over the same steps): no reordering "
+                     f"{sim['arrival_iteration_s']:.3f} s -> reordered {sim['iteration_s']:.3f} s; "
+                     f"lower bound {sim['lower_bound_s']:.3f} s")
     causes = ", ".join(f"{n} x {reason}" for reason, n in reasons.most_common())
     lines.append(f"  skipped              {len(result.skipped):8d}" + (f"   {causes}" if causes else ""))
     lines.append(f"  exactly-once: {'OK' if check['ok'] else 'FAILED'} ({check['delivered']} delivered once, "

@@ -10,7 +10,7 @@ from preprocess_service.config import CostConfig, ImageConfig, JobConfig
 # Scalar fields with the same name in JobSpec and JobConfig. The one boolean, no_shard_shuffle, is
 # negated by hand so that proto3's default false means our default (shuffle).
 _JOB_FIELDS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
-               "shuffle_buffer", "intra_algorithm", "inter_algorithm", "pack_window")
+               "shuffle_buffer", "reorder_algorithm", "pack_window")
 
 
 def _nonzero_fields(message, names) -> dict:
@@ -22,14 +22,16 @@ def config_from_spec(spec: pb.JobSpec) -> JobConfig:
     image = ImageConfig(**_nonzero_fields(spec.image, [f.name for f in dataclasses.fields(ImageConfig)]))
     cost_names = [f.name for f in dataclasses.fields(CostConfig)]
     cost = CostConfig(**_nonzero_fields(spec.cost, cost_names))
+    extra = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
     return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle,
-                     image=image, cost=cost, **_nonzero_fields(spec, _JOB_FIELDS))
+                     image=image, cost=cost, **extra, **_nonzero_fields(spec, _JOB_FIELDS))
 
 
 def spec_from_config(config: JobConfig) -> pb.JobSpec:
     """The fully specified proto form of a config."""
     return pb.JobSpec(
         shards=list(config.shards),
+        stage_map=list(config.stage_map),
         no_shard_shuffle=not config.shard_shuffle,
         image=pb.ImageSpec(**dataclasses.asdict(config.image)),
         cost=pb.CostSpec(**dataclasses.asdict(config.cost)),

@@ -62,3 +62,20 @@ def test_cli_plans_and_evaluates(tmp_path):
     unknown = subprocess.run([sys.executable, "-m", "preprocess_service.reorder", "plan", str(path), "--algorithm",
                               "magic", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "unknown algorithm 'magic'" in unknown.stderr
+
+
+@pytest.mark.parametrize("D,M,S", [(1, 1, 1), (1, 5, 2), (3, 1, 1), (2, 2, 3)])
+def test_every_planner_handles_degenerate_shapes(D, M, S):
+    inst = _instance(D=D, M=M, S=S)
+    for name in PLANNERS:
+        check_plan(inst, np.array(plan_instance(inst, name)["plan"]))
+
+
+def test_ours_is_deterministic_and_never_worse_than_lpt_or_paper():
+    for seed in range(3):
+        inst = _instance(D=4, M=6, S=2, seed=seed)
+        ours = plan_instance(inst, "ours", seed)["plan"]
+        assert ours == plan_instance(inst, "ours", seed)["plan"]
+        ours_s = evaluate(inst, np.array(ours))["iteration_s"]
+        for baseline in ("lpt", "paper"):
+            assert ours_s <= evaluate(inst, np.array(plan_instance(inst, baseline, seed)["plan"]))["iteration_s"] + 1e-12

@@ -16,9 +16,11 @@ from PIL import Image, ImageOps
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service import imaging, reorder, synth
+from preprocess_service import imaging, synth
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import ServiceUnavailableError
+from preprocess_service.planner import batch_instance
+from preprocess_service.reorder.instance import PLANNERS
 from preprocess_service.server import CHANNEL_OPTIONS, create_server
 from trainer import DataClient
 
@@ -95,12 +97,10 @@ def test_microbatches_arrive_in_the_planned_order(dataset, service):
         step = 0
         while (plan := job.step_plan(step)) is not None:
             # recompute the plan from the step's sequence costs, independently of the planner
-            costs = plan.costs()
-            D, M, S = plan.assignment.shape
-            again = reorder.plan_batch(costs, D=D, M=M, S=S, intra=config.intra_algorithm,
-                                       inter=config.inter_algorithm, rng=np.random.default_rng(0))
+            instance = batch_instance(plan.sequences, config, plan.num_microbatches)
+            again = PLANNERS[config.reorder_algorithm](instance, np.random.default_rng([config.seed, step, 0xB47C]))
             assert (again == plan.assignment).all()
-            for index in range(M):
+            for index in range(plan.num_microbatches):
                 expected.append((step, index, [d.key for s in plan.microbatch(rank, index) for d in s.documents]))
             step += 1
         got = [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in mbs]
@@ -247,7 +247,7 @@ def test_bad_requests_get_the_right_status_codes(dataset, service):
     address, _ = service
     stub = pb_grpc.PreprocessStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
     with pytest.raises(grpc.RpcError) as info:
-        stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], intra_algorithm="magic")))
+        stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], reorder_algorithm="magic")))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "magic" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=["/nonexistent/x.tar"])))

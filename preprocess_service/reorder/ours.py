@@ -112,19 +112,17 @@ def _scalar_start(instance) -> np.ndarray:
 
 
 class _Search:
-    """A plan under search: plan int[D, M, S] plus every rank's exact makespan."""
+    """A plan under search: plan int[D, M, S], every rank's stage times float[D, P, M] (fwd, bwd)
+    and exact makespan. Candidate moves are built as stage times directly (a move changes one or
+    two microbatch columns), so thousands of them cost a few array operations."""
 
     def __init__(self, plan: np.ndarray, seq_fwd: np.ndarray, seq_bwd: np.ndarray, latency: float,
                  rng: np.random.Generator, sample: int):
         self.plan, self.seq_fwd, self.seq_bwd, self.latency = plan, seq_fwd, seq_bwd, latency
         self.rng, self.sample = rng, sample
-        self.makespan = makespans(*self.times(plan), latency)
-
-    def times(self, plans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """plans int[R, M, S] -> stage times float[R, P, M] (fwd, bwd)."""
-        fwd = self.seq_fwd[:, plans].sum(axis=-1).transpose(1, 0, 2)
-        bwd = self.seq_bwd[:, plans].sum(axis=-1).transpose(1, 0, 2)
-        return fwd, bwd
+        self.fwd = seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
+        self.bwd = seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
+        self.makespan = makespans(self.fwd, self.bwd, latency)
 
     def _pairs(self, n: int, m: int, *, distinct: bool) -> np.ndarray:
         """Up to ``sample`` index pairs (a < n, b < m), all of them when there are few enough."""
@@ -136,90 +134,144 @@ class _Search:
         keep = a < b if distinct else np.ones(a.shape, dtype=bool)
         return np.column_stack([a[keep], b[keep]])
 
-    def _own_moves(self, slow: int) -> np.ndarray:
-        """Plans of ``slow`` with two microbatches swapped in the order, or two of its sequences
-        swapped between microbatches: int[K, M, S]."""
-        M, S = self.plan.shape[1:]
-        mine = self.plan[slow]
-        pairs = self._pairs(M, M, distinct=True)
-        order = np.repeat(mine[None], len(pairs), axis=0)
-        rows = np.arange(len(pairs))
-        order[rows, pairs[:, 0]], order[rows, pairs[:, 1]] = mine[pairs[:, 1]], mine[pairs[:, 0]]
-        if S == 1:
-            return order
-        pos = self._pairs(M * S, M * S, distinct=True)
-        pos = pos[pos[:, 0] // S != pos[:, 1] // S]
-        flat = np.repeat(mine.reshape(1, -1), len(pos), axis=0)
-        rows = np.arange(len(pos))
-        flat[rows, pos[:, 0]], flat[rows, pos[:, 1]] = mine.ravel()[pos[:, 1]], mine.ravel()[pos[:, 0]]
-        return np.concatenate([order, flat.reshape(-1, M, S)])
+    def _exchange(self, rank: int, pos: np.ndarray, new_ids: np.ndarray):
+        """Stage times of ``rank`` with the sequence at flat position pos[k] replaced by new_ids[k]."""
+        S = self.plan.shape[2]
+        old_ids = self.plan[rank].ravel()[pos]
+        rows, cols = np.arange(len(pos)), pos // S
+        out = []
+        for base, seq in ((self.fwd, self.seq_fwd), (self.bwd, self.seq_bwd)):
+            times = np.repeat(base[rank][None], len(pos), axis=0)
+            times[rows, :, cols] += (seq[:, new_ids] - seq[:, old_ids]).T
+            out.append(times)
+        return out
 
-    def _swap_moves(self, slow: int, partners: np.ndarray):
-        """(slow plans, partner plans, partner ids) with one sequence exchanged between ``slow`` and
-        a partner rank."""
-        M, S = self.plan.shape[1:]
-        n = M * S
-        pairs = self._pairs(n, n * len(partners), distinct=False)
-        who = partners[pairs[:, 1] // n]
-        a, b = pairs[:, 0], pairs[:, 1] % n
-        flat = self.plan.reshape(len(self.plan), n)
-        slow_c = np.repeat(flat[slow][None], len(pairs), axis=0)
-        other_c = flat[who].copy()
-        rows = np.arange(len(pairs))
-        slow_c[rows, a], other_c[rows, b] = flat[who, b], flat[slow, a]
-        return slow_c.reshape(-1, M, S), other_c.reshape(-1, M, S), who
-
-    def improve(self) -> bool:
-        """One round on the slowest rank; False when no candidate improves it (a local optimum)."""
-        D = len(self.plan)
-        slow = int(np.argmax(self.makespan))
-        current = self.makespan[slow]
-        own = self._own_moves(slow)
-        candidates = [(own, None, None)]
-        if D > 1:
+    def _moves(self, slow: int) -> list[tuple]:
+        """Candidate moves on the slowest rank, as (kind, args, stage times of the touched ranks)."""
+        D, M, S = self.plan.shape
+        moves = []
+        pairs = self._pairs(M, M, distinct=True)  # swap two microbatches in the order
+        if len(pairs):
+            rows = np.arange(len(pairs))
+            times = []
+            for base in (self.fwd, self.bwd):
+                t = np.repeat(base[slow][None], len(pairs), axis=0)
+                t[rows, :, pairs[:, 0]], t[rows, :, pairs[:, 1]] = base[slow][:, pairs[:, 1]].T, base[slow][:, pairs[:, 0]].T
+                times.append(t)
+            moves.append(("order", pairs, times, None))
+        flat = self.plan[slow].ravel()
+        if S > 1:  # swap two of its sequences between microbatches
+            pos = self._pairs(M * S, M * S, distinct=True)
+            pos = pos[pos[:, 0] // S != pos[:, 1] // S]
+            if len(pos):
+                f1, b1 = self._exchange(slow, pos[:, 0], flat[pos[:, 1]])
+                rows, cols = np.arange(len(pos)), pos[:, 1] // S
+                f1[rows, :, cols] += (self.seq_fwd[:, flat[pos[:, 0]]] - self.seq_fwd[:, flat[pos[:, 1]]]).T
+                b1[rows, :, cols] += (self.seq_bwd[:, flat[pos[:, 0]]] - self.seq_bwd[:, flat[pos[:, 1]]]).T
+                moves.append(("inside", pos, (f1, b1), None))
+        if D > 1:  # swap one of its sequences with one of another rank's
             others = np.flatnonzero(np.arange(D) != slow)
             fastest = others[np.argsort(self.makespan[others])[:4]]
             extra = self.rng.choice(others, size=min(4, len(others)), replace=False)
-            candidates.append(self._swap_moves(slow, np.unique(np.concatenate([fastest, extra]))))
-        # Screen: the bound of the new worst of the ranks a move touches.
-        screened = []
-        for mine, theirs, who in candidates:
-            score = pipeline_lower_bounds(*self.times(mine), self.latency)
+            partners = np.unique(np.concatenate([fastest, extra]))
+            n = M * S
+            pairs = self._pairs(n, n * len(partners), distinct=False)
+            who, a, b = partners[pairs[:, 1] // n], pairs[:, 0], pairs[:, 1] % n
+            theirs_ids = self.plan.reshape(D, n)[who, b]
+            mine = self._exchange(slow, a, theirs_ids)
+            theirs = []
+            for base, seq in ((self.fwd, self.seq_fwd), (self.bwd, self.seq_bwd)):
+                t = base[who].copy()
+                t[np.arange(len(who)), :, b // S] += (seq[:, flat[a]] - seq[:, theirs_ids]).T
+                theirs.append(t)
+            moves.append(("across", np.column_stack([who, a, b]), mine, theirs))
+        return moves
+
+    def _apply(self, slow: int, kind: str, args: np.ndarray) -> None:
+        D, M, S = self.plan.shape
+        if kind == "order":
+            i, j = args
+            self.plan[slow, [i, j]] = self.plan[slow, [j, i]]
+        elif kind == "inside":
+            flat = self.plan[slow].reshape(-1)
+            flat[[args[0], args[1]]] = flat[[args[1], args[0]]]
+        else:
+            who, a, b = (int(x) for x in args)
+            mine, theirs = self.plan[slow].reshape(-1), self.plan[who].reshape(-1)
+            mine[a], theirs[b] = theirs[b], mine[a]
+
+    def _refresh(self, rank: int, fwd: np.ndarray, bwd: np.ndarray, span: float) -> None:
+        self.fwd[rank], self.bwd[rank], self.makespan[rank] = fwd, bwd, span
+
+    def improve(self) -> bool:
+        """One round on the slowest rank; False when no candidate improves it (a local optimum)."""
+        slow = int(np.argmax(self.makespan))
+        current = self.makespan[slow] * (1 - 1e-12)
+        moves = self._moves(slow)
+        if not moves:
+            return False
+        # Screen every candidate with the bound of the new worst of the ranks it touches ...
+        scores = []
+        for _, _, (f, b), theirs in moves:
+            score = pipeline_lower_bounds(f, b, self.latency)
             if theirs is not None:
-                score = np.maximum(score, pipeline_lower_bounds(*self.times(theirs), self.latency))
-            screened.append(score)
-        scores = np.concatenate(screened)
-        top = np.argsort(scores, kind="stable")[:EXACT_PER_ROUND]
-        top = top[scores[top] < current * (1 - 1e-12)]
+                score = np.maximum(score, pipeline_lower_bounds(*theirs, self.latency))
+            scores.append(score)
+        flat_scores = np.concatenate(scores)
+        owner = np.repeat(np.arange(len(moves)), [len(s) for s in scores])
+        index = np.concatenate([np.arange(len(s)) for s in scores])
+        top = np.argsort(flat_scores, kind="stable")[:EXACT_PER_ROUND]
+        top = top[flat_scores[top] < current]
+        # ... and run the most promising through the exact simulator, in one batch.
         if not len(top):
             return False
-        own_n = len(own)
-        mine = np.concatenate([own, candidates[1][0]]) if D > 1 else own
-        exact_mine = makespans(*self.times(mine[top]), self.latency)
-        swap = top >= own_n
-        exact_theirs = np.zeros(len(top))
-        if swap.any():
-            theirs, who = candidates[1][1], candidates[1][2]
-            exact_theirs[swap] = makespans(*self.times(theirs[top[swap] - own_n]), self.latency)
-        worst = np.maximum(exact_mine, exact_theirs)
-        k = int(np.argmin(worst))
-        if worst[k] >= current * (1 - 1e-12):
+        P, M = self.fwd.shape[1:]
+        touched_f, touched_b, who_of = [], [], []
+        for k in top:
+            _, args, (f, b), theirs = moves[owner[k]]
+            touched_f.append(f[index[k]])
+            touched_b.append(b[index[k]])
+            if theirs is not None:
+                touched_f.append(theirs[0][index[k]])
+                touched_b.append(theirs[1][index[k]])
+            who_of.append(len(touched_f))
+        spans = makespans(np.stack(touched_f), np.stack(touched_b), self.latency)
+        best, start = (current, None), 0
+        for k, end in zip(top, who_of):
+            worst = spans[start:end].max()
+            if worst < best[0]:
+                kind, args, (f, b), theirs = moves[owner[k]]
+                i = index[k]
+                best = (worst, (kind, args[i], f[i], b[i], spans[start],
+                                theirs and (theirs[0][i], theirs[1][i], spans[end - 1])))
+            start = end
+        if best[1] is None:
             return False
-        self.plan[slow], self.makespan[slow] = mine[top[k]], exact_mine[k]
-        if swap[k]:
-            j = top[k] - own_n
-            self.plan[who[j]], self.makespan[who[j]] = theirs[j], exact_theirs[k]
+        kind, args, f, b, span, theirs = best[1]
+        self._apply(slow, kind, args)
+        self._refresh(slow, f, b, span)
+        if theirs:
+            self._refresh(int(args[0]), *theirs)
         return True
 
 
-def plan_ours(instance, rng: np.random.Generator, budget_s: float = 0.035, sample: int = 512) -> np.ndarray:
-    """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring)."""
+def plan_ours(instance, rng: np.random.Generator, rounds: int = 8, sample: int = 256,
+              budget_s: float | None = None) -> np.ndarray:
+    """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring).
+
+    The search stops after ``rounds`` improving rounds or at a local optimum, so the plan is a
+    deterministic function of the instance and ``rng``'s seed (replicas and restarted trainers
+    re-plan a step and must get the same data). ``budget_s`` adds a wall-clock cap for offline use;
+    with it the plan depends on the machine's speed."""
     start = time.perf_counter()
     D, M, S, model = instance.D, instance.M, instance.S, instance.model
     seq_fwd, seq_bwd = model.stage_times(instance.costs)  # float[P, B]
     starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance)]
     searches = [_Search(plan, seq_fwd, seq_bwd, model.p2p_latency, rng, sample) for plan in starts]
     search = min(searches, key=lambda s: s.makespan.max())
-    while time.perf_counter() - start < budget_s and search.improve():
-        pass
+    for _ in range(rounds):
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+        if not search.improve():
+            break
     return search.plan

@@ -1,11 +1,13 @@
 """Reordering algorithms side by side on LAION-like cost instances, judged by the exact 1F1B simulator.
 
-    python bench/reorder.py [--seeds 2] [--quick] [--json FILE]
+    python bench/reorder.py [--seeds 2] [--quick] [--deep] [--json FILE] [--plot FILE.png]
 
 For every configuration (D ranks in {8, 32, 128}, M microbatches in {8, 32}, P stages in {4, 8},
 S sequences per microbatch in {1, 2, 4}) and seed it prints each algorithm's iteration time as a
 ratio to the batch lower bound (1.000 = provably optimal), and planning time per global batch.
-``--json FILE`` writes every instance and plan in the disttrain-reorder-* JSON forms.
+``--json FILE`` writes every instance and plan in the disttrain-reorder-* JSON forms; ``--plot``
+draws one rank's 1F1B timeline under ``paper`` and ``ours`` and the per-rank makespan spread;
+``--deep`` adds ``ours-deep`` (search to a local optimum, seconds per instance).
 
 Instance generator (assumptions; all times are forward seconds per packed 8192-token sequence):
 * images per sequence: 25% text-only; else 1 + NegativeBinomial(2, 0.25) (mean 7, long tail), at
@@ -38,6 +40,7 @@ from preprocess_service.simulate import StageModel  # noqa: E402
 
 STAGE_MAPS = {4: ("enc", "bb/2", "bb/2", "gen"), 8: ("enc", *["bb/6"] * 6, "gen")}
 ALGORITHMS = ("random", "arrival", "paper", "lpt", "ours")
+PLOT_CONFIG = (8, 8, 4, 2)  # D, M, P, S of the instance --plot draws (seed 0)
 
 
 def sequence_costs(num: int, rng: np.random.Generator) -> np.ndarray:
@@ -71,39 +74,107 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="D in {8, 32} only")
+    parser.add_argument("--deep", action="store_true",
+                        help="also run ours-deep (search to a local optimum; seconds per instance)")
     parser.add_argument("--json", type=Path, help="write every instance and plan here")
+    parser.add_argument("--plot", type=Path, help="draw a 1F1B timeline before/after and the rank spread (PNG)")
     args = parser.parse_args(argv)
+    algorithms = ALGORITHMS + (("ours-deep",) if args.deep else ())
     dims = list(itertools.product((8, 32) if args.quick else (8, 32, 128), (8, 32), (4, 8), (1, 2, 4)))
-    print(f"{'D':>4} {'M':>3} {'P':>2} {'S':>2} {'B':>6} | " + " ".join(f"{a:>8}" for a in ALGORITHMS)
+    print(f"{'D':>4} {'M':>3} {'P':>2} {'S':>2} {'B':>6} | " + " ".join(f"{a:>9}" for a in algorithms)
           + " | ours ms  (iteration time / lower bound, mean over seeds)")
-    ratios = {a: [] for a in ALGORITHMS}
-    ours_not_worse, ours_ms_1024, dump = 0, [], []
+    ratios = {a: [] for a in algorithms}
+    not_worse, ms_1024, dump = 0, [], []
     for D, M, P, S in dims:
-        row = {a: [] for a in ALGORITHMS}
+        row = {a: [] for a in algorithms}
         ms = []
         for seed in range(args.seeds):
             instance = make_instance(D, M, P, S, seed)
-            for name in ALGORITHMS:
+            for name in algorithms:
                 result = plan_instance(instance, name, seed)
                 row[name].append(evaluate(instance, np.array(result["plan"]))["ratio_to_bound"])
                 if name == "ours":
                     ms.append(result["meta"]["time_s"] * 1000)
                 if args.json:
                     dump.append({"instance": instance.to_json(), "plan": result})
-            ours_not_worse += row["ours"][-1] <= row["paper"][-1] + 1e-12
-        for name in ALGORITHMS:
+            not_worse += row["ours"][-1] <= row["paper"][-1] + 1e-12
+        for name in algorithms:
             ratios[name].extend(row[name])
         if D * M * S == 1024:
-            ours_ms_1024.extend(ms)
+            ms_1024.extend(ms)
         print(f"{D:>4} {M:>3} {P:>2} {S:>2} {D * M * S:>6} | "
-              + " ".join(f"{np.mean(row[a]):8.3f}" for a in ALGORITHMS) + f" | {np.mean(ms):7.1f}", flush=True)
+              + " ".join(f"{np.mean(row[a]):9.3f}" for a in algorithms) + f" | {np.mean(ms):7.1f}", flush=True)
     total = len(dims) * args.seeds
-    print("mean ratio to the lower bound: " + ", ".join(f"{a} {np.mean(ratios[a]):.3f}" for a in ALGORITHMS))
-    print(f"ours <= paper on {ours_not_worse} of {total} instances; planning a 1024-sequence batch: "
-          f"{np.mean(ours_ms_1024):.1f} ms mean, {np.max(ours_ms_1024):.1f} ms max" if ours_ms_1024 else "")
+    print("mean ratio to the lower bound: " + ", ".join(f"{a} {np.mean(ratios[a]):.3f}" for a in algorithms))
+    print("max ratio to the lower bound:  " + ", ".join(f"{a} {np.max(ratios[a]):.3f}" for a in algorithms))
+    print(f"ours <= paper on {not_worse} of {total} instances")
+    if ms_1024:
+        print(f"ours, planning a 1024-sequence batch (one core): {np.mean(ms_1024):.1f} ms mean, "
+              f"{np.max(ms_1024):.1f} ms max")
     if args.json:
         args.json.write_text(json.dumps(dump))
+        print(f"wrote {len(dump)} instance/plan pairs to {args.json}")
+    if args.plot:
+        plot(args.plot)
+        print(f"wrote {args.plot}")
     return 0
+
+
+def plot(path: Path) -> None:
+    """One rank's 1F1B timeline under paper (before) and ours (after), both for the rank that is
+    slowest under that plan, and every algorithm's per-rank makespans relative to the lower bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from preprocess_service.simulate import simulate_1f1b
+
+    instance = make_instance(*PLOT_CONFIG, seed=0)
+    D, M, P, S = PLOT_CONFIG
+    seq_fwd, seq_bwd = instance.model.stage_times(instance.costs)
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8.5), gridspec_kw={"height_ratios": [1, 1, 1.1]})
+    spreads = {}
+    horizon = 0.0
+    timelines = {}
+    for name in ALGORITHMS:
+        plan = np.array(plan_instance(instance, name, 0)["plan"])
+        fwd = seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
+        bwd = seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
+        spans = np.array([simulate_1f1b(fwd[r], bwd[r], instance.model.p2p_latency).makespan for r in range(D)])
+        spreads[name] = spans
+        if name in ("paper", "ours"):
+            slow = int(np.argmax(spans))
+            timelines[name] = (slow, simulate_1f1b(fwd[slow], bwd[slow], instance.model.p2p_latency))
+            horizon = max(horizon, spans.max())
+    bound = evaluate(instance, np.array(plan_instance(instance, "ours", 0)["plan"]))["lower_bound_s"]
+    colors = plt.get_cmap("tab10")
+    for ax, name in zip(axes[:2], ("paper", "ours")):
+        slow, t = timelines[name]
+        for s in range(P):
+            for m in range(M):
+                ax.barh(s, t.f_end[s, m] - t.f_start[s, m], left=t.f_start[s, m], color=colors(m % 10),
+                        edgecolor="black", linewidth=0.3)
+                ax.barh(s, t.b_end[s, m] - t.b_start[s, m], left=t.b_start[s, m], color=colors(m % 10),
+                        edgecolor="black", linewidth=0.3, hatch="//", alpha=0.75)
+        ax.axvline(bound, color="red", linestyle="--", linewidth=1)
+        ax.set_yticks(range(P), [f"{s}: {instance.model.stage_map[s]}" for s in range(P)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, horizon * 1.02)
+        ax.set_title(f"{name}: slowest rank ({slow}), makespan {t.makespan:.3f} s = "
+                     f"{t.makespan / bound:.3f} x lower bound (red); colour = microbatch, hatched = backward",
+                     fontsize=9)
+    axes[1].set_xlabel("seconds")
+    ax = axes[2]
+    ax.boxplot([spreads[a] / bound for a in ALGORITHMS], tick_labels=list(ALGORITHMS), whis=(0, 100))
+    for i, a in enumerate(ALGORITHMS, start=1):
+        ax.scatter(np.full(D, i), spreads[a] / bound, s=10, color="black", zorder=3)
+    ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
+    ax.set_ylabel("rank makespan / lower bound")
+    ax.set_title(f"per-rank 1F1B makespans (D={D}, M={M}, P={P}, S={S}); the iteration waits for the highest",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -255,11 +255,18 @@ class _Search:
         return True
 
 
-def plan_ours(instance, rng: np.random.Generator, rounds: int = 8, sample: int = 256,
+def default_rounds(P: int, M: int) -> int:
+    """Search rounds that fit the service's planning budget (tens of ms per 1024 sequences on one
+    core): a round's cost grows with the P * M ops the simulator runs per candidate."""
+    return max(2, min(8, 768 // (P * M)))
+
+
+def plan_ours(instance, rng: np.random.Generator, rounds: int | None = None, sample: int = 256,
               budget_s: float | None = None) -> np.ndarray:
     """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring).
 
-    The search stops after ``rounds`` improving rounds or at a local optimum, so the plan is a
+    The search stops after ``rounds`` improving rounds (default_rounds when None) or at a local
+    optimum, so the plan is a
     deterministic function of the instance and ``rng``'s seed (replicas and restarted trainers
     re-plan a step and must get the same data). ``budget_s`` adds a wall-clock cap for offline use;
     with it the plan depends on the machine's speed."""
@@ -269,7 +276,7 @@ def plan_ours(instance, rng: np.random.Generator, rounds: int = 8, sample: int =
     starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance)]
     searches = [_Search(plan, seq_fwd, seq_bwd, model.p2p_latency, rng, sample) for plan in starts]
     search = min(searches, key=lambda s: s.makespan.max())
-    for _ in range(rounds):
+    for _ in range(default_rounds(model.num_stages, M) if rounds is None else rounds):
         if budget_s is not None and time.perf_counter() - start > budget_s:
             break
         if not search.improve():

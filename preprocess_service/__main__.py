@@ -4,6 +4,7 @@ run    one epoch through the service to dp_size client ranks, with measurements 
        exactly-once check (default: a synthetic LAION-style dataset, embedded service)
 serve  the service alone on a port, until SIGINT/SIGTERM
 synth  write synthetic LAION-style shards
+calibrate  fit the cost model from timings of torch modules; prints the fit and its error
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
                         help="batch planner: ours (default), lpt, paper, arrival or random")
     parser.add_argument("--stage-map", default="enc,bb,gen",
                         help="the trainer's pipeline stages per rank, comma-separated (e.g. enc,bb/2,bb/2,gen)")
+    parser.add_argument("--cost", type=Path, help="cost coefficients JSON, as `calibrate --out` writes")
 
 
 def _job_config(args) -> JobConfig:
     shard_specs = args.shards or [str(p) for p in ensure_demo_dataset()]
-    return JobConfig(shards=tuple(shard_specs), seq_len=args.seq_len, dp_size=args.dp_size,
+    extra = {}
+    if args.cost:
+        from preprocess_service import calibrate
+
+        try:
+            extra["cost"] = calibrate.load(args.cost)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"--cost {args.cost}: {exc}") from None
+    return JobConfig(**extra, shards=tuple(shard_specs), seq_len=args.seq_len, dp_size=args.dp_size,
                      num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
                      seed=args.seed, reorder_algorithm=args.reorder,
                      stage_map=tuple(args.stage_map.split(",")))
@@ -85,6 +95,16 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from preprocess_service import calibrate
+
+    config, _ = calibrate.calibrate(quick=args.quick)
+    if args.out:
+        calibrate.save(config, args.out)
+        print(f"coefficients written to {args.out} (use: run --cost {args.out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m preprocess_service", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=50051, help="port (0 = any free port)")
     serve.add_argument("--prefetch", type=int, default=2, help="microbatches prepared ahead per stream")
     sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
+    cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
+    cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds)")
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "synth":
@@ -109,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return {"run": cmd_run, "serve": cmd_serve}.get(args.command or "run", cmd_run)(
+        return {"run": cmd_run, "serve": cmd_serve, "calibrate": cmd_calibrate}.get(args.command or "run", cmd_run)(
             args if args.command else parser.parse_args(["run"]))
     except (ConfigError, DisttrainError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -76,7 +76,6 @@ def pipeline_lower_bounds(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float =
     overlap = np.minimum(last[:, None, :], cap).sum(axis=2)
     coupled = fill[:, :-1] + drain[:, :-1] + work[:, :-1] + work[:, -1:] - overlap
     return np.maximum(best, coupled.max(axis=1))
-    return best
 
 
 def rank_lower_bound(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0, *,
@@ -129,17 +128,22 @@ def _min_deficit(last: np.ndarray, cap: float, groups: int) -> float:
 def batch_lower_bound(seq_module_fwd: np.ndarray, model: StageModel, *, D: int, M: int, S: int) -> float:
     """Iteration-time bound valid for any plan of the whole batch (seq_module_fwd float[B, 3]).
 
-    The slowest of D ranks does at least 1/D of each stage's total work (or more, by pigeonhole on
-    the heaviest sequences: max_bin_lower_bound), plus the cheapest possible
-    fill and drain (a microbatch holds S sequences: at least the S cheapest); no microbatch passes
+    The slowest of D ranks does at least 1/D of each stage's total work plus the mean fill and drain
+    (the D first microbatches hold D*S distinct sequences: at least the D*S cheapest fills, and the
+    same for drains), or by pigeonhole on the heaviest sequences (max_bin_lower_bound) more work
+    plus the cheapest fill and drain of a single rank (a microbatch holds S sequences: at least the
+    S cheapest); no microbatch passes
     the pipeline faster than the largest sequence alone does; and for the last stage coupling (module
     docstring) the overlap with any block is capped by the window*S largest sequence forwards and
     backwards of stage s, and min(c_m, cap) <= sum over its sequences of min(c_seq, cap), so each
     sequence contributes a fixed amount, bounded across ranks the same way; with S > 1 the overlap
-    of all ranks together is also at most what the best split into microbatches allows (_max_overlap)."""
+    of all ranks together is also at most what the best split into microbatches allows (_max_overlap).
+    A stage shared by g ranks (model.shared_by) is one replica's work for g ranks: the same terms
+    over D / g replicas. Coupling only delays ops, so every per-rank term stays valid for it."""
     seq_module_fwd = np.asarray(seq_module_fwd, dtype=float)
     if seq_module_fwd.shape != (D * M * S, 3):
         raise ValueError(f"expected float[{D * M * S}, 3] sequence module times, got {seq_module_fwd.shape}")
+    model.check_ranks(D)
     fwd, bwd = model.stage_times(seq_module_fwd)  # float[P, B]: per sequence
     P = model.num_stages
     lat = np.arange(P) * model.p2p_latency
@@ -147,6 +151,10 @@ def batch_lower_bound(seq_module_fwd: np.ndarray, model: StageModel, *, D: int, 
     drain_per_seq = np.vstack([np.zeros(bwd.shape[1]), np.cumsum(bwd, axis=0)[:-1]])
     cheapest_fill = np.sort(fill_per_seq, axis=1)[:, :S].sum(axis=1) + lat
     cheapest_drain = np.sort(drain_per_seq, axis=1)[:, :S].sum(axis=1) + lat
+    # The D ranks' first microbatches hold D*S distinct sequences, so their fills sum to at least
+    # the D*S cheapest (the same for drains): the slowest rank is at least the mean rank.
+    mean_fill = np.sort(fill_per_seq, axis=1)[:, :D * S].sum(axis=1) / D + lat
+    mean_drain = np.sort(drain_per_seq, axis=1)[:, :D * S].sum(axis=1) / D + lat
     per_rank = M * S
     if P > 1 and M > 2:
         # The last stage waits while stage P-2 runs B(m-1) and F(m+1) (the coupling with window 1):
@@ -154,22 +162,30 @@ def batch_lower_bound(seq_module_fwd: np.ndarray, model: StageModel, *, D: int, 
         cap_low = np.sort(fwd[-2])[:S].sum() + np.sort(bwd[-2])[:S].sum()
         last_stage = (fwd[-1] + bwd[-1])
         deficit = _min_deficit(last_stage, cap_low, D * (M - 2))
-        starved = cheapest_fill[-1] + cheapest_drain[-1] + (last_stage.sum() + deficit) / D
+        starved = mean_fill[-1] + mean_drain[-1] + (last_stage.sum() + deficit) / D
     else:
         starved = 0.0
     one_sequence = (fwd + bwd).sum(axis=0).max() + 2 * (P - 1) * model.p2p_latency
     best = max(one_sequence, starved)
     last = fwd[-1] + bwd[-1]
+    groups = model.stage_groups()
     for s in range(P):
-        best = max(best, cheapest_fill[s] + cheapest_drain[s] + max_bin_lower_bound(fwd[s] + bwd[s], D, per_rank))
+        work = fwd[s] + bwd[s]
+        best = max(best, cheapest_fill[s] + cheapest_drain[s] + max_bin_lower_bound(work, D, per_rank),
+                   mean_fill[s] + mean_drain[s] + work.sum() / D)
+        if groups[s] > 1:  # one replica runs the stage for groups[s] ranks: D / groups[s] bins
+            replicas = D // groups[s]
+            best = max(best, mean_fill[s] + mean_drain[s] + work.sum() / replicas,
+                       cheapest_fill[s] + cheapest_drain[s] + max_bin_lower_bound(work, replicas, groups[s] * per_rank))
         if s == P - 1:
             break
         k = (P - s - 1) * S
         cap = np.sort(fwd[s])[::-1][:k].sum() + np.sort(bwd[s])[::-1][:k].sum()
-        serial = fwd[s] + bwd[s] + last - np.minimum(last, cap)
+        serial = work + last - np.minimum(last, cap)
         around = cheapest_fill[s] + cheapest_drain[s] - 2 * lat[s]
-        best = max(best, around + max_bin_lower_bound(serial, D, per_rank))
+        mean_around = mean_fill[s] + mean_drain[s] - 2 * lat[s]
+        best = max(best, around + max_bin_lower_bound(serial, D, per_rank), mean_around + serial.sum() / D)
         if S > 1:  # whole microbatches, not single sequences, fill an overlap window
             overlap = _max_overlap(last, cap, D * M, S)
-            best = max(best, around + (fwd[s].sum() + bwd[s].sum() + last.sum() - overlap) / D)
+            best = max(best, mean_around + (work.sum() + last.sum() - overlap) / D)
     return float(best)

@@ -102,6 +102,11 @@ class JobConfig:
     stage_map: tuple[str, ...] = ("enc", "bb", "gen")
     """The trainer's pipeline stages, each running a module or a share of one ("bb/2"); the planner
     simulates this 1F1B pipeline per DP rank."""
+    enc_shared_by: int = 1
+    """Backbone DP ranks that one encoder replica serves (a disaggregated encoder with dp_size / this
+    replicas); > 1 couples those ranks' microbatch slots, and the planner plans for that."""
+    gen_shared_by: int = 1
+    """Backbone DP ranks that one generator replica serves, as enc_shared_by."""
     pack_window: int = 8
     """Open sequences the best-fit packer fills at once (1 = sequential packing)."""
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -112,7 +117,7 @@ class JobConfig:
         object.__setattr__(self, "stage_map", tuple(self.stage_map))
         _require(len(self.shards) > 0, "shards is empty: give at least one shard path or URL")
         for name in ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch",
-                     "num_epochs", "shuffle_buffer", "pack_window"):
+                     "num_epochs", "shuffle_buffer", "pack_window", "enc_shared_by", "gen_shared_by"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
         _require(self.seq_len >= 16, f"seq_len must be at least 16 tokens, got {self.seq_len}")
@@ -122,9 +127,13 @@ class JobConfig:
         _require(self.reorder_algorithm in PLANNERS,
                  f"unknown reorder_algorithm {self.reorder_algorithm!r}; known: {sorted(PLANNERS)}")
         try:
-            self.stage_model()
+            model = self.stage_model()
         except ValueError as exc:
             raise ConfigError(f"stage_map {list(self.stage_map)}: {exc}") from None
+        try:
+            model.check_ranks(self.dp_size)
+        except ValueError as exc:
+            raise ConfigError(f"enc_shared_by / gen_shared_by: {exc}") from None
 
     def stage_model(self):
         """The simulator's model of one DP rank's pipeline (simulate.StageModel)."""
@@ -135,7 +144,8 @@ class JobConfig:
         cost = self.cost
         return StageModel(stage_map=self.stage_map,
                           bwd_factor=(0.0 if cost.enc_frozen else cost.enc_backward_factor,
-                                      cost.bb_backward_factor, cost.gen_backward_factor))
+                                      cost.bb_backward_factor, cost.gen_backward_factor),
+                          shared_by=(self.enc_shared_by, 1, self.gen_shared_by))
 
     @property
     def global_batch(self) -> int:

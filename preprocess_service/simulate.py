@@ -5,19 +5,38 @@ warm-up forwards F(0..w-1) with w = min(P - s - 1, M); then the steady phase F(w
 i < M - w; then the cool-down backwards B(M-w..M-1). Each op starts when the previous op of its
 stage has finished and its data is there: F(s, m) needs F(s-1, m) (plus the p2p latency), B(s, m)
 needs B(s+1, m) (plus latency), and B(P-1, m) needs F(P-1, m). The makespan is the end of the last
-op. Ranks of a data-parallel group meet only at the gradient all-reduce, so an iteration takes as
-long as the slowest rank's makespan (``iteration_time``).
+op.
 
 Stages map to modules by a list such as ``["enc", "bb/2", "bb/2", "gen"]``: ``mod/k`` is 1/k of
 the module's time. Module times per microbatch are forward seconds; backward = forward * factor.
+
+How ranks synchronise (the objective the planner minimises, ``StageModel.shared_by``):
+
+* **independent ranks** (shared_by 1 for every module; a monolithic layout, or disaggregated
+  modules with as many replicas as backbone DP ranks): every DP rank runs its own pipeline and the
+  ranks meet only at the gradient all-reduce, so the iteration takes the slowest rank's makespan,
+  and only each rank's sequences and microbatch order matter.
+* **coupled ranks** (a disaggregated encoder or generator with fewer replicas than backbone DP
+  ranks; shared_by = g means one replica serves g consecutive backbone ranks): the shared stage
+  runs microbatch m of its g ranks as one op, once all their inputs are there, for the sum of their
+  times, and each of them waits for it. A microbatch slot then couples those ranks: the
+  component of ranks linked by shared stages (lcm of the g's) is simulated as one, and the
+  iteration takes the slowest component's makespan.
+
+The reference simulator here (``simulate_coupled``, ``simulate_1f1b``) is written for reading and
+returns the whole timeline; simkernels.py has the compiled version the planner runs thousands of
+times, and the tests check that both agree.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+
+from preprocess_service import simkernels
 
 MODULES = ("enc", "bb", "gen")
 
@@ -31,6 +50,9 @@ class StageModel:
     """Backward / forward time of enc, bb, gen (0 for a frozen module)."""
     p2p_latency: float = 0.0
     """Seconds between an op's end on one stage and the dependent op's start on the next."""
+    shared_by: tuple[int, int, int] = (1, 1, 1)
+    """Backbone DP ranks that one replica of enc, bb, gen serves (bb: always 1). g > 1 couples
+    those g ranks at every stage of that module (module docstring)."""
 
     def __post_init__(self) -> None:
         for entry in self.stage_map:
@@ -38,10 +60,31 @@ class StageModel:
             if module not in MODULES or (share and (not share.isdigit() or int(share) < 1)):
                 raise ValueError(f"stage {entry!r} is not 'MODULE' or 'MODULE/K' with MODULE in {MODULES} "
                                  "and K a positive integer")
+        if len(self.shared_by) != 3 or any(int(g) != g or g < 1 for g in self.shared_by):
+            raise ValueError(f"shared_by must be 3 positive integers (enc, bb, gen), got {self.shared_by}")
+        if self.shared_by[1] != 1:
+            raise ValueError("the backbone is never shared: every backbone DP rank is its own replica "
+                             f"(shared_by['bb'] must be 1, got {self.shared_by[1]})")
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_map)
+
+    def stage_groups(self) -> np.ndarray:
+        """int[P]: ranks that share one replica of each stage."""
+        return np.array([self.shared_by[MODULES.index(e.partition("/")[0])] for e in self.stage_map],
+                        dtype=np.int64)
+
+    @property
+    def component(self) -> int:
+        """Ranks coupled into one simulated component: lcm of the group sizes (1 = independent)."""
+        return math.lcm(*(int(g) for g in self.stage_groups()))
+
+    def check_ranks(self, D: int) -> None:
+        """Raises ValueError unless D ranks split into whole groups of every shared module."""
+        if D % self.component:
+            raise ValueError(f"{D} DP ranks do not split into groups of {self.component} "
+                             f"(shared_by {dict(zip(MODULES, self.shared_by))})")
 
     def weights(self) -> np.ndarray:
         """float[P, 3]: share of each module's time that each stage runs."""
@@ -61,7 +104,8 @@ class StageModel:
 
 @dataclass(slots=True)
 class Timeline:
-    """Start and end of every op: float[P, M] each for forwards and backwards."""
+    """Start and end of every op: float[P, M] each for forwards and backwards (float[L, P, M] for the
+    L ranks of a coupled component)."""
 
     f_start: np.ndarray
     f_end: np.ndarray
@@ -84,83 +128,103 @@ def stage_order(P: int, M: int, stage: int) -> list[tuple[str, int]]:
 
 
 def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) -> Timeline:
-    """Exact 1F1B timeline for per-stage, per-microbatch forward and backward times (float[P, M])."""
+    """Exact 1F1B timeline of one rank from per-stage, per-microbatch forward and backward times
+    (float[P, M])."""
     fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
-    P, M = fwd.shape
-    nan = np.full((P, M), np.nan)
+    t = simulate_coupled(fwd[None], bwd[None], np.ones(fwd.shape[0], dtype=int), p2p_latency)
+    return Timeline(t.f_start[0], t.f_end[0], t.b_start[0], t.b_end[0])
+
+
+def simulate_coupled(fwd: np.ndarray, bwd: np.ndarray, groups, p2p_latency: float = 0.0) -> Timeline:
+    """Exact 1F1B timeline of L ranks (fwd, bwd float[L, P, M]) whose stage s is run by one replica
+    per ``groups[s]`` consecutive ranks: that replica's op (kind, s, m) starts once its previous op
+    is done and the inputs of all its ranks are there, and lasts the sum of their times.
+
+    Event-driven: every replica repeatedly runs the next op of its stage order whose inputs are
+    ready, until all are scheduled (no precomputed order, so it checks the compiled kernels)."""
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    L, P, M = fwd.shape
+    groups = [int(g) for g in groups]
+    if len(groups) != P or any(g < 1 or L % g for g in groups):
+        raise ValueError(f"groups {groups} must give, for each of the {P} stages, a divisor of {L} ranks")
+    nan = np.full((L, P, M), np.nan)
     t = Timeline(nan.copy(), nan.copy(), nan.copy(), nan.copy())
+    replicas = [(s, j0) for s in range(P) for j0 in range(0, L, groups[s])]
     orders = [stage_order(P, M, s) for s in range(P)]
-    cursor, free_at = [0] * P, [0.0] * P
-    remaining = 2 * P * M
+    cursor = {rep: 0 for rep in replicas}
+    free_at = {rep: 0.0 for rep in replicas}
+    remaining = sum(len(orders[s]) for s, _ in replicas)
     while remaining:
         progressed = False
-        for s in range(P):
-            while cursor[s] < len(orders[s]):
-                ready = _ready_time(t, orders[s][cursor[s]], s, P, p2p_latency)
-                if ready is None:
+        for s, j0 in replicas:
+            members = range(j0, j0 + groups[s])
+            while cursor[s, j0] < len(orders[s]):
+                kind, m = orders[s][cursor[s, j0]]
+                inputs = [_ready_time(t, kind, r, s, m, P, p2p_latency) for r in members]
+                if any(x is None for x in inputs):
                     break
-                kind, m = orders[s][cursor[s]]
-                start = max(free_at[s], ready)
-                end = start + (fwd[s, m] if kind == "F" else bwd[s, m])
-                if kind == "F":
-                    t.f_start[s, m], t.f_end[s, m] = start, end
-                else:
-                    t.b_start[s, m], t.b_end[s, m] = start, end
-                free_at[s] = end
-                cursor[s] += 1
+                start = max(free_at[s, j0], *inputs)
+                times = fwd if kind == "F" else bwd
+                end = start + sum(times[r, s, m] for r in members)
+                for r in members:
+                    if kind == "F":
+                        t.f_start[r, s, m], t.f_end[r, s, m] = start, end
+                    else:
+                        t.b_start[r, s, m], t.b_end[r, s, m] = start, end
+                free_at[s, j0] = end
+                cursor[s, j0] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "1F1B dependency cycle: the schedule is malformed"
     return t
 
 
-def _ready_time(t: Timeline, op: tuple[str, int], s: int, P: int, latency: float) -> float | None:
-    """When the op's input is available, or None if its producer has not been scheduled yet."""
-    kind, m = op
+def _ready_time(t: Timeline, kind: str, r: int, s: int, m: int, P: int, latency: float) -> float | None:
+    """When rank r's input of op (kind, s, m) is available, or None if its producer is not scheduled."""
     if kind == "F":
         if s == 0:
             return 0.0
-        done = t.f_end[s - 1, m]
+        done = t.f_end[r, s - 1, m]
         return None if np.isnan(done) else done + latency
     if s == P - 1:
-        done = t.f_end[s, m]
+        done = t.f_end[r, s, m]
         return None if np.isnan(done) else done
-    done = t.b_end[s + 1, m]
+    done = t.b_end[r, s + 1, m]
     return None if np.isnan(done) else done + latency
 
 
 @lru_cache(maxsize=64)
-def _topological_order(P: int, M: int) -> tuple[tuple[str, int, int], ...]:
-    """A valid execution order of all ops ('F' | 'B', stage, microbatch) of a P x M 1F1B schedule.
-    The order in which the exact simulator schedules ops depends only on the dependency structure,
-    not on durations, so it is computed once per (P, M) with unit times."""
+def _topological_order(P: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A valid execution order of all ops of a P x M 1F1B schedule as int arrays (kind 0 = F / 1 = B,
+    stage, microbatch). The order in which the exact simulator schedules ops depends only on the
+    dependency structure, not on durations, so it is computed once per (P, M) with unit times.
+    Coupling joins only ops of the same (kind, stage, microbatch), so the order serves coupled
+    components too."""
     t = simulate_1f1b(np.ones((P, M)), np.ones((P, M)))
-    ops = [(t.f_start[s, m], 0, s, "F", m) for s in range(P) for m in range(M)]
-    ops += [(t.b_start[s, m], 1, s, "B", m) for s in range(P) for m in range(M)]
+    ops = [(t.f_start[s, m], 0, s, m) for s in range(P) for m in range(M)]
+    ops += [(t.b_start[s, m], 1, s, m) for s in range(P) for m in range(M)]
     # Ties in start time never link dependent ops (a dependent op starts strictly later).
-    return tuple((kind, s, m) for _, _, s, kind, m in sorted(ops))
+    ops.sort()
+    return tuple(np.array([op[i] for op in ops], dtype=np.int64) for i in (1, 2, 3))
+
+
+def component_makespans(fwd: np.ndarray, bwd: np.ndarray, model: StageModel) -> np.ndarray:
+    """Makespan of every coupled component: fwd, bwd float[D, P, M] per-rank stage times in execution
+    order -> float[D / model.component] (compiled kernel; equal to simulate_coupled)."""
+    fwd = np.ascontiguousarray(fwd, dtype=float)
+    bwd = np.ascontiguousarray(bwd, dtype=float)
+    D, P, M = fwd.shape
+    model.check_ranks(D)
+    return simkernels.component_spans(fwd, bwd, model.component, model.stage_groups(),
+                                      *_topological_order(P, M), float(model.p2p_latency))
 
 
 def makespans(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) -> np.ndarray:
-    """Makespan of many independent pipelines at once: fwd, bwd float[R, P, M] -> float[R].
-
-    Same schedule and dependencies as simulate_1f1b (the tests check they agree), vectorised over
-    the R pipelines so a planner can afford it inside a search loop."""
-    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    """Makespan of many independent pipelines at once: fwd, bwd float[R, P, M] -> float[R]."""
+    fwd = np.ascontiguousarray(fwd, dtype=float)
     R, P, M = fwd.shape
-    f_end, b_end = np.zeros((R, P, M)), np.zeros((R, P, M))
-    free = np.zeros((R, P))
-    for kind, s, m in _topological_order(P, M):
-        if kind == "F":
-            ready = f_end[:, s - 1, m] + p2p_latency if s > 0 else 0.0
-            end = np.maximum(free[:, s], ready) + fwd[:, s, m]
-            f_end[:, s, m] = end
-        else:
-            ready = f_end[:, s, m] if s == P - 1 else b_end[:, s + 1, m] + p2p_latency
-            end = np.maximum(free[:, s], ready) + bwd[:, s, m]
-            b_end[:, s, m] = end
-        free[:, s] = end
-    return free.max(axis=1)
+    return simkernels.component_spans(fwd, np.ascontiguousarray(bwd, dtype=float), 1, np.ones(P, dtype=np.int64),
+                                      *_topological_order(P, M), float(p2p_latency))
 
 
 def rank_makespan(module_fwd: np.ndarray, model: StageModel) -> float:
@@ -170,5 +234,7 @@ def rank_makespan(module_fwd: np.ndarray, model: StageModel) -> float:
 
 
 def iteration_time(module_fwd_per_rank: list[np.ndarray], model: StageModel) -> float:
-    """Ranks meet only at the gradient all-reduce: the iteration takes the slowest rank's makespan."""
-    return max(rank_makespan(mb, model) for mb in module_fwd_per_rank)
+    """Iteration time of D ranks (module forward times float[M, 3] each, in execution order): the
+    slowest component's makespan (ranks coupled by shared stages run as one; module docstring)."""
+    fwd, bwd = zip(*(model.stage_times(mb) for mb in module_fwd_per_rank))
+    return float(component_makespans(np.stack(fwd), np.stack(bwd), model).max())

@@ -12,19 +12,27 @@ from preprocess_service.simulate import StageModel
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _instance(D=4, M=6, S=2, seed=0):
+def _instance(D=4, M=6, S=2, seed=0, shared_by=(1, 1, 1)):
     rng = np.random.default_rng(seed)
     costs = np.column_stack([rng.lognormal(-1, 1, D * M * S), rng.uniform(0.5, 1.0, D * M * S),
                              rng.choice([0.0, 0.8], D * M * S, p=[0.7, 0.3])])
-    model = StageModel(stage_map=("enc", "bb/2", "bb/2", "gen"), bwd_factor=(0.0, 2.0, 1.0), p2p_latency=0.001)
+    model = StageModel(stage_map=("enc", "bb/2", "bb/2", "gen"), bwd_factor=(0.0, 2.0, 1.0), p2p_latency=0.001,
+                       shared_by=shared_by)
     return Instance(D=D, M=M, S=S, model=model, costs=costs)
 
 
 def test_instance_json_round_trip():
-    inst = _instance()
-    again = Instance.from_json(json.loads(json.dumps(inst.to_json())))
-    assert again.model == inst.model and np.array_equal(again.costs, inst.costs)
-    assert inst.to_json()["format"] == "disttrain-reorder-instance/1"
+    for inst in (_instance(), _instance(shared_by=(2, 1, 4))):
+        again = Instance.from_json(json.loads(json.dumps(inst.to_json())))
+        assert again.model == inst.model and np.array_equal(again.costs, inst.costs)
+        assert inst.to_json()["format"] == "disttrain-reorder-instance/1"
+    data = _instance().to_json()
+    del data["shared_by"]  # optional: independent ranks
+    assert Instance.from_json(data).model.shared_by == (1, 1, 1)
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        Instance.from_json(data | {"shared_by": {"enc": 3}})
+    with pytest.raises(ValueError, match="shared_by must map"):
+        Instance.from_json(data | {"shared_by": {"bb": 2}})
 
 
 @pytest.mark.parametrize("name", sorted(PLANNERS))
@@ -79,3 +87,21 @@ def test_ours_is_deterministic_and_never_worse_than_lpt_or_paper():
         ours_s = evaluate(inst, np.array(ours))["iteration_s"]
         for baseline in ("lpt", "paper"):
             assert ours_s <= evaluate(inst, np.array(plan_instance(inst, baseline, seed)["plan"]))["iteration_s"] + 1e-12
+
+
+@pytest.mark.parametrize("shared_by", [(2, 1, 1), (4, 1, 2)])
+def test_ours_plans_for_coupled_ranks(shared_by):
+    """Shared encoder/generator replicas: ours is valid, deterministic, never worse than lpt or
+    paper, and better under the coupled objective than the plan it makes for independent ranks."""
+    for seed in range(3):
+        coupled = _instance(D=4, M=6, S=2, seed=seed, shared_by=shared_by)
+        independent = _instance(D=4, M=6, S=2, seed=seed)
+        plan = np.array(plan_instance(coupled, "ours", seed)["plan"])
+        assert plan.tolist() == plan_instance(coupled, "ours", seed)["plan"]
+        mine = evaluate(coupled, plan)
+        assert mine["ratio_to_bound"] >= 1.0 - 1e-9
+        for baseline in ("lpt", "paper"):
+            assert mine["iteration_s"] <= evaluate(coupled, np.array(plan_instance(coupled, baseline, seed)["plan"]))[
+                "iteration_s"] + 1e-12
+        unaware = np.array(plan_instance(independent, "ours", seed)["plan"])
+        assert mine["iteration_s"] <= evaluate(coupled, unaware)["iteration_s"] + 1e-12

@@ -5,8 +5,8 @@ import pytest
 
 from preprocess_service import reorder
 from preprocess_service.bounds import batch_lower_bound, pipeline_lower_bounds, rank_lower_bound, slot_lower_bound
-from preprocess_service.simulate import (StageModel, iteration_time, makespans, rank_makespan, simulate_1f1b,
-                                         stage_order)
+from preprocess_service.simulate import (StageModel, component_makespans, iteration_time, makespans, rank_makespan,
+                                         simulate_1f1b, simulate_coupled, stage_order)
 
 
 @pytest.mark.parametrize("P,M,f,b", [(1, 4, 1.0, 2.0), (4, 8, 1.0, 2.0), (4, 2, 1.0, 1.0), (8, 32, 0.5, 1.0),
@@ -159,3 +159,72 @@ def test_coupling_bound_sees_the_stall_a_stage_load_bound_misses():
     assert 0.97 * exact <= bound <= exact + 1e-9
     seq = np.repeat(mb, 1, axis=0)
     assert batch_lower_bound(seq, model, D=1, M=8, S=1) >= 0.9 * exact
+
+
+def test_a_fully_shared_single_stage_runs_everything_in_series():
+    rng = np.random.default_rng(0)
+    fwd, bwd = rng.uniform(0.5, 1, (3, 1, 4)), rng.uniform(0.5, 2, (3, 1, 4))
+    t = simulate_coupled(fwd, bwd, [3])
+    assert t.makespan == pytest.approx(fwd.sum() + bwd.sum())
+    np.testing.assert_allclose(t.f_end[0], t.f_end[2])  # one op for all three ranks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_coupled_simulation_matches_the_compiled_kernel_and_couples_ranks(seed):
+    """The event-driven reference against the compiled component kernel, on random group layouts;
+    with nothing shared it is the per-rank simulator, and sharing only ever delays a rank."""
+    rng = np.random.default_rng(seed)
+    L, P, M = [(2, 3, 5), (4, 4, 6), (6, 3, 4), (4, 5, 9)][seed % 4]
+    fwd, bwd = rng.lognormal(0, 1, (L, P, M)), rng.lognormal(0.5, 1, (L, P, M))
+    groups = [int(rng.choice([g for g in (1, 2, L) if L % g == 0])) for _ in range(P)]
+    groups[0] = L  # at least one shared stage
+    model = StageModel(stage_map=("enc",) + ("bb",) * (P - 2) + ("gen",), shared_by=(L, 1, groups[-1]),
+                       p2p_latency=0.02)
+    groups = list(model.stage_groups())
+    coupled = simulate_coupled(fwd, bwd, groups, 0.02)
+    assert component_makespans(fwd, bwd, model)[0] == pytest.approx(coupled.makespan, rel=1e-12)
+    alone = [simulate_1f1b(fwd[r], bwd[r], 0.02) for r in range(L)]
+    independent = simulate_coupled(fwd, bwd, [1] * P, 0.02)
+    np.testing.assert_allclose(independent.b_end, np.stack([t.b_end for t in alone]))
+    assert coupled.makespan >= max(t.makespan for t in alone) - 1e-12
+    # a shared stage's op waits for all its ranks' inputs and lasts their sum
+    np.testing.assert_allclose(coupled.f_end[:, 0] - coupled.f_start[:, 0], np.broadcast_to(fwd[:, 0].sum(0), (L, M)))
+
+
+def test_coupling_makes_the_slot_matter():
+    """Two ranks share one encoder replica. With independent ranks only each rank's own order
+    matters; coupled, a slot where both ranks bring a heavy encoder microbatch stalls both."""
+    model = StageModel(stage_map=("enc", "bb"), bwd_factor=(0.0, 1.0, 1.0), shared_by=(2, 1, 1))
+    heavy, light = [4.0, 1.0, 0.0], [0.0, 1.0, 0.0]
+    same_slot = [np.array([heavy, light, light, light]), np.array([heavy, light, light, light])]
+    staggered = [np.array([heavy, light, light, light]), np.array([light, light, light, heavy])]
+    independent = StageModel(stage_map=("enc", "bb"), bwd_factor=(0.0, 1.0, 1.0))
+    assert iteration_time(same_slot, independent) == iteration_time(staggered, independent)
+    assert iteration_time(same_slot, model) > iteration_time(staggered, model)
+
+
+def test_shared_modules_are_validated():
+    with pytest.raises(ValueError, match="backbone is never shared"):
+        StageModel(stage_map=("bb",), shared_by=(1, 2, 1))
+    model = StageModel(stage_map=("enc", "bb", "gen"), shared_by=(2, 1, 3))
+    assert model.component == 6 and list(model.stage_groups()) == [2, 1, 3]
+    with pytest.raises(ValueError, match="4 DP ranks do not split into groups of 6"):
+        model.check_ranks(4)
+
+
+@pytest.mark.parametrize("shared_by", [(2, 1, 1), (1, 1, 2), (4, 1, 2)])
+def test_batch_bound_holds_for_coupled_plans(shared_by):
+    rng = np.random.default_rng(sum(shared_by))
+    D, M, S = 4, 3, 2
+    model = StageModel(stage_map=("enc", "bb", "gen"), shared_by=shared_by, p2p_latency=0.001)
+    seq = _generator_heavy(rng, D * M * S)
+    seq[:, 0] = rng.lognormal(-0.5, 1, D * M * S)
+    fwd, bwd = model.stage_times(seq)
+    plans = np.array([rng.permutation(D * M * S).reshape(D, M, S) for _ in range(3000)])
+    spans = [component_makespans(fwd[:, p].sum(-1).transpose(1, 0, 2), bwd[:, p].sum(-1).transpose(1, 0, 2),
+                                 model).max() for p in plans]
+    bound = batch_lower_bound(seq, model, D=D, M=M, S=S)
+    assert bound <= min(spans) + 1e-9
+    # the shared stage's term is the one that binds here: above every per-rank term
+    independent = StageModel(stage_map=model.stage_map, p2p_latency=model.p2p_latency)
+    assert bound > batch_lower_bound(seq, independent, D=D, M=M, S=S) or shared_by == (1, 1, 2)

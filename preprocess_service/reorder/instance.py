@@ -2,9 +2,10 @@
 
 Instance (``disttrain-reorder-instance/1``): D ranks x M microbatches x S sequences = B sequence ids,
 per-sequence forward seconds of each module, the pipeline's stage map, backward factors and p2p
-latency. Plan (``disttrain-reorder-plan/1``): ``plan[rank][microbatch in execution order]`` = S ids,
-every id exactly once. A plan is judged by the exact 1F1B simulator (iteration time = slowest rank)
-against the batch lower bound.
+latency; optionally ``"shared_by": {"enc": g, "gen": g}``, backbone ranks served by one encoder or
+generator replica (default 1: independent ranks; simulate.py says how shared stages couple ranks). Plan (``disttrain-reorder-plan/1``): ``plan[rank][microbatch in execution order]`` = S ids,
+every id exactly once. A plan is judged by the exact 1F1B simulator (iteration time = slowest rank,
+or slowest coupled component) against the batch lower bound.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from preprocess_service import reorder
 from preprocess_service.bounds import batch_lower_bound
-from preprocess_service.simulate import MODULES, StageModel, makespans
+from preprocess_service.simulate import MODULES, StageModel, component_makespans
 
 INSTANCE_FORMAT = "disttrain-reorder-instance/1"
 PLAN_FORMAT = "disttrain-reorder-plan/1"
@@ -41,6 +42,7 @@ class Instance:
                              f"{self.costs.shape}")
         if (self.costs < 0).any():
             raise ValueError("costs must be >= 0 seconds")
+        self.model.check_ranks(self.D)
 
     @property
     def totals(self) -> np.ndarray:
@@ -51,6 +53,7 @@ class Instance:
         return {"format": INSTANCE_FORMAT, "D": self.D, "M": self.M, "S": self.S, "P": self.model.num_stages,
                 "stage_map": list(self.model.stage_map),
                 "bwd_factor": dict(zip(MODULES, self.model.bwd_factor)), "p2p_latency": self.model.p2p_latency,
+                "shared_by": {"enc": self.model.shared_by[0], "gen": self.model.shared_by[2]},
                 "costs": {m: self.costs[:, i].tolist() for i, m in enumerate(MODULES)}}
 
     @classmethod
@@ -59,9 +62,13 @@ class Instance:
             raise ValueError(f"instance format is {data.get('format')!r}, expected {INSTANCE_FORMAT!r}")
         if len(data["stage_map"]) != data["P"]:
             raise ValueError(f"P is {data['P']} but stage_map has {len(data['stage_map'])} stages")
+        shared = data.get("shared_by", {})
+        if not isinstance(shared, dict) or set(shared) - {"enc", "gen"}:
+            raise ValueError(f"shared_by must map 'enc' and/or 'gen' to ranks per replica, got {shared!r}")
         model = StageModel(stage_map=tuple(data["stage_map"]),
                            bwd_factor=tuple(float(data["bwd_factor"][m]) for m in MODULES),
-                           p2p_latency=float(data.get("p2p_latency", 0.0)))
+                           p2p_latency=float(data.get("p2p_latency", 0.0)),
+                           shared_by=(shared.get("enc", 1), 1, shared.get("gen", 1)))
         costs = np.column_stack([np.asarray(data["costs"][m], dtype=float) for m in MODULES])
         return cls(D=int(data["D"]), M=int(data["M"]), S=int(data["S"]), model=model, costs=costs)
 
@@ -86,7 +93,7 @@ def evaluate(instance: Instance, plan: np.ndarray) -> dict:
     fwd, bwd = instance.model.stage_times(instance.costs)  # float[P, B]
     per_rank_fwd = fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
     per_rank_bwd = bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
-    iteration = float(makespans(per_rank_fwd, per_rank_bwd, instance.model.p2p_latency).max())
+    iteration = float(component_makespans(per_rank_fwd, per_rank_bwd, instance.model).max())
     bound = batch_lower_bound(instance.costs, instance.model, D=instance.D, M=instance.M, S=instance.S)
     return {"iteration_s": iteration, "lower_bound_s": bound, "ratio_to_bound": iteration / bound if bound else 1.0}
 
@@ -108,10 +115,11 @@ PLANNERS: dict[str, Planner] = {
     "paper": _scalar("paper", "paper"),
     "lpt": _scalar("lpt", "paper"),
     "ours": lambda instance, rng: _ours().plan_ours(instance, rng),
-    "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, rounds=100_000, sample=512),
+    "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, ops=100 * _ours().SEARCH_OPS,
+                                                         patience=200_000),
 }
-"""Whole-batch planners by name. ``ours`` stops after a few search rounds (tens of ms per 1024
-sequences, the service default); ``ours-deep`` searches on to a local optimum (seconds, offline)."""
+"""Whole-batch planners by name. ``ours`` searches for a fixed budget of simulated ops (about 30 ms
+on one core, the service default); ``ours-deep`` for 100 times as long (offline)."""
 
 
 def _ours():

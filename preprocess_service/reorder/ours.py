@@ -25,16 +25,10 @@ so a sequence is a vector of loads, one per term, and the makespan is close to t
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from preprocess_service import reorder
-from preprocess_service.bounds import pipeline_lower_bounds
-from preprocess_service.simulate import makespans
-
-EXACT_PER_ROUND = 16
-"""Candidates per round that pass the screen and run through the exact simulator."""
+from preprocess_service import reorder, simkernels
+from preprocess_service.simulate import _topological_order
 
 
 def _load_terms(seq_fwd: np.ndarray, seq_bwd: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,174 +105,38 @@ def _scalar_start(instance) -> np.ndarray:
                               inter="paper", rng=None)
 
 
-class _Search:
-    """A plan under search: plan int[D, M, S], every rank's stage times float[D, P, M] (fwd, bwd)
-    and exact makespan. Candidate moves are built as stage times directly (a move changes one or
-    two microbatch columns), so thousands of them cost a few array operations."""
-
-    def __init__(self, plan: np.ndarray, seq_fwd: np.ndarray, seq_bwd: np.ndarray, latency: float,
-                 rng: np.random.Generator, sample: int):
-        self.plan, self.seq_fwd, self.seq_bwd, self.latency = plan, seq_fwd, seq_bwd, latency
-        self.rng, self.sample = rng, sample
-        self.fwd = seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
-        self.bwd = seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
-        self.makespan = makespans(self.fwd, self.bwd, latency)
-
-    def _pairs(self, n: int, m: int, *, distinct: bool) -> np.ndarray:
-        """Up to ``sample`` index pairs (a < n, b < m), all of them when there are few enough."""
-        total = n * m
-        if total <= self.sample:
-            a, b = np.divmod(np.arange(total), m)
-        else:
-            a, b = self.rng.integers(0, n, self.sample), self.rng.integers(0, m, self.sample)
-        keep = a < b if distinct else np.ones(a.shape, dtype=bool)
-        return np.column_stack([a[keep], b[keep]])
-
-    def _exchange(self, rank: int, pos: np.ndarray, new_ids: np.ndarray):
-        """Stage times of ``rank`` with the sequence at flat position pos[k] replaced by new_ids[k]."""
-        S = self.plan.shape[2]
-        old_ids = self.plan[rank].ravel()[pos]
-        rows, cols = np.arange(len(pos)), pos // S
-        out = []
-        for base, seq in ((self.fwd, self.seq_fwd), (self.bwd, self.seq_bwd)):
-            times = np.repeat(base[rank][None], len(pos), axis=0)
-            times[rows, :, cols] += (seq[:, new_ids] - seq[:, old_ids]).T
-            out.append(times)
-        return out
-
-    def _moves(self, slow: int) -> list[tuple]:
-        """Candidate moves on the slowest rank, as (kind, args, stage times of the touched ranks)."""
-        D, M, S = self.plan.shape
-        moves = []
-        pairs = self._pairs(M, M, distinct=True)  # swap two microbatches in the order
-        if len(pairs):
-            rows = np.arange(len(pairs))
-            times = []
-            for base in (self.fwd, self.bwd):
-                t = np.repeat(base[slow][None], len(pairs), axis=0)
-                t[rows, :, pairs[:, 0]], t[rows, :, pairs[:, 1]] = base[slow][:, pairs[:, 1]].T, base[slow][:, pairs[:, 0]].T
-                times.append(t)
-            moves.append(("order", pairs, times, None))
-        flat = self.plan[slow].ravel()
-        if S > 1:  # swap two of its sequences between microbatches
-            pos = self._pairs(M * S, M * S, distinct=True)
-            pos = pos[pos[:, 0] // S != pos[:, 1] // S]
-            if len(pos):
-                f1, b1 = self._exchange(slow, pos[:, 0], flat[pos[:, 1]])
-                rows, cols = np.arange(len(pos)), pos[:, 1] // S
-                f1[rows, :, cols] += (self.seq_fwd[:, flat[pos[:, 0]]] - self.seq_fwd[:, flat[pos[:, 1]]]).T
-                b1[rows, :, cols] += (self.seq_bwd[:, flat[pos[:, 0]]] - self.seq_bwd[:, flat[pos[:, 1]]]).T
-                moves.append(("inside", pos, (f1, b1), None))
-        if D > 1:  # swap one of its sequences with one of another rank's
-            others = np.flatnonzero(np.arange(D) != slow)
-            fastest = others[np.argsort(self.makespan[others])[:4]]
-            extra = self.rng.choice(others, size=min(4, len(others)), replace=False)
-            partners = np.unique(np.concatenate([fastest, extra]))
-            n = M * S
-            pairs = self._pairs(n, n * len(partners), distinct=False)
-            who, a, b = partners[pairs[:, 1] // n], pairs[:, 0], pairs[:, 1] % n
-            theirs_ids = self.plan.reshape(D, n)[who, b]
-            mine = self._exchange(slow, a, theirs_ids)
-            theirs = []
-            for base, seq in ((self.fwd, self.seq_fwd), (self.bwd, self.seq_bwd)):
-                t = base[who].copy()
-                t[np.arange(len(who)), :, b // S] += (seq[:, flat[a]] - seq[:, theirs_ids]).T
-                theirs.append(t)
-            moves.append(("across", np.column_stack([who, a, b]), mine, theirs))
-        return moves
-
-    def _apply(self, slow: int, kind: str, args: np.ndarray) -> None:
-        D, M, S = self.plan.shape
-        if kind == "order":
-            i, j = args
-            self.plan[slow, [i, j]] = self.plan[slow, [j, i]]
-        elif kind == "inside":
-            flat = self.plan[slow].reshape(-1)
-            flat[[args[0], args[1]]] = flat[[args[1], args[0]]]
-        else:
-            who, a, b = (int(x) for x in args)
-            mine, theirs = self.plan[slow].reshape(-1), self.plan[who].reshape(-1)
-            mine[a], theirs[b] = theirs[b], mine[a]
-
-    def _refresh(self, rank: int, fwd: np.ndarray, bwd: np.ndarray, span: float) -> None:
-        self.fwd[rank], self.bwd[rank], self.makespan[rank] = fwd, bwd, span
-
-    def improve(self) -> bool:
-        """One round on the slowest rank; False when no candidate improves it (a local optimum)."""
-        slow = int(np.argmax(self.makespan))
-        current = self.makespan[slow] * (1 - 1e-12)
-        moves = self._moves(slow)
-        if not moves:
-            return False
-        # Screen every candidate with the bound of the new worst of the ranks it touches ...
-        scores = []
-        for _, _, (f, b), theirs in moves:
-            score = pipeline_lower_bounds(f, b, self.latency)
-            if theirs is not None:
-                score = np.maximum(score, pipeline_lower_bounds(*theirs, self.latency))
-            scores.append(score)
-        flat_scores = np.concatenate(scores)
-        owner = np.repeat(np.arange(len(moves)), [len(s) for s in scores])
-        index = np.concatenate([np.arange(len(s)) for s in scores])
-        top = np.argsort(flat_scores, kind="stable")[:EXACT_PER_ROUND]
-        top = top[flat_scores[top] < current]
-        # ... and run the most promising through the exact simulator, in one batch.
-        if not len(top):
-            return False
-        P, M = self.fwd.shape[1:]
-        touched_f, touched_b, who_of = [], [], []
-        for k in top:
-            _, args, (f, b), theirs = moves[owner[k]]
-            touched_f.append(f[index[k]])
-            touched_b.append(b[index[k]])
-            if theirs is not None:
-                touched_f.append(theirs[0][index[k]])
-                touched_b.append(theirs[1][index[k]])
-            who_of.append(len(touched_f))
-        spans = makespans(np.stack(touched_f), np.stack(touched_b), self.latency)
-        best, start = (current, None), 0
-        for k, end in zip(top, who_of):
-            worst = spans[start:end].max()
-            if worst < best[0]:
-                kind, args, (f, b), theirs = moves[owner[k]]
-                i = index[k]
-                best = (worst, (kind, args[i], f[i], b[i], spans[start],
-                                theirs and (theirs[0][i], theirs[1][i], spans[end - 1])))
-            start = end
-        if best[1] is None:
-            return False
-        kind, args, f, b, span, theirs = best[1]
-        self._apply(slow, kind, args)
-        self._refresh(slow, f, b, span)
-        if theirs:
-            self._refresh(int(args[0]), *theirs)
-        return True
+SEARCH_OPS = 5_000_000
+"""Default search budget in simulated ops (2 P M per rank and candidate move, a few ns each):
+about 30 ms on one core whatever the batch's shape, the service's planning budget."""
+EVAL_OVERHEAD_OPS = 64
+"""What drawing and applying one candidate move costs besides its simulation, in simulated ops."""
 
 
-def default_rounds(P: int, M: int) -> int:
-    """Search rounds that fit the service's planning budget (tens of ms per 1024 sequences on one
-    core): a round's cost grows with the P * M ops the simulator runs per candidate."""
-    return max(2, min(8, 768 // (P * M)))
-
-
-def plan_ours(instance, rng: np.random.Generator, rounds: int | None = None, sample: int = 256,
-              budget_s: float | None = None) -> np.ndarray:
+def plan_ours(instance, rng: np.random.Generator, ops: float = SEARCH_OPS, patience: int | None = None) -> np.ndarray:
     """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring).
 
-    The search stops after ``rounds`` improving rounds (default_rounds when None) or at a local
-    optimum, so the plan is a
-    deterministic function of the instance and ``rng``'s seed (replicas and restarted trainers
-    re-plan a step and must get the same data). ``budget_s`` adds a wall-clock cap for offline use;
-    with it the plan depends on the machine's speed."""
-    start = time.perf_counter()
+    The search stops after ``ops`` simulated ops or ``patience`` failed moves in a row (default:
+    scaled to the neighbourhood of one rank), so the plan is a deterministic function of the
+    instance and ``rng``'s seed: replicas and restarted trainers re-plan a step and get the same data."""
     D, M, S, model = instance.D, instance.M, instance.S, instance.model
+    model.check_ranks(D)
     seq_fwd, seq_bwd = model.stage_times(instance.costs)  # float[P, B]
+    seq_fwd, seq_bwd = np.ascontiguousarray(seq_fwd), np.ascontiguousarray(seq_bwd)
+    P, L, groups = model.num_stages, model.component, model.stage_groups()
+    order = _topological_order(P, M)
+
+    def times(plan):
+        return (np.ascontiguousarray(seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)),
+                np.ascontiguousarray(seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)))
+
     starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance)]
-    searches = [_Search(plan, seq_fwd, seq_bwd, model.p2p_latency, rng, sample) for plan in starts]
-    search = min(searches, key=lambda s: s.makespan.max())
-    for _ in range(default_rounds(model.num_stages, M) if rounds is None else rounds):
-        if budget_s is not None and time.perf_counter() - start > budget_s:
-            break
-        if not search.improve():
-            break
-    return search.plan
+    spans = [simkernels.component_spans(*times(p), L, groups, *order, model.p2p_latency).max() for p in starts]
+    plan = np.ascontiguousarray(starts[int(np.argmin(spans))], dtype=np.int64)
+    F, B = times(plan)
+    if patience is None:  # a few times the slowest rank's neighbourhood (with 8 partner ranks)
+        patience = 4 * (M * M + (M * S) ** 2 + 8 * (M * S) ** 2)
+    max_evals = int(ops // (2 * P * M * L + EVAL_OVERHEAD_OPS))
+    seed = int(rng.integers(0, 2**31 - 1))
+    simkernels.local_search(plan, seq_fwd, seq_bwd, F, B, L, groups, *order, float(model.p2p_latency), seed,
+                            max_evals, int(patience))
+    return plan

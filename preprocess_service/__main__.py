@@ -37,6 +37,10 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
                         help="batch planner: ours (default), lpt, paper, arrival or random")
     parser.add_argument("--stage-map", default="enc,bb,gen",
                         help="the trainer's pipeline stages per rank, comma-separated (e.g. enc,bb/2,bb/2,gen)")
+    parser.add_argument("--enc-shared-by", type=int, default=1,
+                        help="backbone DP ranks one encoder replica serves (a disaggregated encoder; default 1)")
+    parser.add_argument("--gen-shared-by", type=int, default=1,
+                        help="backbone DP ranks one generator replica serves (default 1)")
     parser.add_argument("--cost", type=Path, help="cost coefficients JSON, as `calibrate --out` writes")
 
 
@@ -53,7 +57,8 @@ def _job_config(args) -> JobConfig:
     return JobConfig(**extra, shards=tuple(shard_specs), seq_len=args.seq_len, dp_size=args.dp_size,
                      num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
                      seed=args.seed, reorder_algorithm=args.reorder,
-                     stage_map=tuple(args.stage_map.split(",")))
+                     stage_map=tuple(args.stage_map.split(",")), enc_shared_by=args.enc_shared_by,
+                     gen_shared_by=args.gen_shared_by)
 
 
 def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:

@@ -184,7 +184,9 @@ def summary(result: RunResult, config: JobConfig) -> str:
     lines = [
         f"job {result.job_id}: dp_size={config.dp_size} microbatches={config.num_microbatches} "
         f"seqs/microbatch={config.seqs_per_microbatch} seq_len={config.seq_len} "
-        f"reorder={config.reorder_algorithm} stages={','.join(config.stage_map)}",
+        f"reorder={config.reorder_algorithm} stages={','.join(config.stage_map)}"
+        + (f" shared_by=enc:{config.enc_shared_by},gen:{config.gen_shared_by}"
+           if (config.enc_shared_by, config.gen_shared_by) != (1, 1) else ""),
         f"  wall time            {seconds:8.2f} s  (client processes, start to last microbatch)",
         f"  samples              {num_samples:8d}   {num_samples / seconds:9.1f} samples/s",
         f"  packed sequences     {num_sequences:8d}   {num_sequences / seconds:9.1f} sequences/s",

@@ -99,6 +99,42 @@ def _add_sequence(T, r, m, times, new, old):
 
 
 @nb.njit(cache=True, nogil=True)
+def _swap_cols(F, B, r, i, j):
+    for p in range(F.shape[1]):
+        F[r, p, i], F[r, p, j] = F[r, p, j], F[r, p, i]
+        B[r, p, i], B[r, p, j] = B[r, p, j], B[r, p, i]
+
+
+@nb.njit(cache=True, nogil=True)
+def _shift_cols(F, B, r, i, j, colF, colB):
+    """Moves microbatch column i of rank r to position j (the ones between move up by one)."""
+    P = F.shape[1]
+    for p in range(P):
+        colF[p], colB[p] = F[r, p, i], B[r, p, i]
+    step = 1 if i < j else -1
+    for k in range(i, j, step):
+        for p in range(P):
+            F[r, p, k], B[r, p, k] = F[r, p, k + step], B[r, p, k + step]
+    for p in range(P):
+        F[r, p, j], B[r, p, j] = colF[p], colB[p]
+
+
+@nb.njit(cache=True, nogil=True)
+def _save(F, B, r, i, j, saved, slot):
+    """Saves columns i and j of rank r (F and B) into saved[slot], saved[slot + 1]."""
+    for p in range(F.shape[1]):
+        saved[slot, 0, p], saved[slot, 1, p] = F[r, p, i], B[r, p, i]
+        saved[slot + 1, 0, p], saved[slot + 1, 1, p] = F[r, p, j], B[r, p, j]
+
+
+@nb.njit(cache=True, nogil=True)
+def _restore(F, B, r, i, j, saved, slot):
+    for p in range(F.shape[1]):
+        F[r, p, j], B[r, p, j] = saved[slot + 1, 0, p], saved[slot + 1, 1, p]
+        F[r, p, i], B[r, p, i] = saved[slot, 0, p], saved[slot, 1, p]
+
+
+@nb.njit(cache=True, nogil=True)
 def _shift(a, i, j):
     """Moves a[i] to position j along axis 0 (a copy of the moved row is kept meanwhile)."""
     row = a[i].copy()
@@ -133,8 +169,11 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     for c in range(C):
         spans[c] = simulate_component(F[c * L:(c + 1) * L], B[c * L:(c + 1) * L], groups, kinds, stages, mbs,
                                       latency, f_end, b_end, free)
-    cF, cB = np.empty((L, P, M)), np.empty((L, P, M))
-    pF, pB = np.empty((L, P, M)), np.empty((L, P, M))
+    colF, colB, saved = np.empty(P), np.empty(P), np.empty((4, 2, P))
+    total = np.zeros(sf.shape[1])
+    for p in range(P):
+        for q in range(sf.shape[1]):
+            total[q] += sf[p, q] + sb[p, q]
     kinds_allowed = np.empty(4, dtype=np.int64)
     n_kinds = 0
     if M > 1:
@@ -147,6 +186,7 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     if D > 1:
         kinds_allowed[n_kinds] = ACROSS
         n_kinds += 1
+    tries, wins, rates = np.zeros(4), np.zeros(4), np.ones(4)
     evals, fails, kept = 0, 0, 0
     if n_kinds == 0:
         return kept, evals
@@ -154,33 +194,34 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
         c = int(np.argmax(spans))
         current = spans[c] * (1.0 - 1e-12)
         base = c * L
-        lr = np.random.randint(L)
-        r = base + lr
-        cF[:] = F[base:base + L]
-        cB[:] = B[base:base + L]
-        kind = kinds_allowed[np.random.randint(n_kinds)]
-        c2, w, i, j, a, b = -1, -1, 0, 0, 0, 0
+        r = base + np.random.randint(L)
+        # move kinds in proportion to how often they have paid off (with a floor), so that the
+        # budget goes to balancing across ranks once a rank's own order is as good as it gets
+        u = np.random.random() * (rates[:n_kinds].sum())
+        pick = 0
+        while pick < n_kinds - 1 and u >= rates[pick]:
+            u -= rates[pick]
+            pick += 1
+        kind = kinds_allowed[pick]
+        c2, w, i, j, a, b = c, r, 0, 0, 0, 0
+        # Moves are applied to F, B in place (the touched columns saved first) and undone exactly
+        # when they do not pay off: no copy of whole components per candidate.
         if kind == ORDER_SWAP or kind == ORDER_SHIFT or kind == INSIDE:
             i = np.random.randint(M)
             j = np.random.randint(M - 1)
             j += j >= i
             if kind == ORDER_SWAP:
-                for p in range(P):
-                    cF[lr, p, i], cF[lr, p, j] = cF[lr, p, j], cF[lr, p, i]
-                    cB[lr, p, i], cB[lr, p, j] = cB[lr, p, j], cB[lr, p, i]
+                _swap_cols(F, B, r, i, j)
             elif kind == ORDER_SHIFT:
-                Ft, Bt = cF[lr].T.copy(), cB[lr].T.copy()  # [M, P]
-                _shift(Ft, i, j)
-                _shift(Bt, i, j)
-                cF[lr] = Ft.T
-                cB[lr] = Bt.T
+                _shift_cols(F, B, r, i, j, colF, colB)
             else:
                 a, b = np.random.randint(S), np.random.randint(S)
                 x, y = plan[r, i, a], plan[r, j, b]
-                _add_sequence(cF, lr, i, sf, y, x)
-                _add_sequence(cF, lr, j, sf, x, y)
-                _add_sequence(cB, lr, i, sb, y, x)
-                _add_sequence(cB, lr, j, sb, x, y)
+                _save(F, B, r, i, j, saved, 0)
+                _add_sequence(F, r, i, sf, y, x)
+                _add_sequence(F, r, j, sf, x, y)
+                _add_sequence(B, r, i, sb, y, x)
+                _add_sequence(B, r, j, sb, x, y)
         else:
             if C > 1 and np.random.random() < 0.5:
                 c2 = int(np.argmin(spans))
@@ -192,31 +233,47 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             if w == r:
                 fails += 1
                 continue
+            # the heavier of two of r's sequences for the lighter of two of w's (in total work):
+            # half of all random swaps would only make the slowest rank heavier
             i, a, j, b = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
+            i2, a2, j2, b2 = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
+            if total[plan[r, i2, a2]] > total[plan[r, i, a]]:
+                i, a = i2, a2
+            if total[plan[w, j2, b2]] < total[plan[w, j, b]]:
+                j, b = j2, b2
             x, y = plan[r, i, a], plan[w, j, b]
-            _add_sequence(cF, lr, i, sf, y, x)
-            _add_sequence(cB, lr, i, sb, y, x)
-            if c2 == c:
-                _add_sequence(cF, w - base, j, sf, x, y)
-                _add_sequence(cB, w - base, j, sb, x, y)
-            else:
-                pF[:] = F[c2 * L:(c2 + 1) * L]
-                pB[:] = B[c2 * L:(c2 + 1) * L]
-                _add_sequence(pF, w - c2 * L, j, sf, x, y)
-                _add_sequence(pB, w - c2 * L, j, sb, x, y)
-        new = simulate_component(cF, cB, groups, kinds, stages, mbs, latency, f_end, b_end, free)
+            _save(F, B, r, i, i, saved, 0)
+            _save(F, B, w, j, j, saved, 2)
+            _add_sequence(F, r, i, sf, y, x)
+            _add_sequence(B, r, i, sb, y, x)
+            _add_sequence(F, w, j, sf, x, y)
+            _add_sequence(B, w, j, sb, x, y)
+        new = simulate_component(F[base:base + L], B[base:base + L], groups, kinds, stages, mbs, latency,
+                                 f_end, b_end, free)
         evals += 1
         new2 = 0.0
-        if c2 >= 0 and c2 != c:
-            new2 = simulate_component(pF, pB, groups, kinds, stages, mbs, latency, f_end, b_end, free)
+        if c2 != c:
+            new2 = simulate_component(F[c2 * L:(c2 + 1) * L], B[c2 * L:(c2 + 1) * L], groups, kinds, stages, mbs,
+                                      latency, f_end, b_end, free)
             evals += 1
-        if max(new, new2) >= current:
+        better = max(new, new2) < current
+        tries[pick] += 1
+        wins[pick] += better
+        rates[pick] = max(0.05, (wins[pick] + 1.0) / (tries[pick] + 2.0))
+        if not better:  # undo
+            if kind == ORDER_SWAP:
+                _swap_cols(F, B, r, i, j)
+            elif kind == ORDER_SHIFT:
+                _shift_cols(F, B, r, j, i, colF, colB)
+            elif kind == INSIDE:
+                _restore(F, B, r, i, j, saved, 0)
+            else:
+                _restore(F, B, w, j, j, saved, 2)
+                _restore(F, B, r, i, i, saved, 0)
             fails += 1
             continue
         fails = 0
         kept += 1
-        F[base:base + L] = cF
-        B[base:base + L] = cB
         spans[c] = new
         if kind == ORDER_SWAP:
             for k in range(S):
@@ -228,7 +285,5 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
         else:
             plan[r, i, a], plan[w, j, b] = plan[w, j, b], plan[r, i, a]
             if c2 != c:
-                F[c2 * L:(c2 + 1) * L] = pF
-                B[c2 * L:(c2 + 1) * L] = pB
                 spans[c2] = new2
     return kept, evals

@@ -87,9 +87,10 @@ def test_every_sample_once_across_ranks_and_bad_samples_reported(dataset, servic
     assert steps[0] == steps[1]
 
 
-def test_microbatches_arrive_in_the_planned_order(dataset, service):
+@pytest.mark.parametrize("overrides", [{}, {"enc_shared_by": 2, "gen_shared_by": 2}])
+def test_microbatches_arrive_in_the_planned_order(dataset, service, overrides):
     address, servicer = service
-    config = _config(dataset)
+    config = _config(dataset, **overrides)
     received = _consume_all(address, config)
     job = servicer.jobs.get(config.job_id())
     for rank, mbs in received.items():
@@ -249,6 +250,10 @@ def test_bad_requests_get_the_right_status_codes(dataset, service):
     with pytest.raises(grpc.RpcError) as info:
         stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], reorder_algorithm="magic")))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "magic" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], dp_size=4, enc_shared_by=3)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "4 DP ranks do not split into groups of 3" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=["/nonexistent/x.tar"])))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "/nonexistent/x.tar" in info.value.details()

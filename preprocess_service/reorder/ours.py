@@ -1,5 +1,5 @@
 """Our whole-batch planner: balancing the loads a 1F1B pipeline really waits on, as a vector;
-microbatch formation; and a local search with the exact simulator in the loop, within a time budget.
+microbatch formation; and a local search with the exact simulator in the loop, within a budget.
 
 What a rank's makespan is made of (bounds.py): for every stage, its work plus the fill before and
 the drain after it; and for every stage s together with the last stage, both their works minus
@@ -15,12 +15,15 @@ so a sequence is a vector of loads, one per term, and the makespan is close to t
 3. Order: cheapest fill first, cheapest drain last, the rest by the paper's organ pipe.
    Steps 1-3 are one starting plan; the scalar ``lpt`` + ``paper`` plan is the other; the search
    starts from whichever the simulator says is faster, so ours is never worse than ``lpt``.
-4. Local search, always on the currently slowest rank: swap two of its microbatches in the order,
-   swap two of its sequences between microbatches, or swap one of its sequences with another rank's.
-   Every candidate is screened with the vectorised makespan bound (bounds.pipeline_lower_bounds,
-   tight in practice and cheap for thousands of candidates); the most promising are run through the
-   exact simulator, and the best real improvement is kept, until none is left or the budget is spent.
-   Ranks meet only at the gradient all-reduce, so the objective is the slowest rank's makespan.
+4. Local search with the exact simulator in the loop (simkernels.local_search, compiled): always on
+   the slowest component (one rank; or the ranks coupled by a shared encoder/generator replica),
+   draw a random move of one of its ranks (swap two microbatches in the order, move one to another
+   position, swap two of its sequences between microbatches, or swap one of its sequences with
+   another rank's, often one of the fastest component), simulate every component it touches
+   exactly (a few microseconds), and keep it when the iteration gets shorter. The objective is the
+   one the trainer has (simulate.py): the slowest rank's makespan when ranks meet only at the
+   all-reduce, the slowest coupled component's when replicas are shared. The budget is a fixed
+   number of simulated ops (about 30 ms on one core), so the plan is deterministic.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def _scalar_start(instance) -> np.ndarray:
                               inter="paper", rng=None)
 
 
-SEARCH_OPS = 5_000_000
+SEARCH_OPS = 6_000_000
 """Default search budget in simulated ops (2 P M per rank and candidate move, a few ns each):
 about 30 ms on one core whatever the batch's shape, the service's planning budget."""
 EVAL_OVERHEAD_OPS = 64

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{D:>4} {M:>3} {P:>2} {S:>2} {D * M * S:>6} | "
               + " ".join(f"{np.mean(row[a]):9.3f}" for a in algorithms) + f" | {np.mean(ms):7.1f}", flush=True)
     total = len(dims) * args.seeds
-    print("mean ratio to the lower bound: " + ", ".join(f"{a} {np.mean(ratios[a]):.3f}" for a in algorithms))
+    print("mean ratio to the lower bound: " + ", ".join(f"{a} {np.mean(ratios[a]):.4f}" for a in algorithms))
     print("max ratio to the lower bound:  " + ", ".join(f"{a} {np.max(ratios[a]):.3f}" for a in algorithms))
     print(f"ours <= paper on {not_worse} of {total} instances")
     if ms_1024:

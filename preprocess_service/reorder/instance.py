@@ -115,11 +115,15 @@ PLANNERS: dict[str, Planner] = {
     "paper": _scalar("paper", "paper"),
     "lpt": _scalar("lpt", "paper"),
     "ours": lambda instance, rng: _ours().plan_ours(instance, rng),
-    "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, ops=100 * _ours().SEARCH_OPS,
+    "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, ops=_deep_ops(instance),
                                                          patience=200_000),
 }
 """Whole-batch planners by name. ``ours`` searches for a fixed budget of simulated ops (about 30 ms
-on one core, the service default); ``ours-deep`` for 100 times as long (offline)."""
+per 1024 sequences on one core, the service default); ``ours-deep`` for 100 times as long (offline)."""
+
+
+def _deep_ops(instance: Instance) -> float:
+    return 100 * _ours().SEARCH_OPS * max(1.0, instance.D * instance.M * instance.S / 1024)
 
 
 def _ours():

@@ -109,16 +109,17 @@ def _scalar_start(instance) -> np.ndarray:
 
 
 SEARCH_OPS = 6_000_000
-"""Default search budget in simulated ops (2 P M per rank and candidate move, a few ns each):
-about 30 ms on one core whatever the batch's shape, the service's planning budget."""
+"""Default search budget per 1024 sequences of the batch (at least this much for smaller ones), in
+simulated ops (2 P M per rank and candidate move, a few ns each): about 30 ms per 1024 sequences on
+one core whatever the batch's shape, the service's planning budget."""
 EVAL_OVERHEAD_OPS = 64
 """What drawing and applying one candidate move costs besides its simulation, in simulated ops."""
 
 
-def plan_ours(instance, rng: np.random.Generator, ops: float = SEARCH_OPS, patience: int | None = None) -> np.ndarray:
+def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, patience: int | None = None) -> np.ndarray:
     """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring).
 
-    The search stops after ``ops`` simulated ops or ``patience`` failed moves in a row (default:
+    The search stops after ``ops`` simulated ops (default SEARCH_OPS per 1024 sequences) or ``patience`` failed moves in a row (default:
     scaled to the neighbourhood of one rank), so the plan is a deterministic function of the
     instance and ``rng``'s seed: replicas and restarted trainers re-plan a step and get the same data."""
     D, M, S, model = instance.D, instance.M, instance.S, instance.model
@@ -126,6 +127,8 @@ def plan_ours(instance, rng: np.random.Generator, ops: float = SEARCH_OPS, patie
     seq_fwd, seq_bwd = model.stage_times(instance.costs)  # float[P, B]
     seq_fwd, seq_bwd = np.ascontiguousarray(seq_fwd), np.ascontiguousarray(seq_bwd)
     P, L, groups = model.num_stages, model.component, model.stage_groups()
+    if ops is None:
+        ops = SEARCH_OPS * max(1.0, D * M * S / 1024)
     order = _topological_order(P, M)
 
     def times(plan):

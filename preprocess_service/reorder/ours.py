@@ -146,3 +146,14 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
     simkernels.local_search(plan, seq_fwd, seq_bwd, F, B, L, groups, *order, float(model.p2p_latency), seed,
                             max_evals, int(patience))
     return plan
+
+
+def warm_up() -> None:
+    """Loads the compiled search kernels (or compiles them, seconds, once per installation: numba
+    caches them beside the module), so that a service's first step is planned at full speed."""
+    from preprocess_service.reorder.instance import Instance
+    from preprocess_service.simulate import StageModel
+
+    for shared in ((1, 1, 1), (2, 1, 1)):
+        model = StageModel(stage_map=("enc", "bb", "gen"), shared_by=shared)
+        plan_ours(Instance(D=2, M=2, S=2, model=model, costs=np.ones((8, 3))), np.random.default_rng(0))

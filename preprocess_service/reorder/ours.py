@@ -119,9 +119,10 @@ EVAL_OVERHEAD_OPS = 64
 def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, patience: int | None = None) -> np.ndarray:
     """int[D, M, S]: sequence ids per rank, microbatches in execution order (see module docstring).
 
-    The search stops after ``ops`` simulated ops (default SEARCH_OPS per 1024 sequences) or ``patience`` failed moves in a row (default:
-    scaled to the neighbourhood of one rank), so the plan is a deterministic function of the
-    instance and ``rng``'s seed: replicas and restarted trainers re-plan a step and get the same data."""
+    The search stops after ``ops`` simulated ops (default SEARCH_OPS per 1024 sequences) or
+    ``patience`` failed moves in a row (default: a few times one rank's neighbourhood), so the plan
+    is a deterministic function of the instance and ``rng``'s seed: replicas and restarted trainers
+    re-plan a step and get the same data."""
     D, M, S, model = instance.D, instance.M, instance.S, instance.model
     model.check_ranks(D)
     seq_fwd, seq_bwd = model.stage_times(instance.costs)  # float[P, B]
@@ -136,15 +137,16 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
                 np.ascontiguousarray(seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)))
 
     starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance)]
-    spans = [simkernels.component_spans(*times(p), L, groups, *order, model.p2p_latency).max() for p in starts]
+    latency = float(model.p2p_latency)
+    spans = [simkernels.component_spans(*times(p), L, groups, *order, latency).max() for p in starts]
     plan = np.ascontiguousarray(starts[int(np.argmin(spans))], dtype=np.int64)
     F, B = times(plan)
     if patience is None:  # a few times the slowest rank's neighbourhood (with 8 partner ranks)
         patience = 4 * (M * M + (M * S) ** 2 + 8 * (M * S) ** 2)
     max_evals = int(ops // (2 * P * M * L + EVAL_OVERHEAD_OPS))
     seed = int(rng.integers(0, 2**31 - 1))
-    simkernels.local_search(plan, seq_fwd, seq_bwd, F, B, L, groups, *order, float(model.p2p_latency), seed,
-                            max_evals, int(patience))
+    simkernels.local_search(plan, seq_fwd, seq_bwd, F, B, L, groups, *order, latency, seed, max_evals,
+                            int(patience))
     return plan
 
 

@@ -62,6 +62,7 @@ class StageModel:
                                  "and K a positive integer")
         if len(self.shared_by) != 3 or any(int(g) != g or g < 1 for g in self.shared_by):
             raise ValueError(f"shared_by must be 3 positive integers (enc, bb, gen), got {self.shared_by}")
+        object.__setattr__(self, "shared_by", tuple(int(g) for g in self.shared_by))
         if self.shared_by[1] != 1:
             raise ValueError("the backbone is never shared: every backbone DP rank is its own replica "
                              f"(shared_by['bb'] must be 1, got {self.shared_by[1]})")

@@ -65,9 +65,11 @@ def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
     """The embedded default: 4 synthetic LAION-style shards plus one with corrupt samples."""
     from preprocess_service import synth
 
+    marker = out_dir / synth.MARKER_NAME
+    before = marker.read_text() if marker.exists() else None
     paths = synth.ensure_dataset(out_dir, synth.SynthConfig())
     corrupt = out_dir / "corrupt.tar"
-    if not corrupt.exists():
+    if not corrupt.exists() or marker.read_text() != before:  # regenerated: the corrupt shard too
         synth.write_corrupt_shard(corrupt)
     return [*paths, corrupt]
 
@@ -79,7 +81,8 @@ def cmd_run(args) -> int:
     print(f"[run] {len(config.shards)} shard spec(s); service "
           f"{'at ' + args.address if args.address else 'embedded'}; {config.dp_size} client ranks",
           file=sys.stderr, flush=True)
-    result = run_job(config, address=args.address, prefetch=args.prefetch, connect_timeout_s=args.connect_timeout)
+    result = run_job(config, address=args.address, prefetch=args.prefetch, connect_timeout_s=args.connect_timeout,
+                     decode_workers=args.decode_workers)
     print(summary(result, config))
     if args.report:
         write_report(args.report, result, config)
@@ -90,7 +93,8 @@ def cmd_run(args) -> int:
 def cmd_serve(args) -> int:
     from preprocess_service.server import create_server
 
-    server, port, _ = create_server(f"{args.host}:{args.port}", prefetch=args.prefetch)
+    server, port, _ = create_server(f"{args.host}:{args.port}", prefetch=args.prefetch,
+                                    decode_workers=args.decode_workers)
     print(f"disttrain preprocessing service listening on {args.host}:{port}", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -120,10 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--prefetch", type=int, default=4, help="microbatches each client reads ahead")
     run.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for --address")
     run.add_argument("--report", type=Path, help="write a JSON report (keys per rank, skipped keys) here")
+    run.add_argument("--decode-workers", type=int, default=None,
+                     help="decode processes of the embedded service (default: one per core; 0: threads in-process)")
     serve = sub.add_parser("serve", help="run the service alone")
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=50051, help="port (0 = any free port)")
     serve.add_argument("--prefetch", type=int, default=2, help="microbatches prepared ahead per stream")
+    serve.add_argument("--decode-workers", type=int, default=None,
+                       help="decode processes (default: one per core; 0: decode on threads in the server process)")
     sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
     cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
     cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")

@@ -1,22 +1,61 @@
-"""Turns the packed sequences of one microbatch into its arrays (the wire layout in the .proto).
+"""Lays out one microbatch (the wire layout in the .proto) before anything is decoded.
 
-Documents are decoded here, after planning. A document whose image fails to decode is left out
-(its tokens become padding) and reported; the rest of the microbatch is unaffected.
+Every size is known from planning, so ``layout_microbatch`` computes the token arrays and, for
+each document, where each decoded image, mel and generation target goes in one flat output
+buffer. A decode stage (decode.py) then fills that buffer: workers write straight into their
+slots, so the result is the same whatever order they finish in. A document that fails to decode
+is left out by laying the microbatch out again without it (its tokens become padding) and
+moving the other documents' decoded bytes over (``compact``); it is reported, and the rest of
+the microbatch is unaffected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from preprocess_service.imaging import decode_image
+from preprocess_service.config import AudioConfig
 from preprocess_service.packing import PackedSequence
-from preprocess_service.sample import Document
+from preprocess_service.sample import AudioRef, Document, GenImageRef, ImageRef
 from preprocess_service.tokenizer import Tokenizer
 
-MODALITY_PAD, MODALITY_TEXT, MODALITY_IMAGE = 0, 1, 2
+MODALITY_PAD, MODALITY_TEXT, MODALITY_IMAGE, MODALITY_AUDIO, MODALITY_GEN = 0, 1, 2, 3, 4
+_ALIGN = 64
+
+
+@dataclass(slots=True)
+class MediaItem:
+    """One member to decode and the slot of the output buffer its array goes to."""
+
+    kind: str
+    """"image" (uint8 [h, w, 3]), "audio" (float16 [frames, n_mels]) or "gen" (uint8 [size, size, 3])."""
+    member: str
+    params: tuple
+    """image: (height, width, orientation); audio: (frames, AudioConfig); gen: (size, orientation)."""
+    offset: int
+    """Byte offset of the slot in the output buffer."""
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Layout:
+    """A microbatch's token arrays and the output slots of its media, before decoding."""
+
+    arrays: dict[str, np.ndarray]
+    sample_keys: list[str]
+    documents: list[tuple[Document, list[MediaItem]]]
+    """Every document laid out, in token order, with its media items."""
+    regions: dict[str, tuple[int, int, tuple]]
+    """name -> (byte offset, byte count, shape) of pixels, mel and gen_pixels in the output buffer."""
+    nbytes: int
+    """Size of the output buffer."""
+
+    def media_arrays(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
+        """pixels, mel and gen_pixels as views of a filled output buffer (uint8 [nbytes])."""
+        dtypes = {"pixels": np.uint8, "mel": np.float16, "gen_pixels": np.uint8}
+        return {name: buffer[start:start + count].view(dtypes[name]).reshape(shape)
+                for name, (start, count, shape) in self.regions.items()}
 
 
 @dataclass(slots=True)
@@ -33,79 +72,108 @@ class MicrobatchArrays:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def _decode_document(doc: Document) -> list[np.ndarray]:
-    """Pixels of every image of ``doc``; raises on anything that makes the document unusable."""
-    data = doc.image_bytes or {}
-    missing = [img.member for img in doc.images if data.get(img.member) is None]
-    if missing:
-        raise LookupError(f"encoded image(s) {missing} not found when re-reading the shard (did it change "
-                          "after planning?)")
-    return [decode_image(data[img.member], (img.height, img.width)) for img in doc.images]
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
-def _try_decode(doc: Document) -> list[np.ndarray] | Exception:
-    try:
-        return _decode_document(doc)
-    except (MemoryError, ImportError):
-        raise
-    except Exception as exc:  # any decoder failure means this sample is unusable
-        return exc
-
-
-def assemble_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenizer: Tokenizer,
-                        map_fn: Callable = map) -> MicrobatchArrays:
-    """``map_fn`` decodes the documents (e.g. a thread pool's map: Pillow releases the GIL while it
-    decodes and resizes); results are used in document order, so the output does not depend on it."""
-    decoded = iter(list(map_fn(_try_decode, [doc for seq in sequences for doc in seq.documents])))
+def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenizer: Tokenizer,
+                      audio_config: AudioConfig, skip: frozenset[str] = frozenset()) -> Layout:
+    """Token arrays and media slots of ``sequences``; documents whose key is in ``skip`` are left out."""
     num_seqs = len(sequences)
     tokens = np.full((num_seqs, seq_len), tokenizer.pad_id, dtype=np.int32)
     positions = np.zeros((num_seqs, seq_len), dtype=np.int32)
     modality = np.zeros((num_seqs, seq_len), dtype=np.uint8)
-    cu_seqlens, segment_doc = [0], []
-    spans, shapes, pixels = [], [], []
-    out = MicrobatchArrays(arrays={}, sample_keys=[])
+    cu_seqlens, segment_doc, keys, documents = [0], [], [], []
+    spans: dict[str, list] = {"image": [], "audio": [], "gen": []}
+    image_shapes, audio_frames, gen_sizes = [], [], []
+    sizes = {"image": 0, "audio": 0, "gen": 0}  # bytes per region so far
     for s, seq in enumerate(sequences):
         offset = 0
         for doc in seq.documents:
-            images = next(decoded)
-            if isinstance(images, Exception):
-                exc = images
-                out.skipped.append((doc.key, doc.shard, f"image decode failed: {type(exc).__name__}: {exc}"))
+            if doc.key in skip:
                 continue
-            base = s * seq_len + offset
-            cursor = offset
-            tokens[s, cursor] = tokenizer.bos_id
-            cursor += 1
-            for ref, array in zip(doc.images, images):
-                tokens[s, cursor:cursor + ref.tokens] = tokenizer.image_id
-                modality[s, cursor:cursor + ref.tokens] = MODALITY_IMAGE
-                spans.append((s * seq_len + cursor, s * seq_len + cursor + ref.tokens))
-                shapes.append(array.shape)
-                pixels.append(array.reshape(-1))
-                cursor += ref.tokens
-            text_end = cursor + len(doc.text_ids)
-            tokens[s, cursor:text_end] = doc.text_ids
-            modality[s, cursor:text_end] = MODALITY_TEXT
-            tokens[s, text_end] = tokenizer.eos_id
-            modality[s, text_end] = MODALITY_TEXT
+            row, cursor, items = tokens[s], offset + 1, []
+            row[offset] = tokenizer.bos_id
             modality[s, offset] = MODALITY_TEXT
-            positions[s, offset:text_end + 1] = np.arange(text_end + 1 - offset)
-            offset = text_end + 1
+            for segment in doc.segments:
+                end = cursor + segment.tokens
+                kind = _KIND.get(type(segment))
+                if kind is None:
+                    row[cursor:end] = segment.ids
+                    modality[s, cursor:end] = MODALITY_TEXT
+                else:
+                    row[cursor:end] = _placeholder(tokenizer, kind)
+                    modality[s, cursor:end] = _MODALITY[kind]
+                    spans[kind].append((s * seq_len + cursor, s * seq_len + end))
+                    if kind == "image":
+                        shape, params = (segment.height, segment.width, 3), (segment.height, segment.width,
+                                                                              segment.orientation)
+                        image_shapes.append(shape)
+                    elif kind == "audio":
+                        shape, params = (segment.frames, audio_config.n_mels), (segment.frames, audio_config)
+                        audio_frames.append(segment.frames)
+                    else:
+                        shape, params = (segment.size, segment.size, 3), (segment.size, segment.orientation)
+                        gen_sizes.append(segment.size)
+                    nbytes = int(np.prod(shape)) * (2 if kind == "audio" else 1)
+                    items.append(MediaItem(kind, segment.member, params, sizes[kind], nbytes))
+                    sizes[kind] += nbytes
+                cursor = end
+            row[cursor] = tokenizer.eos_id
+            modality[s, cursor] = MODALITY_TEXT
+            positions[s, offset:cursor + 1] = np.arange(cursor + 1 - offset)
+            offset = cursor + 1
             cu_seqlens.append(s * seq_len + offset)
-            segment_doc.append(len(out.sample_keys))
-            out.sample_keys.append(doc.key)
-            assert s * seq_len + offset - base == doc.num_tokens
+            segment_doc.append(len(keys))
+            keys.append(doc.key)
+            documents.append((doc, items))
         if offset < seq_len:
             cu_seqlens.append((s + 1) * seq_len)
             segment_doc.append(-1)
-    out.arrays = {
-        "tokens": tokens,
-        "position_ids": positions,
-        "modality": modality,
-        "cu_seqlens": np.array(cu_seqlens, dtype=np.int32),
-        "segment_doc": np.array(segment_doc, dtype=np.int32),
-        "image_spans": np.array(spans, dtype=np.int32).reshape(-1, 2),
-        "image_shapes": np.array(shapes, dtype=np.int32).reshape(-1, 3),
-        "pixels": np.concatenate(pixels) if pixels else np.zeros(0, dtype=np.uint8),
+    if len(set(gen_sizes)) > 1:
+        raise ValueError(f"generation targets of one microbatch have different sizes {sorted(set(gen_sizes))}")
+    # One output buffer: pixels | mel | gen_pixels, each region aligned; item offsets become absolute.
+    starts = {"image": 0, "audio": _aligned(sizes["image"])}
+    starts["gen"] = starts["audio"] + _aligned(sizes["audio"])
+    for _, items in documents:
+        for item in items:
+            item.offset += starts[item.kind]
+    regions = {
+        "pixels": (starts["image"], sizes["image"], (sizes["image"],)),
+        "mel": (starts["audio"], sizes["audio"], (sum(audio_frames), audio_config.n_mels)),
+        "gen_pixels": (starts["gen"], sizes["gen"], (len(gen_sizes), *(gen_sizes[:1] * 2 or [0, 0]), 3)),
     }
-    return out
+    arrays = {
+        "tokens": tokens, "position_ids": positions, "modality": modality,
+        "cu_seqlens": np.array(cu_seqlens, dtype=np.int32), "segment_doc": np.array(segment_doc, dtype=np.int32),
+        "image_spans": np.array(spans["image"], dtype=np.int32).reshape(-1, 2),
+        "image_shapes": np.array(image_shapes, dtype=np.int32).reshape(-1, 3),
+        "audio_spans": np.array(spans["audio"], dtype=np.int32).reshape(-1, 2),
+        "audio_frames": np.array(audio_frames, dtype=np.int32),
+        "gen_spans": np.array(spans["gen"], dtype=np.int32).reshape(-1, 2),
+    }
+    return Layout(arrays=arrays, sample_keys=keys, documents=documents, regions=regions,
+                  nbytes=starts["gen"] + _aligned(sizes["gen"]))
+
+
+_KIND = {ImageRef: "image", AudioRef: "audio", GenImageRef: "gen"}
+_MODALITY = {"image": MODALITY_IMAGE, "audio": MODALITY_AUDIO, "gen": MODALITY_GEN}
+
+
+def _placeholder(tokenizer: Tokenizer, kind: str) -> int:
+    return {"image": tokenizer.image_id, "audio": tokenizer.audio_id, "gen": tokenizer.gen_id}[kind]
+
+
+def compact(old: Layout, old_buffer: np.ndarray, new: Layout) -> np.ndarray:
+    """The output buffer of ``new`` (a layout of a subset of ``old``'s documents), filled from ``old_buffer``."""
+    buffer = np.empty(new.nbytes, dtype=np.uint8)
+    old_items = {doc.key: items for doc, items in old.documents}
+    for doc, items in new.documents:
+        for item, source in zip(items, old_items[doc.key]):
+            buffer[item.offset:item.offset + item.nbytes] = old_buffer[source.offset:source.offset + source.nbytes]
+    return buffer
+
+
+def finish(layout: Layout, buffer: np.ndarray) -> MicrobatchArrays:
+    """The microbatch's arrays: token arrays plus media views of the filled ``buffer``."""
+    return MicrobatchArrays(arrays={**layout.arrays, **layout.media_arrays(buffer)}, sample_keys=layout.sample_keys)

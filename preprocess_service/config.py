@@ -46,6 +46,61 @@ class ImageConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class AudioConfig:
+    """How audio clips become log-mel frames for the audio encoder (Whisper-like defaults).
+
+    A clip of d seconds gets floor(d * sample_rate / hop_length / token_stride) tokens (at least
+    one) and exactly tokens * token_stride frames: the mel is cropped or padded to that, so the
+    size planned from the JSON duration is the size delivered.
+    """
+
+    sample_rate: int = 16000
+    """Hz every clip is resampled to (after mixing down to mono)."""
+    n_mels: int = 128
+    """Mel bins per frame."""
+    n_fft: int = 400
+    """FFT size, samples (25 ms at 16 kHz); also the window length."""
+    hop_length: int = 160
+    """Samples between frames (10 ms at 16 kHz)."""
+    token_stride: int = 4
+    """Mel frames per audio token (the encoder's downsampling)."""
+    max_seconds: float = 30.0
+    """Longer clips are cut to their first max_seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("sample_rate", "n_mels", "n_fft", "hop_length", "token_stride"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"audio.{name} must be a positive integer, got {value!r}")
+        _require(self.max_seconds > 0, f"audio.max_seconds must be positive, got {self.max_seconds}")
+
+    def num_tokens(self, seconds: float) -> int:
+        """Tokens of a clip of ``seconds`` (after the max_seconds cut)."""
+        samples = int(min(seconds, self.max_seconds) * self.sample_rate)
+        return max(1, samples // self.hop_length // self.token_stride)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GenerationConfig:
+    """Images the generator must produce: which, at what size, and their place in the sequence."""
+
+    image_size: int = 256
+    """Edge of the square target the generator trains on, pixels (centre crop, then resize)."""
+    query_tokens: int = 64
+    """Backbone tokens per generated image, whose hidden states condition the generator."""
+    select: str = "listed"
+    """Which images are generation targets: "listed" (the members a sample's JSON names in
+    "generate"), "all" (every image: text-to-image training on plain LAION) or "none"."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.image_size, int) and self.image_size >= 8,
+                 f"generation.image_size must be an integer >= 8, got {self.image_size!r}")
+        _require(isinstance(self.query_tokens, int) and self.query_tokens > 0,
+                 f"generation.query_tokens must be a positive integer, got {self.query_tokens!r}")
+        _require(self.select in ("listed", "all", "none"),
+                 f"generation.select must be 'listed', 'all' or 'none', got {self.select!r}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class CostConfig:
     """Forward-time coefficients (seconds) of the per-sequence cost model, see cost.py.
 
@@ -54,7 +109,7 @@ class CostConfig:
     """
 
     enc_linear_s: float = 2.0e-6
-    """Encoder seconds per image token."""
+    """Encoder seconds per image or audio token."""
     enc_quadratic_s: float = 2.0e-9
     """Encoder seconds per squared image token count (self-attention inside one image)."""
     bb_linear_s: float = 6.0e-6
@@ -110,6 +165,8 @@ class JobConfig:
     pack_window: int = 8
     """Open sequences the best-fit packer fills at once (1 = sequential packing)."""
     image: ImageConfig = field(default_factory=ImageConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:

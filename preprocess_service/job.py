@@ -1,4 +1,4 @@
-"""A job inside one service process: lazily planned steps, encoded bytes held only while needed,
+"""A job inside one service process: lazily planned steps, encoded media held only while needed,
 the skipped-sample report, acknowledgements and counters. Thread-safe."""
 
 from __future__ import annotations
@@ -7,15 +7,28 @@ import dataclasses
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
+
 from preprocess_service import shards
-from preprocess_service.assemble import MicrobatchArrays, assemble_microbatch
+from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
+from preprocess_service.decode import WORKER_DIED, Decoded
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import ConfigError, NotFoundError, SampleError
 from preprocess_service.packing import PackedSequence
 from preprocess_service.planner import Planner, StepPlan
 from preprocess_service.tokenizer import ByteTokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class PendingMicrobatch:
+    """A microbatch whose decoding is under way."""
+
+    sequences: list[PackedSequence]
+    layout: Layout
+    future: Future
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,25 +98,52 @@ class Job:
         if not 0 <= rank < self.config.dp_size:
             raise ConfigError(f"dp_rank {rank} is outside this job's dp_size {self.config.dp_size}")
 
-    def microbatch(self, plan: StepPlan, rank: int, index: int, map_fn: Callable = map) -> MicrobatchArrays:
-        """Decodes (through ``map_fn``) and lays out one microbatch of ``rank``; decode failures are recorded."""
+    def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> PendingMicrobatch:
+        """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (decode.py)."""
         sequences = self._with_bytes(plan.microbatch(rank, index))
-        arrays = assemble_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer,
-                                     map_fn=map_fn)
+        layout = self._layout(sequences)
+        return PendingMicrobatch(sequences, layout, decoder.submit(layout))
+
+    def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None]]:
+        """Waits for the decode; returns the arrays (views of the decode buffer) and the function
+        that releases that buffer once the arrays are no longer needed. Documents that failed to
+        decode are left out, reported in ``arrays.skipped`` and recorded in the job's report."""
+        decoded: Decoded = pending.future.result()
+        layout, buffer, release = pending.layout, decoded.buffer, decoded.release
+        if decoded.errors:
+            survivors = self._layout(pending.sequences, skip=frozenset(decoded.errors))
+            buffer = compact(layout, buffer, survivors)
+            decoded.release()
+            layout, release = survivors, (lambda: None)
+        arrays = finish(layout, buffer)
+        shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
         with self._lock:
-            for key, shard, reason in arrays.skipped:
-                self._skipped.setdefault(key, SkippedRecord(key, shard, reason, "decode_failed"))
+            for key, reason in decoded.errors.items():
+                kind = "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed"
+                arrays.skipped.append((key, shards_of[key], f"decode failed: {reason}"))
+                self._skipped.setdefault(key, SkippedRecord(key, shards_of[key], f"decode failed: {reason}", kind))
+        return arrays, release
+
+    def microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> MicrobatchArrays:
+        """One microbatch decoded and copied out of the decode buffer (for tests and tools)."""
+        arrays, release = self.finish_microbatch(self.start_microbatch(plan, rank, index, decoder))
+        arrays.arrays = {name: np.array(a) for name, a in arrays.arrays.items()}
+        release()
         return arrays
+
+    def _layout(self, sequences: list[PackedSequence], skip: frozenset[str] = frozenset()) -> Layout:
+        return layout_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer,
+                                 audio_config=self.config.audio, skip=skip)
 
     def _with_bytes(self, sequences: list[PackedSequence]) -> list[PackedSequence]:
         """Copies of the sequences whose documents hold their encoded images: a snapshot taken under
         the lock (a concurrent release cannot pull bytes from under the decoder), and bytes that were
         already released re-read from their shards."""
         with self._lock:
-            snapshot = [[(doc, doc.image_bytes) for doc in seq.documents] for seq in sequences]
+            snapshot = [[(doc, doc.media_bytes) for doc in seq.documents] for seq in sequences]
         missing: dict[str, set[str]] = defaultdict(set)
         for doc, data in (pair for seq in snapshot for pair in seq):
-            if data is None and doc.images:
+            if data is None and doc.media:
                 missing[doc.shard].add(doc.key)
         fetched: dict[str, dict] = {}
         for url, keys in missing.items():
@@ -112,10 +152,10 @@ class Job:
         for seq, pairs in zip(sequences, snapshot):
             documents = []
             for doc, data in pairs:
-                if data is None and doc.images:
+                if data is None and doc.media:
                     sample = fetched.get(doc.key, {})
-                    data = {img.member: sample[img.member] for img in doc.images if img.member in sample}
-                documents.append(dataclasses.replace(doc, image_bytes=data))
+                    data = {m.member: sample[m.member] for m in doc.media if m.member in sample}
+                documents.append(dataclasses.replace(doc, media_bytes=data))
             out.append(dataclasses.replace(seq, documents=documents))
         return out
 
@@ -132,7 +172,7 @@ class Job:
         while self._released_through < step:
             self._released_through += 1
             for doc in self._plans[self._released_through].documents():
-                doc.image_bytes = None
+                doc.media_bytes = None
 
     # --- acknowledgements and report -------------------------------------------------------
     def acknowledge(self, rank: int, next_step: int) -> int:

@@ -30,9 +30,9 @@ class PackedSequence:
 def price(sequence: PackedSequence, config: CostConfig) -> SequenceCost:
     """Prices a packed sequence from its documents' metadata (no pixels needed)."""
     return price_sequence(
-        image_tokens=[img.tokens for doc in sequence.documents for img in doc.images],
+        image_tokens=[t for doc in sequence.documents for t in doc.encoder_tokens],
         document_lengths=[doc.num_tokens for doc in sequence.documents],
-        num_generated_images=0,
+        num_generated_images=sum(len(doc.generated) for doc in sequence.documents),
         config=config,
     )
 

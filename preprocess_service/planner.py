@@ -107,7 +107,7 @@ class Planner:
             for sample in shards.iter_shard(url, lambda u, reason: self.on_skip(SampleError("", reason, u, "shard_error"))):
                 try:
                     yield parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer,
-                                         seq_len=cfg.seq_len)
+                                         seq_len=cfg.seq_len, audio_config=cfg.audio, generation=cfg.generation)
                 except SampleError as exc:
                     self.on_skip(exc)
 

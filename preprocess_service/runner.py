@@ -92,11 +92,12 @@ def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -
 
 
 def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
-            progress: bool = True, connect_timeout_s: float = 10.0) -> RunResult:
-    """Runs one pass over the job with ``config.dp_size`` client processes."""
+            progress: bool = True, connect_timeout_s: float = 10.0, decode_workers: int | None = None) -> RunResult:
+    """Runs one pass over the job with ``config.dp_size`` client processes; the embedded service
+    (no ``address``) gets ``decode_workers`` decode processes (default one per core)."""
     server = None
     if address is None:
-        server, port, _ = create_server("127.0.0.1:0")
+        server, port, _ = create_server("127.0.0.1:0", decode_workers=decode_workers)
         address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)
@@ -120,7 +121,7 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
     finally:
         channel.close()
         if server is not None:
-            server.stop(grace=1)
+            server.stop(grace=1).wait()
     return RunResult(
         job_id=info.job_id, ranks=sorted(ranks, key=lambda r: r.rank),
         skipped=[{"key": s.key, "shard": s.shard, "reason": s.reason, "kind": s.kind} for s in report.skipped],

@@ -1,9 +1,21 @@
 """The sample model: a LAION-style webdataset sample parsed into a planned document.
 
-A document is priced from metadata only (JSON, caption, image headers): its token count and
-image sizes are fixed here, before any pixel is decoded, and decoding later produces exactly
-these sizes. Token layout of a document: [BOS] image_0 ... image_n caption [EOS], images in
-member order (``KEY.jpg`` first, then ``KEY.1.jpg``, ``KEY.2.png``, ...).
+A document is priced from metadata only (JSON, captions, image and audio headers): its token count
+and every media size are fixed here, before any pixel or sample is decoded, and decoding later
+produces exactly these sizes.
+
+A document is a sequence of segments laid out as ``[BOS] segment ... segment [EOS]``:
+  text   ``txt``, ``1.txt``, ...                  token ids (the JSON "caption" if there is no txt member)
+  image  ``jpg|jpeg|png|webp``, ``1.jpg``, ...     pixels for the encoder, dynamic resolution
+  audio  ``flac|wav|mp3|ogg``, ``1.flac``, ...     log-mel frames for the audio encoder
+  gen    an image the generator must produce     query tokens in the sequence, pixels at a fixed size
+Segment order: the JSON's ``"order"`` (a list of member names) when it gives one, members it does
+not list following in the default order; the default order is images, then audio clips, then
+texts, each by member index (``jpg`` before ``1.jpg`` before ``2.png``): media first, as for
+captioning. An image is a generation target when the job's generation.select is "all", or it is
+"listed" and the JSON's ``"generate"`` names the member. Audio clips are priced from the JSON's
+``"durations"`` (seconds, one per clip in member order) or ``"duration"`` (the first clip), else
+from the file header.
 """
 
 from __future__ import annotations
@@ -14,18 +26,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from preprocess_service import imaging
-from preprocess_service.config import ImageConfig
+from preprocess_service import audio, imaging
+from preprocess_service.config import AudioConfig, GenerationConfig, ImageConfig
 from preprocess_service.errors import SampleError
 from preprocess_service.tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-_IMAGE_MEMBER = re.compile(r"^(?:(\d+)\.)?(jpg|jpeg|png|webp)$")
+_MEMBER = re.compile(r"^(?:(\d+)\.)?(txt|jpg|jpeg|png|webp|flac|wav|mp3|ogg)$")
+_KIND_OF_EXT = {"txt": "text", **{e: "image" for e in IMAGE_EXTENSIONS}, **{e: "audio" for e in audio.AUDIO_EXTENSIONS}}
+_DEFAULT_RANK = {"image": 0, "audio": 1, "text": 2}
+CAPTION_MEMBER = "json:caption"
+"""Pseudo member of a caption taken from the JSON (no txt member)."""
+
+
+@dataclass(slots=True)
+class TextSegment:
+    member: str
+    ids: np.ndarray
+    """int32 token ids, possibly truncated to fit the sequence."""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
 
 @dataclass(slots=True)
 class ImageRef:
-    """One image of a document, sized for the encoder."""
+    """One image for the encoder."""
 
     member: str
     """Tar member extension, e.g. ``jpg`` or ``1.png``."""
@@ -33,6 +60,35 @@ class ImageRef:
     """Resized height, pixels."""
     width: int
     tokens: int
+    orientation: int = 1
+    """EXIF orientation of the stored pixels (1 = none), read with the header."""
+
+
+@dataclass(slots=True)
+class AudioRef:
+    """One audio clip for the audio encoder."""
+
+    member: str
+    seconds: float
+    """Duration it was priced from (JSON or header)."""
+    frames: int
+    """Log-mel frames delivered = tokens * token_stride."""
+    tokens: int
+
+
+@dataclass(slots=True)
+class GenImageRef:
+    """One image the generator must produce."""
+
+    member: str
+    size: int
+    """Edge of the square target, pixels."""
+    tokens: int
+    """Query tokens in the sequence."""
+    orientation: int = 1
+
+
+Segment = TextSegment | ImageRef | AudioRef | GenImageRef
 
 
 @dataclass(slots=True)
@@ -41,33 +97,65 @@ class Document:
 
     key: str
     shard: str
-    text_ids: np.ndarray
-    """Caption token ids (int32), possibly truncated to fit the sequence."""
-    images: tuple[ImageRef, ...]
+    segments: tuple[Segment, ...]
     truncated: bool = False
-    image_bytes: dict[str, bytes] | None = field(default=None, repr=False)
-    """Encoded image members by extension; dropped once delivered, refetched from the shard if needed."""
+    media_bytes: dict[str, bytes] | None = field(default=None, repr=False)
+    """Encoded media members by extension; dropped once delivered, refetched from the shard if needed."""
 
     @property
-    def image_tokens(self) -> int:
-        return sum(img.tokens for img in self.images)
+    def images(self) -> tuple[ImageRef, ...]:
+        return tuple(s for s in self.segments if isinstance(s, ImageRef))
+
+    @property
+    def audio(self) -> tuple[AudioRef, ...]:
+        return tuple(s for s in self.segments if isinstance(s, AudioRef))
+
+    @property
+    def generated(self) -> tuple[GenImageRef, ...]:
+        return tuple(s for s in self.segments if isinstance(s, GenImageRef))
+
+    @property
+    def media(self) -> tuple[ImageRef | AudioRef | GenImageRef, ...]:
+        """Segments decoded from a member, in order."""
+        return tuple(s for s in self.segments if not isinstance(s, TextSegment))
+
+    @property
+    def encoder_tokens(self) -> list[int]:
+        """Token count of every image and audio clip the encoders read."""
+        return [s.tokens for s in self.segments if isinstance(s, (ImageRef, AudioRef))]
+
+    @property
+    def text_tokens(self) -> int:
+        return sum(s.tokens for s in self.segments if isinstance(s, TextSegment))
 
     @property
     def num_tokens(self) -> int:
-        return 2 + self.image_tokens + len(self.text_ids)
+        return 2 + sum(s.tokens for s in self.segments)
+
+
+def classify_members(sample: dict) -> dict[str, str]:
+    """{member: "text" | "image" | "audio"} of a raw sample's content members."""
+    return {ext: _KIND_OF_EXT[m.group(2)] for ext in sample if isinstance(ext, str) and (m := _MEMBER.match(ext))}
 
 
 def image_members(sample: dict) -> list[str]:
-    """Image member extensions of a raw sample in document order."""
-    found = []
-    for ext in sample:
-        match = _IMAGE_MEMBER.match(ext)
-        if match:
-            found.append((int(match.group(1) or 0), ext))
-    return [ext for _, ext in sorted(found)]
+    """Image member extensions of a raw sample in default order."""
+    kinds = classify_members(sample)
+    return [m for m in _default_order(kinds) if kinds[m] == "image"]
 
 
-def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokenizer, seq_len: int) -> Document:
+def _member_index(member: str) -> int:
+    match = _MEMBER.match(member)
+    return int(match.group(1) or 0) if match else 0
+
+
+def _default_order(kinds: dict[str, str]) -> list[str]:
+    return sorted(kinds, key=lambda m: (_DEFAULT_RANK[kinds[m]], _member_index(m), m))
+
+
+def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokenizer, seq_len: int,
+                   audio_config: AudioConfig = AudioConfig(),
+                   generation: GenerationConfig = GenerationConfig()) -> Document:
     """Turns a raw webdataset sample (``__key__``, ``__url__``, ext -> bytes) into a Document.
 
     Raises SampleError naming the problem for anything that makes the sample unusable.
@@ -75,21 +163,87 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
     key, shard = sample["__key__"], sample.get("__url__", "")
     try:
         meta = _parse_json(sample.get("json"))
-        caption = _caption(sample, meta)
-        images = tuple(_image_ref(ext, sample[ext], image_config) for ext in image_members(sample))
+        kinds = classify_members(sample)
+        order = _segment_order(meta, kinds)
+        generate = _generation_targets(meta, kinds, generation)
+        durations = _json_durations(meta, [m for m in _default_order(kinds) if kinds[m] == "audio"])
+        segments, texts = [], []
+        for member in order:
+            kind = kinds[member]
+            if kind == "text":
+                texts.append((len(segments), member, _decode_text(sample[member], member)))
+                segments.append(None)
+            elif member in generate:
+                segments.append(_gen_ref(member, sample[member], image_config, generation))
+            elif kind == "image":
+                segments.append(_image_ref(member, sample[member], image_config))
+            else:
+                segments.append(_audio_ref(member, sample[member], durations.get(member), audio_config))
+        if not texts and isinstance(meta.get("caption"), str) and meta["caption"]:
+            texts.append((len(segments), CAPTION_MEMBER, meta["caption"]))
+            segments.append(None)
     except SampleError as exc:
         raise SampleError(key, exc.reason, shard, exc.kind) from None
-    if not images and not caption:
-        raise SampleError(key, "has neither an image nor a caption", shard, "empty")
-    image_tokens = sum(img.tokens for img in images)
-    room = seq_len - 2 - image_tokens
+    if not segments:
+        raise SampleError(key, "has no image, audio or text", shard, "empty")
+    media_tokens = sum(s.tokens for s in segments if s is not None)
+    room = seq_len - 2 - media_tokens
     if room < 0:
-        raise SampleError(key, f"needs {image_tokens + 2} tokens for its images alone, "
+        raise SampleError(key, f"needs {media_tokens + 2} tokens for its media alone, "
                                f"more than seq_len {seq_len}", shard, "too_long")
-    text_ids = tokenizer.encode(caption)
-    truncated = len(text_ids) > room
-    return Document(key=key, shard=shard, text_ids=text_ids[:room], images=images, truncated=truncated,
-                    image_bytes={img.member: sample[img.member] for img in images})
+    truncated = False
+    for index, member, text in texts:
+        ids = tokenizer.encode(text)
+        truncated = truncated or len(ids) > room
+        segments[index] = TextSegment(member=member, ids=ids[:room])
+        room -= len(segments[index].ids)
+    media = {s.member: sample[s.member] for s in segments if not isinstance(s, TextSegment)}
+    return Document(key=key, shard=shard, segments=tuple(segments), truncated=truncated, media_bytes=media)
+
+
+def _segment_order(meta: dict, kinds: dict[str, str]) -> list[str]:
+    listed = meta.get("order")
+    if listed is None:
+        return _default_order(kinds)
+    if not isinstance(listed, list) or not all(isinstance(m, str) for m in listed):
+        raise SampleError("", f'JSON "order" must be a list of member names, got {listed!r}', kind="invalid_order")
+    unknown = [m for m in listed if m not in kinds]
+    if unknown or len(set(listed)) != len(listed):
+        problem = f"names members the sample does not hold: {unknown}" if unknown else "lists a member twice"
+        raise SampleError("", f'JSON "order" {listed} {problem} (members: {sorted(kinds)})', kind="invalid_order")
+    return listed + [m for m in _default_order(kinds) if m not in listed]
+
+
+def _generation_targets(meta: dict, kinds: dict[str, str], generation: GenerationConfig) -> set[str]:
+    images = {m for m, kind in kinds.items() if kind == "image"}
+    if generation.select == "none":
+        return set()
+    if generation.select == "all":
+        return images
+    listed = meta.get("generate", [])
+    if not isinstance(listed, list) or not set(listed) <= images:
+        raise SampleError("", f'JSON "generate" must list image members of the sample, got {listed!r} '
+                              f"(images: {sorted(images)})", kind="invalid_order")
+    return set(listed)
+
+
+def _json_durations(meta: dict, audio_members: list[str]) -> dict[str, float]:
+    """Durations the JSON declares, by member; absent or unusable values fall back to the header."""
+    values = meta.get("durations")
+    if not isinstance(values, list):
+        values = [meta.get("duration")]
+    out = {}
+    for member, value in zip(audio_members, values):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6:
+            out[member] = float(value)
+    return out
+
+
+def _decode_text(raw: bytes, member: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SampleError("", f"{member} is not valid UTF-8 ({exc})", kind="bad_utf8") from None
 
 
 def _parse_json(raw: bytes | None) -> dict:
@@ -102,17 +256,6 @@ def _parse_json(raw: bytes | None) -> dict:
     if not isinstance(meta, dict):
         raise SampleError("", f"JSON metadata is a {type(meta).__name__}, expected an object", kind="invalid_json")
     return meta
-
-
-def _caption(sample: dict, meta: dict) -> str:
-    raw = sample.get("txt")
-    if raw is None:
-        caption = meta.get("caption") or ""
-        return caption if isinstance(caption, str) else ""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SampleError("", f"caption is not valid UTF-8 ({exc})", kind="bad_utf8") from None
 
 
 def _image_ref(ext: str, data: bytes, config: ImageConfig) -> ImageRef:
@@ -131,5 +274,22 @@ def _image_ref(ext: str, data: bytes, config: ImageConfig) -> ImageRef:
         raise SampleError("", f"image {ext}: truncated {header.format} file ({len(data)} bytes, no end marker)",
                           kind="truncated_image")
     height, width = imaging.target_size(header.width, header.height, config)
-    return ImageRef(member=ext, height=height, width=width,
+    return ImageRef(member=ext, height=height, width=width, orientation=header.orientation,
                     tokens=imaging.num_image_tokens(height, width, config))
+
+
+def _gen_ref(ext: str, data: bytes, config: ImageConfig, generation: GenerationConfig) -> GenImageRef:
+    """A generation target is checked like an encoder image, then sized by the job, not the file."""
+    ref = _image_ref(ext, data, config)
+    return GenImageRef(member=ext, size=generation.image_size, tokens=generation.query_tokens,
+                       orientation=ref.orientation)
+
+
+def _audio_ref(ext: str, data: bytes, seconds: float | None, config: AudioConfig) -> AudioRef:
+    if seconds is None:
+        try:
+            seconds = audio.header_seconds(data)
+        except ValueError as exc:
+            raise SampleError("", f"audio {ext}: {exc}", kind="unreadable_audio") from None
+    tokens = config.num_tokens(seconds)
+    return AudioRef(member=ext, seconds=seconds, frames=tokens * config.token_stride, tokens=tokens)

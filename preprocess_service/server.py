@@ -1,15 +1,17 @@
 """gRPC adapter: the Preprocess servicer, health checking, reflection, and create_server().
 
 Servicer methods convert proto -> domain objects, call the job, and map domain errors to status
-codes. Every stream has one producer thread that prepares microbatches into a bounded queue, so
-a slow client holds at most ``prefetch`` prepared microbatches of server memory, and a cancelled
-or disconnected client stops its producer at once.
+codes. Every stream has one producer thread: it keeps two microbatches in the decode stage (a
+pool of worker processes shared by all streams, decode.py) and puts finished messages into a
+bounded queue, so a slow client holds at most ``prefetch`` prepared microbatches of server
+memory, and a cancelled or disconnected client stops its producer at once. Microbatch messages
+are serialized by wire.encode_microbatch straight from the decode buffer (one copy).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import os
 import queue
 import threading
 from concurrent import futures
@@ -22,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import wire
+from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import ConfigError, NotFoundError
 from preprocess_service.job import Job, JobRegistry
 from preprocess_service.spec import config_from_spec, spec_from_config
@@ -50,12 +53,11 @@ class StreamCounters:
 
 
 class PreprocessServicer(pb_grpc.PreprocessServicer):
-    def __init__(self, *, prefetch: int = 2, decode_threads: int | None = None):
+    def __init__(self, *, decoder, prefetch: int = 2):
         self.jobs = JobRegistry()
         self.prefetch = prefetch
-        # Shared by all streams: one stream alone can use every core, many streams share them.
-        self.decode_pool = futures.ThreadPoolExecutor(max_workers=decode_threads or os.cpu_count() or 1,
-                                                      thread_name_prefix="decode")
+        self.decoder = decoder
+        """Shared by all streams: one stream alone can use every worker, many streams share them."""
         self.counters = StreamCounters()
         self._counter_lock = threading.Lock()
 
@@ -126,27 +128,56 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                     log.exception("stream failed", exc_info=item)
                     context.abort(grpc.StatusCode.INTERNAL, f"microbatch preparation failed: {item!r}")
                 yield item
-                self._count(sent_microbatches=1, sent_bytes=item.ByteSize())
+                self._count(sent_microbatches=1, sent_bytes=len(item))
         finally:
             stop.set()
             self._count(active_streams=-1)
 
     def _produce(self, job: Job, request, items: queue.Queue, stop: threading.Event) -> None:
+        """Keeps up to two microbatches decoding ahead of the one being serialized."""
+        in_decode: collections.deque = collections.deque()
         try:
-            step, end = request.start_step, (request.start_step + request.max_steps if request.max_steps else None)
-            first = request.start_microbatch
-            while (end is None or step < end) and not stop.is_set():
-                plan = job.step_plan(step)
-                if plan is None:
-                    break
-                for index in range(first, plan.num_microbatches):
-                    if stop.is_set() or not self._put(items, self._message(job, plan, request.dp_rank, index), stop):
-                        return
-                job.mark_sent(request.dp_rank, step, plan.num_microbatches - first)
-                step, first = step + 1, 0
-            self._put(items, _END, stop)
+            for plan, index, last in self._positions(job, request, stop):
+                in_decode.append((plan, index, last, job.start_microbatch(plan, request.dp_rank, index, self.decoder)))
+                if len(in_decode) == 2 and not self._emit(job, request, in_decode.popleft(), items, stop):
+                    return
+            while in_decode and not stop.is_set():
+                if not self._emit(job, request, in_decode.popleft(), items, stop):
+                    return
+            if not stop.is_set():
+                self._put(items, _END, stop)
         except BaseException as exc:  # handed to the consumer thread, which aborts the call with it
             self._put(items, exc, stop)
+        finally:
+            for *_, pending in in_decode:  # abandoned by a cancelled stream: free the buffers
+                pending.future.add_done_callback(lambda f: f.exception() or f.result().release())
+
+    @staticmethod
+    def _positions(job: Job, request, stop: threading.Event):
+        """(plan, microbatch index, last of its step?) of every microbatch the stream sends."""
+        step, end = request.start_step, (request.start_step + request.max_steps if request.max_steps else None)
+        first = request.start_microbatch
+        while (end is None or step < end) and not stop.is_set():
+            plan = job.step_plan(step)
+            if plan is None:
+                return
+            for index in range(first, plan.num_microbatches):
+                yield plan, index, index == plan.num_microbatches - 1
+            step, first = step + 1, 0
+
+    def _emit(self, job: Job, request, entry, items: queue.Queue, stop: threading.Event) -> bool:
+        plan, index, last, pending = entry
+        arrays, release = job.finish_microbatch(pending)
+        try:
+            message = self._message(job, plan, request.dp_rank, index, arrays)
+        finally:
+            release()
+        if stop.is_set() or not self._put(items, message, stop):
+            return False
+        if last:
+            first = request.start_microbatch if plan.step == request.start_step else 0
+            job.mark_sent(request.dp_rank, plan.step, plan.num_microbatches - first)
+        return True
 
     def _put(self, items: queue.Queue, item, stop: threading.Event) -> bool:
         while not stop.is_set():
@@ -157,19 +188,17 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 continue
         return False
 
-    def _message(self, job: Job, plan, rank: int, index: int) -> pb.Microbatch:
-        arrays = job.microbatch(plan, rank, index, map_fn=self.decode_pool.map)
+    def _message(self, job: Job, plan, rank: int, index: int, arrays) -> bytes:
         self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
-        return pb.Microbatch(
+        header = pb.Microbatch(
             job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
-            num_microbatches=plan.num_microbatches,
-            tensors=[wire.to_tensor(name, array) for name, array in arrays.arrays.items()],
-            sample_keys=arrays.sample_keys,
+            num_microbatches=plan.num_microbatches, sample_keys=arrays.sample_keys,
             sequence_costs=[pb.SequenceCost(encoder_s=s.cost.encoder_s, backbone_s=s.cost.backbone_s,
                                             generator_s=s.cost.generator_s, total_s=s.cost.total_s)
                             for s in plan.microbatch(rank, index)],
             skipped=[pb.SkippedSample(key=k, shard=s, reason=r, kind="decode_failed") for k, s, r in arrays.skipped],
         )
+        return wire.encode_microbatch(header, arrays.arrays)
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
@@ -177,17 +206,50 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
 
+def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
+    """As the generated add_PreprocessServicer_to_server, except that StreamMicrobatches yields
+    messages already serialized by wire.encode_microbatch."""
+    handlers = {
+        "OpenJob": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenJob, pb.OpenJobRequest.FromString, pb.JobInfo.SerializeToString),
+        "DescribeJob": grpc.unary_unary_rpc_method_handler(
+            servicer.DescribeJob, pb.DescribeJobRequest.FromString, pb.JobInfo.SerializeToString),
+        "StreamMicrobatches": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamMicrobatches, pb.StreamRequest.FromString, None),
+        "Acknowledge": grpc.unary_unary_rpc_method_handler(
+            servicer.Acknowledge, pb.AckRequest.FromString, pb.AckResponse.SerializeToString),
+        "GetReport": grpc.unary_unary_rpc_method_handler(
+            servicer.GetReport, pb.ReportRequest.FromString, pb.JobReport.SerializeToString),
+    }
+    missing = set(pb.DESCRIPTOR.services_by_name["Preprocess"].methods_by_name) - set(handlers)
+    assert not missing, f"rpcs without a handler: {missing}"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def create_decoder(decode_workers: int | None):
+    """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
+    on threads in this process for 0."""
+    if decode_workers == 0:
+        import os
+
+        return InlineDecoder(num_threads=len(os.sched_getaffinity(0)))
+    return DecodePool(decode_workers)
+
+
 def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
-                  decode_threads: int | None = None):
-    """Builds and starts a server; returns (server, bound port, servicer). ``decode_threads``
-    defaults to the number of cores. The planner's compiled kernels are loaded first, so health
-    checks report SERVING only once a step can be planned at full speed."""
+                  decode_workers: int | None = None):
+    """Builds and starts a server; returns (server, bound port, servicer). ``decode_workers``
+    defaults to one decode process per core (0: decode on threads in this process). The decode
+    workers and the planner's compiled kernels are loaded first, so health checks report SERVING
+    only once a step can be planned and decoded at full speed. ``server.stop()`` also stops the
+    decode workers."""
     from preprocess_service.reorder import ours
 
     ours.warm_up()
+    decoder = create_decoder(decode_workers)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-    servicer = PreprocessServicer(prefetch=prefetch, decode_threads=decode_threads)
-    pb_grpc.add_PreprocessServicer_to_server(servicer, server)
+    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder)
+    _add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -199,4 +261,13 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     if port == 0:
         raise ConfigError(f"cannot bind the service to {address!r}")
     server.start()
+    _stop = server.stop
+
+    def stop(grace=None):
+        """grpc's stop, then the decode workers; the event is set once both are down."""
+        stopped, done = _stop(grace), threading.Event()
+        threading.Thread(target=lambda: (stopped.wait(), decoder.close(), done.set()), daemon=True).start()
+        return done
+
+    server.stop = stop
     return server, port, servicer

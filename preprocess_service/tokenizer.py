@@ -14,6 +14,11 @@ class Tokenizer(Protocol):
     bos_id: int
     eos_id: int
     image_id: int
+    """Placeholder id at the positions of an encoder image's tokens."""
+    audio_id: int
+    """Placeholder id at an audio clip's tokens."""
+    gen_id: int
+    """Placeholder id at the query tokens of an image to generate."""
     vocab_size: int
 
     def encode(self, text: str) -> np.ndarray:
@@ -22,13 +27,15 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte (ids 0..255) plus four special ids. No download, no state."""
+    """One token per UTF-8 byte (ids 0..255) plus six special ids. No download, no state."""
 
     pad_id = 256
     bos_id = 257
     eos_id = 258
     image_id = 259
-    vocab_size = 260
+    audio_id = 260
+    gen_id = 261
+    vocab_size = 262
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)

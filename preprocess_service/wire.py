@@ -37,3 +37,118 @@ def from_tensor(tensor: pb.Tensor) -> np.ndarray:
         raise ValueError(f"tensor {tensor.name!r} holds {array.size} elements, shape {list(tensor.shape)} "
                          f"needs {expected}")
     return array.reshape(tuple(tensor.shape))
+
+
+# --- Microbatch messages without per-tensor copies ------------------------------------------------
+# A Microbatch is mostly a few large Tensor.data fields. Building it through protobuf copies every
+# payload into the message and again into the serialized string (and parsing copies it back out),
+# so the service writes the wire bytes itself: the small fields through protobuf, each tensor as
+# field 6 holding its header fields and then its data, joined with one copy. The result is an
+# ordinary serialized Microbatch; any protobuf library parses it.
+
+_LEN, _VARINT = 2, 0
+_TENSORS_FIELD, _DATA_FIELD = 6, 4
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _read_varint(buf, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, wire type, key start, value start, value end, varint value) of each field in
+    buf[start:end]; a length-delimited value starts after its length prefix."""
+    pos = start
+    while pos < end:
+        key_start = pos
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value, new = _read_varint(buf, pos)
+        elif wire_type == _LEN:
+            length, pos = _read_varint(buf, pos)
+            value, new = None, pos + length
+        elif wire_type == 1:
+            value, new = None, pos + 8
+        elif wire_type == 5:
+            value, new = None, pos + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire_type} at byte {pos}")
+        if new > end:
+            raise ValueError(f"truncated message: field {number} runs past byte {end}")
+        yield number, wire_type, key_start, pos, new, value
+        pos = new
+
+
+def encode_microbatch(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> bytes:
+    """Serialized Microbatch: ``header`` (no tensors) plus ``arrays`` as tensors, in one copy."""
+    if not np.little_endian:  # the raw memory would be big endian: let protobuf build it
+        message = pb.Microbatch()
+        message.CopyFrom(header)
+        message.tensors.extend(to_tensor(n, a) for n, a in arrays.items())
+        return message.SerializeToString()
+    parts = [header.SerializeToString()]
+    for name, array in arrays.items():
+        dtype = _TO_PROTO.get(array.dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has dtype {array.dtype}, which the wire does not carry")
+        meta = pb.Tensor(name=name, dtype=dtype, shape=list(array.shape)).SerializeToString()
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(data.nbytes)
+        parts += [_varint(_TENSORS_FIELD << 3 | _LEN), _varint(len(meta) + len(data_key) + data.nbytes),
+                  meta, data_key, data]
+    return b"".join(parts)
+
+
+def decode_microbatch(raw: bytes) -> tuple[pb.Microbatch, dict[str, np.ndarray]]:
+    """(the message without tensors, name -> read-only array viewing ``raw``): nothing copied."""
+    header_parts, arrays = [], {}
+    for number, wire_type, key_start, start, end, _ in _fields(raw, 0, len(raw)):
+        if number == _TENSORS_FIELD and wire_type == _LEN:
+            name, array = _tensor_view(raw, start, end)
+            arrays[name] = array
+        else:
+            header_parts.append(raw[key_start:end])
+    return pb.Microbatch.FromString(b"".join(header_parts)), arrays
+
+
+def _tensor_view(raw, start: int, end: int) -> tuple[str, np.ndarray]:
+    name, dtype_code, shape, data = "", 0, [], (start, start)
+    for number, wire_type, _, value_start, value_end, value in _fields(raw, start, end):
+        if number == 1:
+            name = bytes(raw[value_start:value_end]).decode("utf-8")
+        elif number == 2:
+            dtype_code = value
+        elif number == 3 and wire_type == _LEN:  # packed
+            pos = value_start
+            while pos < value_end:
+                dim, pos = _read_varint(raw, pos)
+                shape.append(dim)
+        elif number == 3:
+            shape.append(value)
+        elif number == _DATA_FIELD:
+            data = (value_start, value_end)
+    dtype = _FROM_PROTO.get(dtype_code)
+    if dtype is None:
+        raise ValueError(f"tensor {name!r} has unknown dtype code {dtype_code}")
+    count = (data[1] - data[0]) // dtype.itemsize
+    expected = int(np.prod(shape)) if shape else 1
+    if count != expected:
+        raise ValueError(f"tensor {name!r} holds {count} elements, shape {shape} needs {expected}")
+    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<"), count=count, offset=data[0])
+    return name, array.reshape(shape)

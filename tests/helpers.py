@@ -10,13 +10,14 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from preprocess_service.sample import Document, ImageRef
+from preprocess_service.sample import Document, ImageRef, TextSegment
 
 
 def make_document(key: str, *, image_tokens: list[int] = (), text_tokens: int = 10) -> Document:
     images = tuple(ImageRef(member=f"{i}.jpg" if i else "jpg", height=28, width=28 * t, tokens=t)
                    for i, t in enumerate(image_tokens))
-    return Document(key=key, shard="mem", text_ids=np.arange(text_tokens, dtype=np.int32), images=images)
+    text = TextSegment(member="txt", ids=np.arange(text_tokens, dtype=np.int32))
+    return Document(key=key, shard="mem", segments=(*images, text))
 
 
 def jpeg_bytes(width: int, height: int, *, seed: int = 0, quality: int = 90, exif_orientation: int | None = None,

@@ -4,11 +4,14 @@ import numpy as np
 
 from helpers import write_tiny_shards
 from preprocess_service.config import JobConfig
+from preprocess_service.decode import InlineDecoder
 from preprocess_service.job import Job
+
+DECODER = InlineDecoder()
 
 
 def _arrays(job, step, rank, index):
-    return job.microbatch(job.step_plan(step), rank, index).arrays
+    return job.microbatch(job.step_plan(step), rank, index, DECODER).arrays
 
 
 def test_a_step_whose_bytes_were_released_is_rebuilt_identically(tmp_path):
@@ -19,7 +22,7 @@ def test_a_step_whose_bytes_were_released_is_rebuilt_identically(tmp_path):
     num_steps = lean.plan_all()
     assert num_steps == keeper.plan_all() >= 3
     first = lean.step_plan(0)
-    assert all(doc.image_bytes is None for doc in first.documents()), "old steps should hold no bytes"
+    assert all(doc.media_bytes is None for doc in first.documents()), "old steps should hold no bytes"
     for step in range(num_steps):
         for rank in range(2):
             for index in range(lean.step_plan(step).num_microbatches):
@@ -35,9 +38,9 @@ def test_bytes_are_dropped_once_every_rank_was_sent_the_step(tmp_path):
     job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2))
     plan = job.step_plan(0)
     job.mark_sent(0, 0, plan.num_microbatches)
-    assert all(doc.image_bytes is not None for doc in plan.documents() if doc.images)
+    assert all(doc.media_bytes is not None for doc in plan.documents() if doc.images)
     job.mark_sent(1, 0, plan.num_microbatches)
-    assert all(doc.image_bytes is None for doc in plan.documents())
+    assert all(doc.media_bytes is None for doc in plan.documents())
 
 
 def test_acknowledgements_report_the_slowest_rank(tmp_path):

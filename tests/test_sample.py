@@ -23,7 +23,7 @@ def test_document_is_priced_from_metadata_with_images_in_member_order():
     assert [img.member for img in doc.images] == ["jpg", "1.webp", "2.png"]
     assert [img.tokens for img in doc.images] == [200, 16, 4]
     assert doc.num_tokens == 2 + 220 + len("héllo".encode())
-    assert doc.image_bytes is not None and set(doc.image_bytes) == {"jpg", "1.webp", "2.png"}
+    assert doc.media_bytes is not None and set(doc.media_bytes) == {"jpg", "1.webp", "2.png"}
 
 
 def test_caption_falls_back_to_json_and_long_text_is_truncated_to_fit():
@@ -37,7 +37,7 @@ def test_caption_falls_back_to_json_and_long_text_is_truncated_to_fit():
     ({"jpg": jpeg_bytes(56, 56), "txt": b"\xff\xfe\xfa"}, "not valid UTF-8"),
     ({"jpg": jpeg_bytes(56, 56), "json": b'{"width": 3'}, "invalid JSON"),
     ({"json": b"[1, 2]"}, "JSON metadata is a list"),
-    ({"json": b"{}"}, "neither an image nor a caption"),
+    ({"json": b"{}"}, "has no image, audio or text"),
 ])
 def test_bad_samples_raise_sample_error_naming_the_problem(members, reason):
     with pytest.raises(SampleError, match=reason) as info:

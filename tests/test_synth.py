@@ -1,7 +1,9 @@
-"""Tests for preprocess_service.synth: layout, metadata consistency, determinism, skew, corrupt shard."""
+"""Tests for preprocess_service.synth: layout, metadata consistency, determinism, skew, corrupt shard,
+audio / interleaved / generation samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import soundfile
 from PIL import Image
 
 from preprocess_service import synth
 
-MEMBER = re.compile(r"^(\d{5})(\d{4})\.(?:(\d+)\.)?(jpg|png|webp|txt|json)$")
+MEMBER = re.compile(r"^(\d{5})(\d{4})\.(?:(\d+)\.)?(jpg|png|webp|flac|wav|mp3|ogg|txt|json)$")
 IMAGE_EXTS = ("jpg", "png", "webp")
+AUDIO_EXTS = ("flac", "wav", "mp3", "ogg")
 SKEW_CONFIG = synth.SynthConfig(num_shards=2, samples_per_shard=200, seed=0)
 
 
@@ -71,7 +75,22 @@ def test_member_names_encode_shard_and_index(dataset):
         assert indexes == set(range(SKEW_CONFIG.samples_per_shard))
 
 
+def sample_kind(meta: dict) -> str:
+    if "generate" in meta:
+        return "generate"
+    if "order" in meta:
+        return "interleaved"
+    return "audio" if "num_audio" in meta else "plain"
+
+
 def check_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
+    if sample_kind(meta) == "plain":
+        check_plain_sample(key, members, meta)
+    else:
+        check_mixed_sample(key, members, meta)
+
+
+def check_plain_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
     first_ext = next(ext for ext in IMAGE_EXTS if ext in members)
     assert meta["key"] == key and meta["status"] == "success" and meta["error_message"] is None
     assert members["txt"].decode("utf-8") == meta["caption"]
@@ -89,6 +108,79 @@ def check_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
         assert [(d["width"], d["height"]) for d in meta["images"]] == sizes
     else:
         assert "images" not in meta
+    assert not {"num_audio", "duration", "durations", "sample_rate", "order", "generate"} & set(meta)
+
+
+def by_modality(members: dict[str, bytes]) -> dict[str, list[str]]:
+    """{"image"|"audio"|"text": member names by index}; every member but json must have a modality."""
+    found: dict[str, list[tuple[int, str]]] = {"image": [], "audio": [], "text": []}
+    for name in members:
+        if name == "json":
+            continue
+        ext = name.rsplit(".", 1)[-1]
+        modality = "image" if ext in IMAGE_EXTS else "audio" if ext in AUDIO_EXTS else "text" if ext == "txt" else None
+        assert modality, name
+        found[modality].append((int(name.split(".")[0]) if "." in name else 0, name))
+    out = {}
+    for modality, pairs in found.items():
+        pairs.sort()
+        assert [idx for idx, _ in pairs] == list(range(len(pairs))), pairs  # "ext", "1.ext", "2.ext", ...
+        out[modality] = [name for _, name in pairs]
+    return out
+
+
+def check_clip(data: bytes, duration: float) -> int:
+    """Decodes a clip; checks its length against the declared duration; returns its sample rate."""
+    wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    assert rate in synth.SAMPLE_RATES and wave.shape[1] in (1, 2)
+    assert abs(len(wave) / rate - duration) <= 1 / rate  # within one frame
+    assert 0.5 - 1 / rate <= duration <= 20.0
+    assert 0.05 < float(abs(wave).max()) <= 0.51  # not silent, within [-0.5, 0.5] (plus codec ripple)
+    return rate
+
+
+def check_mixed_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
+    """An audio, interleaved or generation sample: members, json fields, decodable clips, order."""
+    kind = sample_kind(meta)
+    parts = by_modality(members)
+    images, clips, texts = parts["image"], parts["audio"], parts["text"]
+    assert meta["key"] == key and meta["status"] == "success" and meta["error_message"] is None
+    assert members["txt"].decode("utf-8") == meta["caption"]
+    for name in texts:
+        assert members[name].decode("utf-8").strip()
+    assert 0.25 <= meta["similarity"] <= 0.4
+    assert meta["num_images"] == len(images) and meta["num_audio"] == len(clips)
+    assert all(name.endswith("jpg") for name in images[1:])  # like plain samples: only the first varies
+    named = meta["url"].rsplit("/", 1)[1].split(".", 1)[1]  # the member the url (and sha256) describe
+    if kind == "interleaved":
+        assert named == "html" and meta["sha256"] == hashlib.sha256(members[images[0]]).hexdigest()
+    else:
+        assert named == (clips or images)[0] and meta["sha256"] == hashlib.sha256(members[named]).hexdigest()
+    sizes = [Image.open(io.BytesIO(members[name])).size for name in images]
+    if sizes:
+        assert sizes[0] == (meta["width"], meta["height"])
+        assert meta["original_width"] >= meta["width"] and meta["original_height"] >= meta["height"]
+        if len(sizes) > 1:
+            assert [(d["width"], d["height"]) for d in meta["images"]] == sizes
+        else:
+            assert "images" not in meta
+    else:
+        assert meta["width"] is meta["height"] is meta["original_width"] is meta["original_height"] is None
+    if clips:
+        assert meta["duration"] == meta["durations"][0] and len(meta["durations"]) == len(clips)
+        rates = [check_clip(members[name], duration) for name, duration in zip(clips, meta["durations"])]
+        assert meta["sample_rate"] == rates[0]
+    else:
+        assert not {"duration", "durations", "sample_rate"} & set(meta)
+    if "order" in meta:  # exactly the sample's text and media members, each once
+        assert sorted(meta["order"]) == sorted(images + clips + texts)
+    if kind == "audio":
+        assert 1 <= len(clips) <= 2 and len(images) <= 1 and texts == ["txt"]
+    elif kind == "interleaved":
+        assert len(texts) >= 2 and images
+    else:
+        assert not clips and texts == ["txt"] and 1 <= len(images) <= 2
+        assert meta["order"] == ["txt", *images] and meta["generate"] == images[-1:]
 
 
 def test_json_matches_images_and_parquet(dataset):
@@ -104,22 +196,24 @@ def test_json_matches_images_and_parquet(dataset):
         )
         table = pq.read_table(out / f"{shard:05d}.parquet")
         assert table.num_rows == len(samples)
+        assert set(table.column_names) >= {"duration", "durations", "sample_rate", "order", "generate"}
         for row in table.to_pylist():
-            expected = {k: v for k, v in metas[row["key"]].items() if k != "images"}
-            assert row == expected
+            meta = metas[row["key"]]
+            assert set(meta) - {"images"} <= set(row)
+            assert row == {column: meta.get(column) for column in table.column_names}
     assert rotated > 0  # some JPEGs carry EXIF orientation 6
 
 
 def test_formats_and_utf8(all_metas, dataset):
     _, tars = dataset
     exts = {ext for tar in tars for members in read_samples(tar).values() for ext in members}
-    assert {"jpg", "png", "webp", "1.jpg", "txt", "json"} <= exts
+    assert {"jpg", "png", "webp", "1.jpg", "txt", "json", "1.txt", *AUDIO_EXTS} <= exts
     assert any(not meta["caption"].isascii() for meta in all_metas)
 
 
 def test_skew(all_metas):
     assert len(all_metas) == 400
-    short_sides = [min(d["width"], d["height"]) for m in all_metas for d in m.get("images", [m])]
+    short_sides = [min(d["width"], d["height"]) for m in all_metas for d in m.get("images", [m]) if d["width"]]
     assert 300 <= statistics.median(short_sides) <= 650
     assert max(short_sides) > 1500
     assert min(short_sides) >= 150 and max(short_sides) <= 3000
@@ -129,14 +223,50 @@ def test_skew(all_metas):
     multi_share = sum(m["num_images"] > 1 for m in all_metas) / len(all_metas)
     assert 0.04 <= multi_share <= 0.20
     assert max(m["num_images"] for m in all_metas) <= 8
+    durations = [d for m in all_metas for d in m.get("durations", [])]
+    assert 2.5 <= statistics.median(durations) <= 6.5
+
+
+def test_sample_kinds(dataset, all_metas):
+    """Every kind turns up in roughly its share; audio-only and audio-with-image, 1 and 2 clips; WAV
+    16- and 24-bit, mono and stereo, several sample rates; generation with and without an input image."""
+    kinds = [sample_kind(m) for m in all_metas]
+    shares = {kind: kinds.count(kind) / len(kinds) for kind in synth.SAMPLE_KINDS}
+    assert 0.05 <= shares["audio"] <= 0.16
+    assert 0.02 <= shares["interleaved"] <= 0.10 and 0.02 <= shares["generate"] <= 0.10
+    audio = [m for m in all_metas if sample_kind(m) == "audio"]
+    assert {m["num_images"] for m in audio} == {0, 1} and {m["num_audio"] for m in audio} == {1, 2}
+    assert {len(m["generate"]) == m["num_images"] for m in all_metas if "generate" in m} == {True, False}
+    assert any(m["num_audio"] for m in all_metas if sample_kind(m) == "interleaved")
+    infos = [soundfile.info(io.BytesIO(data)) for tar in dataset[1] for members in read_samples(tar).values()
+             for name, data in members.items() if name.rsplit(".", 1)[-1] in AUDIO_EXTS]
+    assert {"PCM_16", "PCM_24"} <= {i.subtype for i in infos if i.format == "WAV"}
+    assert {i.channels for i in infos} == {1, 2} and len({i.samplerate for i in infos}) >= 4
+
+
+def test_plain_samples_do_not_depend_on_the_new_shares(tmp_path):
+    """The sample kind has its own random stream: a plain sample is the same with any new shares."""
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=20, seed=3, audio_share=0.3, generate_share=0.2)
+    only_plain = synth.SynthConfig(num_shards=1, samples_per_shard=20, seed=3, audio_share=0.0,
+                                   interleaved_share=0.0, generate_share=0.0)
+    mixed = read_samples(synth.write_dataset(tmp_path / "mixed", config)[0])
+    plain = read_samples(synth.write_dataset(tmp_path / "plain", only_plain)[0])
+    kept = [key for key, members in mixed.items() if sample_kind(json.loads(members["json"])) == "plain"]
+    assert 5 <= len(kept) < 20
+    assert all(mixed[key] == plain[key] for key in kept)
 
 
 def test_same_seed_gives_identical_tars(tmp_path):
-    config = synth.SynthConfig(num_shards=1, samples_per_shard=30, seed=7)
-    first = synth.write_dataset(tmp_path / "a", config)[0].read_bytes()
+    # Many audio samples, so that MP3 and OGG (whose stream serial libsndfile seeds from the clock) occur.
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=16, seed=7, audio_share=0.7,
+                               interleaved_share=0.1, generate_share=0.1)
+    first_path = synth.write_dataset(tmp_path / "a", config)[0]
+    first = first_path.read_bytes()
+    exts = {name.rsplit(".", 1)[-1] for members in read_samples(first_path).values() for name in members}
+    assert {"mp3", "ogg", "flac", "wav"} <= exts
     second = synth.write_dataset(tmp_path / "b", config)[0].read_bytes()
     assert first == second
-    other = synth.write_dataset(tmp_path / "c", synth.SynthConfig(num_shards=1, samples_per_shard=30, seed=8))
+    other = synth.write_dataset(tmp_path / "c", dataclasses.replace(config, seed=8))
     assert other[0].read_bytes() != first
 
 
@@ -156,7 +286,8 @@ def test_ensure_dataset_reuses_only_a_matching_dataset(tmp_path):
     "kwargs",
     [{"num_shards": 0}, {"samples_per_shard": 10001}, {"seed": -1}, {"max_images": 1},
      {"multi_image_share": 1.5}, {"png_share": 0.6, "webp_share": 0.6}, {"num_shards": 2.0},
-     {"webp_share": "0.1"}],
+     {"webp_share": "0.1"}, {"audio_share": -0.1}, {"generate_share": True},
+     {"audio_share": 0.5, "interleaved_share": 0.3, "generate_share": 0.3}],
 )
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -176,6 +307,13 @@ def check_bad_sample(kind: str, members: dict[str, bytes]) -> None:
     elif kind == "invalid_json":
         with pytest.raises(json.JSONDecodeError):
             json.loads(members["json"])
+    elif kind == "corrupt_audio":
+        meta = json.loads(members["json"])
+        (clip,) = by_modality(members)["audio"]
+        assert clip in AUDIO_EXTS and meta["duration"] > 0 and meta["num_audio"] == 1
+        assert members["txt"].decode("utf-8") == meta["caption"]
+        with pytest.raises(soundfile.LibsndfileError):
+            soundfile.info(io.BytesIO(members[clip]))
     else:
         assert kind == "decompression_bomb"
         assert json.loads(members["json"])["width"] == synth.BOMB_SIDE
@@ -188,7 +326,7 @@ def test_corrupt_shard(tmp_path):
     bad = synth.write_corrupt_shard(path, seed=0)
     assert sorted(bad.values()) == sorted(synth.CORRUPT_KINDS)
     samples = read_samples(path)
-    assert len(samples) == 25 and set(bad) <= set(samples)
+    assert len(samples) == 20 + len(synth.CORRUPT_KINDS) and set(bad) <= set(samples)
     for key, members in samples.items():
         assert MEMBER.match(f"{key}.txt") and key.startswith(f"{synth.CORRUPT_SHARD_ID:05d}")
         if key in bad:

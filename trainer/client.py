@@ -26,7 +26,7 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import wire
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import ServiceUnavailableError
-from preprocess_service.server import CHANNEL_OPTIONS
+from preprocess_service.server import CHANNEL_OPTIONS, SERVICE_NAME
 from preprocess_service.spec import spec_from_config
 
 STATE_VERSION = 1
@@ -54,6 +54,14 @@ class Microbatch:
     """int32 [N, 2], token span of each image in the flattened S*L tokens"""
     images: list[torch.Tensor]
     """N uint8 [H, W, 3] tensors (views of one buffer)"""
+    audio_spans: torch.Tensor
+    """int32 [A, 2], token span of each audio clip"""
+    mels: list[torch.Tensor]
+    """A float16 [frames, n_mels] log-mel tensors (views of one buffer)"""
+    gen_spans: torch.Tensor
+    """int32 [G, 2], query-token span of each image to generate"""
+    gen_images: torch.Tensor
+    """uint8 [G, R, R, 3], the generation targets at the job's fixed size"""
     sample_keys: list[str]
     sequence_costs: list[float]
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
@@ -61,21 +69,32 @@ class Microbatch:
     """Payload bytes on the wire."""
 
 
-def to_microbatch(message: pb.Microbatch) -> Microbatch:
-    arrays = {t.name: wire.from_tensor(t) for t in message.tensors}
-    tensors = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}  # one copy: writable, owned
-    sizes = [int(np.prod(shape)) for shape in arrays["image_shapes"]]
-    images = [chunk.view(*shape) for chunk, shape in
-              zip(torch.split(tensors["pixels"], sizes), arrays["image_shapes"].tolist())]
+def to_microbatch(raw: bytes) -> Microbatch:
+    """A serialized Microbatch -> torch tensors; each array is copied once out of ``raw``, so the
+    tensors are writable and own their memory."""
+    return _to_microbatch(*wire.decode_microbatch(raw))
+
+
+def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray]) -> Microbatch:
+    tensors = {name: torch.from_numpy(a.copy()) for name, a in arrays.items()}
     return Microbatch(
         step=message.step, epoch=message.epoch, microbatch_index=message.microbatch_index,
         num_microbatches=message.num_microbatches, tokens=tensors["tokens"],
         position_ids=tensors["position_ids"], modality=tensors["modality"], cu_seqlens=tensors["cu_seqlens"],
-        segment_doc=tensors["segment_doc"], image_spans=tensors["image_spans"], images=images,
+        segment_doc=tensors["segment_doc"], image_spans=tensors["image_spans"],
+        images=_split(tensors["pixels"], arrays["image_shapes"].tolist()),
+        audio_spans=tensors["audio_spans"],
+        mels=list(torch.split(tensors["mel"], arrays["audio_frames"].tolist())),
+        gen_spans=tensors["gen_spans"], gen_images=tensors["gen_pixels"],
         sample_keys=list(message.sample_keys), sequence_costs=[c.total_s for c in message.sequence_costs],
         skipped=[(s.key, s.shard, s.reason) for s in message.skipped],
-        nbytes=sum(len(t.data) for t in message.tensors),
+        nbytes=sum(a.nbytes for a in arrays.values()),
     )
+
+
+def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    sizes = [h * w * c for h, w, c in shapes]
+    return [chunk.view(*shape) for chunk, shape in zip(torch.split(flat, sizes), shapes)]
 
 
 class DataClient:
@@ -102,6 +121,9 @@ class DataClient:
                 f"cannot reach the preprocessing service at {address!r} within {connect_timeout_s:g} s "
                 "(is it running, and is the address right?)") from None
         self._stub = pb_grpc.PreprocessStub(self._channel)
+        self._stream_raw = self._channel.unary_stream(
+            f"/{SERVICE_NAME}/StreamMicrobatches", request_serializer=pb.StreamRequest.SerializeToString,
+            response_deserializer=None)
         self.info = self._open(job)
         self.job_id = self.info.job_id
         self.dp_size = self.info.spec.dp_size
@@ -152,7 +174,7 @@ class DataClient:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        mb = to_microbatch(item)
+        mb = _to_microbatch(*item)
         last = mb.microbatch_index + 1 == mb.num_microbatches
         self._next = (mb.step + 1, 0) if last else (mb.step, mb.microbatch_index + 1)
         return mb
@@ -172,8 +194,9 @@ class DataClient:
         try:
             while not self._stop.is_set():
                 try:
-                    for message in self._open_stream(position):
-                        position = (message.step, message.microbatch_index + 1)
+                    for raw in self._open_stream(position):
+                        message = wire.decode_microbatch(raw)  # (header, array views of raw)
+                        position = (message[0].step, message[0].microbatch_index + 1)
                         failures = 0
                         if not self._put(message):
                             return
@@ -191,8 +214,9 @@ class DataClient:
             self._put(exc)
 
     def _open_stream(self, position: tuple[int, int]):
+        """The stream as serialized messages: parsed by wire.decode_microbatch without protobuf's copies."""
         step, index = position
-        self._call = self._stub.StreamMicrobatches(pb.StreamRequest(
+        self._call = self._stream_raw(pb.StreamRequest(
             job_id=self.job_id, dp_rank=self.dp_rank, start_step=step, start_microbatch=index))
         return self._call
 

@@ -1,0 +1,76 @@
+"""Audio: duration from metadata or header (planning), and decode -> mono -> resample -> log-mel.
+
+Decoding goes through soundfile (libsndfile: WAV 8/16/24/32-bit and float, FLAC, OGG/Vorbis and
+Opus, MP3), resampling and the mel filterbank through torchaudio's pure-PyTorch functions. The
+frame count is fixed at planning (``AudioConfig.num_tokens``): the decoded mel is cropped or
+padded (with the log floor, i.e. silence) to exactly that, so a clip whose JSON duration is a
+little off still delivers the planned size.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import numpy as np
+import soundfile
+import torch
+
+from preprocess_service.config import AudioConfig
+
+AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg")
+LOG_FLOOR = 1e-10
+"""Power below which the log-mel is clamped; padding frames hold log(LOG_FLOOR)."""
+
+
+def header_seconds(data: bytes) -> float:
+    """Duration from the container header (no decode); ValueError for bytes that are not audio."""
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception as exc:  # libsndfile raises LibsndfileError/RuntimeError for anything unreadable
+        raise ValueError(f"not a readable audio file ({type(exc).__name__}: {exc})") from None
+    if info.samplerate <= 0 or info.frames <= 0:
+        raise ValueError(f"audio header declares {info.frames} frames at {info.samplerate} Hz")
+    return info.frames / info.samplerate
+
+
+def decode_waveform(data: bytes, config: AudioConfig) -> torch.Tensor:
+    """float32 [samples] mono at config.sample_rate, cut to config.max_seconds."""
+    with soundfile.SoundFile(io.BytesIO(data)) as f:
+        rate = f.samplerate
+        wave = f.read(frames=int(config.max_seconds * rate) + 1, dtype="float32", always_2d=True)
+    mono = torch.from_numpy(wave.mean(axis=1) if wave.shape[1] > 1 else wave[:, 0])
+    if rate != config.sample_rate:
+        mono = _resampler(rate, config.sample_rate)(mono)
+    return mono[: int(config.max_seconds * config.sample_rate)]
+
+
+def log_mel(wave: torch.Tensor, config: AudioConfig, num_frames: int) -> np.ndarray:
+    """float16 [num_frames, n_mels] natural-log mel power of a mono waveform."""
+    mel = _mel_transform(config)(wave)  # [n_mels, frames]
+    frames = torch.log(mel.clamp_min(LOG_FLOOR)).T
+    out = np.full((num_frames, config.n_mels), np.log(LOG_FLOOR), dtype=np.float16)
+    used = min(num_frames, frames.shape[0])
+    out[:used] = frames[:used].numpy()
+    return out
+
+
+def decode_audio(data: bytes, config: AudioConfig, num_frames: int) -> np.ndarray:
+    """Encoded audio -> float16 [num_frames, n_mels] log-mel frames."""
+    return log_mel(decode_waveform(data, config), config, num_frames)
+
+
+@functools.lru_cache(maxsize=16)
+def _resampler(orig: int, new: int):
+    import torchaudio  # imported on first use: it is heavy, and only audio needs it
+
+    return torchaudio.transforms.Resample(orig, new)
+
+
+@functools.lru_cache(maxsize=4)
+def _mel_transform(config: AudioConfig):
+    import torchaudio
+
+    return torchaudio.transforms.MelSpectrogram(
+        sample_rate=config.sample_rate, n_fft=config.n_fft, hop_length=config.hop_length,
+        n_mels=config.n_mels, power=2.0, norm="slaney", mel_scale="slaney")  # as Whisper's front end

@@ -1,0 +1,434 @@
+"""The decode stage: fills a microbatch's output buffer (assemble.Layout) with decoded media.
+
+Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
+
+- ``DecodePool`` (the service default): one worker process per core. Encoded bytes go into a
+  shared-memory arena beside the microbatch's output slots; a task (one document) is a few
+  numbers through a pipe, and the worker writes its arrays straight into their slots, so nothing
+  large is pickled and the output does not depend on which worker finishes first. Each worker
+  holds at most ``max_in_flight`` tasks; the rest wait in the pool, and a stream submits at most
+  two microbatches ahead, so memory is bounded. A worker that dies is replaced at once and its
+  in-flight documents are retried once on another worker; a document that kills a worker twice
+  is reported as failed (``DecodeError.worker_died``), never lost and never delivered twice.
+- ``InlineDecoder``: the same decoding in the calling process on a thread pool (tests, debugging,
+  ``--decode-workers 0``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from multiprocessing import connection, shared_memory
+
+import numpy as np
+
+from preprocess_service.assemble import Layout, MediaItem
+
+log = logging.getLogger(__name__)
+WORKER_DIED = "decode worker died twice while decoding this sample"
+
+
+def decode_item(kind: str, data: bytes, params: tuple) -> np.ndarray:
+    """One member decoded to the array its slot holds (shape and dtype fixed by the layout)."""
+    if kind == "image":
+        from preprocess_service.imaging import decode_image
+
+        height, width, orientation = params
+        return decode_image(data, (height, width), orientation)
+    if kind == "gen":
+        from preprocess_service.imaging import decode_square
+
+        size, orientation = params
+        return decode_square(data, size, orientation)
+    if kind == "audio":
+        from preprocess_service.audio import decode_audio
+
+        frames, config = params
+        return decode_audio(data, config, frames)
+    raise ValueError(f"unknown media kind {kind!r}")
+
+
+def _write(buffer, item: MediaItem, array: np.ndarray) -> None:
+    if array.nbytes != item.nbytes:
+        raise ValueError(f"{item.kind} {item.member} decoded to {array.shape} {array.dtype} "
+                         f"({array.nbytes} bytes), its slot holds {item.nbytes}")
+    np.frombuffer(buffer, dtype=np.uint8, count=item.nbytes, offset=item.offset)[:] = \
+        np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+@dataclass(slots=True)
+class Decoded:
+    """A filled output buffer and the documents that failed."""
+
+    buffer: np.ndarray
+    """uint8 [layout.nbytes]; valid until release()."""
+    errors: dict[str, str]
+    """Document key -> why it failed (its slots hold garbage)."""
+    _release: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    def release(self) -> None:
+        """Hands the buffer back for reuse; views of it must not be used afterwards."""
+        self._release()
+
+
+def _missing(doc) -> str | None:
+    data = doc.media_bytes or {}
+    absent = [s.member for s in doc.media if data.get(s.member) is None]
+    if absent:
+        return (f"encoded member(s) {absent} not found when re-reading the shard "
+                "(did it change after planning?)")
+    return None
+
+
+class InlineDecoder:
+    """Decodes in this process on ``num_threads`` threads (the decoders release the GIL)."""
+
+    def __init__(self, num_threads: int = 1):
+        self._threads = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="decode")
+
+    def submit(self, layout: Layout) -> futures.Future:
+        buffer = np.zeros(layout.nbytes, dtype=np.uint8)
+        errors = dict(self._threads.map(lambda pair: self._decode_document(buffer, *pair), layout.documents))
+        done = futures.Future()
+        done.set_result(Decoded(buffer, {key: e for key, e in errors.items() if e}))
+        return done
+
+    @staticmethod
+    def _decode_document(buffer, doc, items) -> tuple[str, str | None]:
+        problem = _missing(doc)
+        if problem:
+            return doc.key, problem
+        try:
+            for item in items:
+                _write(buffer, item, decode_item(item.kind, doc.media_bytes[item.member], item.params))
+        except (MemoryError, ImportError):
+            raise
+        except Exception as exc:  # any decoder failure means this sample is unusable
+            return doc.key, f"{type(exc).__name__}: {exc}"
+        return doc.key, None
+
+    def stats(self) -> dict:
+        return {"workers": 0}
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+# --- the process pool -----------------------------------------------------------------------------
+
+def _worker_main(conn, worker_id: int) -> None:
+    """Body of a decode worker: receive (task id, arena, items), decode into the arena, reply."""
+    import torch
+
+    torch.set_num_threads(1)  # one process per core: intra-op threads would only contend
+    from preprocess_service import audio, imaging  # noqa: F401  (load every decoder before "ready")
+
+    arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
+    conn.send(("ready", worker_id, os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if message is None:
+            return
+        task_id, arena_name, items = message
+        try:
+            buffer = _attach(arenas, arena_name).buf
+            for kind, in_offset, in_nbytes, params, slot in items:
+                data = bytes(buffer[in_offset:in_offset + in_nbytes])
+                _write(buffer, slot, decode_item(kind, data, params))
+            conn.send((task_id, None))
+        except (MemoryError, ImportError):
+            raise
+        except Exception as exc:  # reported for this document; the worker carries on
+            conn.send((task_id, f"{type(exc).__name__}: {exc}"))
+
+
+def _attach(arenas: collections.OrderedDict, name: str) -> shared_memory.SharedMemory:
+    shm = arenas.get(name)
+    if shm is None:
+        shm = arenas[name] = shared_memory.SharedMemory(name=name)
+        while len(arenas) > 16:  # arenas the parent dropped; their memory goes once we let go
+            _, old = arenas.popitem(last=False)
+            try:
+                old.close()
+            except BufferError:
+                pass
+    arenas.move_to_end(name)
+    return shm
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One microbatch in the pool: its arena and the documents still being decoded."""
+
+    arena: shared_memory.SharedMemory
+    nbytes: int
+    remaining: int
+    future: futures.Future
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Task:
+    task_id: int
+    batch: _Batch
+    key: str
+    items: list
+    attempts: int = 0
+
+
+@dataclass(slots=True)
+class _Worker:
+    slot: int
+    process: mp.Process
+    conn: connection.Connection
+    in_flight: dict[int, _Task] = field(default_factory=dict)
+
+
+class DecodePool:
+    """``num_workers`` decode processes (default: one per core available to this process)."""
+
+    def __init__(self, num_workers: int | None = None, *, max_in_flight: int = 2, start_timeout_s: float = 120.0):
+        self.num_workers = num_workers or len(os.sched_getaffinity(0))
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        self.max_in_flight = max_in_flight
+        self._ctx = mp.get_context("spawn")  # no forked copies of gRPC threads or locks
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Task] = collections.deque()
+        self._task_ids = itertools.count()
+        self._free_arenas: list[shared_memory.SharedMemory] = []
+        self._all_arenas: dict[str, shared_memory.SharedMemory] = {}
+        self._counters = collections.Counter()
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        self._workers = [self._start_worker(slot) for slot in range(self.num_workers)]
+        for worker in self._workers:
+            self._await_ready(worker, start_timeout_s)
+        self._thread = threading.Thread(target=self._dispatch_loop, name="decode-dispatch", daemon=True)
+        self._thread.start()
+
+    # --- workers ------------------------------------------------------------------------------
+    def _start_worker(self, slot: int) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_worker_main, args=(child, slot), name=f"decode-{slot}", daemon=True)
+        process.start()
+        child.close()
+        return _Worker(slot, process, parent)
+
+    @staticmethod
+    def _await_ready(worker: _Worker, timeout_s: float) -> None:
+        if not worker.conn.poll(timeout_s):
+            raise RuntimeError(f"decode worker {worker.slot} did not start within {timeout_s:g} s")
+        try:
+            worker.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"decode worker {worker.slot} exited while starting "
+                               f"(exit code {worker.process.exitcode})") from None
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [w.process.pid for w in self._workers]
+
+    def in_flight(self) -> dict[int, list[str]]:
+        """Worker pid -> keys of the documents it is decoding now."""
+        with self._lock:
+            return {w.process.pid: [t.key for t in w.in_flight.values()] for w in self._workers}
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"workers": self.num_workers, "pending": len(self._pending),
+                    "arenas": len(self._all_arenas), **self._counters}
+
+    # --- arenas -------------------------------------------------------------------------------
+    def _acquire(self, nbytes: int) -> shared_memory.SharedMemory:
+        with self._lock:
+            fits = [a for a in self._free_arenas if a.size >= nbytes]
+            if fits:
+                arena = min(fits, key=lambda a: a.size)
+                self._free_arenas.remove(arena)
+                return arena
+        size = max(1 << 22, 1 << (max(nbytes, 1) - 1).bit_length())  # powers of two from 4 MiB: few sizes
+        arena = shared_memory.SharedMemory(create=True, size=size)
+        with self._lock:
+            self._all_arenas[arena.name] = arena
+        return arena
+
+    def _release(self, arena: shared_memory.SharedMemory) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._free_arenas.append(arena)
+            if len(self._free_arenas) > 2 * self.num_workers + 4:  # keep a few, give the rest back
+                smallest = min(self._free_arenas, key=lambda a: a.size)
+                self._free_arenas.remove(smallest)
+                del self._all_arenas[smallest.name]
+                _destroy(smallest)
+
+    # --- submitting ---------------------------------------------------------------------------
+    def submit(self, layout: Layout) -> futures.Future:
+        """Decodes ``layout``'s documents into a shared buffer; the future gives a Decoded."""
+        future: futures.Future = futures.Future()
+        inputs = [(doc, items) for doc, items in layout.documents if items]
+        in_nbytes = sum(len(doc.media_bytes[i.member]) for doc, items in inputs if not _missing(doc) for i in items)
+        arena = self._acquire(layout.nbytes + in_nbytes)
+        batch = _Batch(arena, layout.nbytes, 0, future)
+        view = arena.buf
+        cursor, tasks = layout.nbytes, []
+        for doc, items in inputs:
+            problem = _missing(doc)
+            if problem:
+                batch.errors[doc.key] = problem
+                continue
+            wire_items = []
+            for item in items:
+                data = doc.media_bytes[item.member]
+                view[cursor:cursor + len(data)] = data
+                wire_items.append((item.kind, cursor, len(data), item.params, item))
+                cursor += len(data)
+            tasks.append(_Task(next(self._task_ids), batch, doc.key, wire_items))
+        del view
+        batch.remaining = len(tasks)
+        if not tasks:
+            self._finish(batch)
+            return future
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the decode pool is closed")
+            self._pending.extend(tasks)
+        os.write(self._wake_w, b"x")
+        return future
+
+    def _finish(self, batch: _Batch) -> None:
+        buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf)
+        batch.future.set_result(Decoded(buffer, batch.errors, lambda: self._release(batch.arena)))
+
+    # --- the dispatcher thread ----------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._send_pending()
+                waits = {w.conn: w for w in self._workers}
+                deaths = {w.process.sentinel: w for w in self._workers}
+            ready = connection.wait([self._wake_r, *waits, *deaths])
+            for obj in ready:
+                if obj == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                elif obj in waits:
+                    self._receive(waits[obj])
+                else:
+                    self._replace(deaths[obj])
+
+    def _send_pending(self) -> None:
+        """Hands waiting tasks to workers with room (caller holds the lock). Messages are a few
+        hundred bytes, far below the pipe's buffer, so send never blocks on a busy worker."""
+        for worker in sorted(self._workers, key=lambda w: len(w.in_flight)):
+            while self._pending and len(worker.in_flight) < self.max_in_flight:
+                task = self._pending.popleft()
+                task.attempts += 1
+                worker.in_flight[task.task_id] = task
+                try:
+                    worker.conn.send((task.task_id, task.batch.arena.name, task.items))
+                except (BrokenPipeError, OSError):
+                    break  # dead: its sentinel fires next and the task is retried
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            task_id, error = worker.conn.recv()
+        except (EOFError, OSError):
+            return  # the sentinel reports the death
+        with self._lock:
+            task = worker.in_flight.pop(task_id, None)
+        if task is not None:
+            self._complete(task, error)
+
+    def _complete(self, task: _Task, error: str | None) -> None:
+        batch = task.batch
+        with self._lock:
+            self._counters["documents_decoded" if error is None else "documents_failed"] += 1
+            if error is not None:
+                batch.errors[task.key] = error
+            batch.remaining -= 1
+            done = batch.remaining == 0
+        if done:
+            self._finish(batch)
+
+    def _replace(self, worker: _Worker) -> None:
+        """A worker died: collect what it did finish, start its successor, retry the rest once."""
+        while True:
+            try:
+                if not worker.conn.poll():
+                    break
+                task_id, error = worker.conn.recv()
+            except (EOFError, OSError):
+                break
+            task = worker.in_flight.pop(task_id, None)
+            if task is not None:
+                self._complete(task, error)
+        exitcode = worker.process.exitcode
+        worker.conn.close()
+        with self._lock:
+            if self._closed:
+                return
+            lost = list(worker.in_flight.values())
+            self._counters["worker_restarts"] += 1
+        log.warning("decode worker %d (pid %d) died with exit code %s; %d document(s) in flight",
+                    worker.slot, worker.process.pid, exitcode, len(lost))
+        successor = self._start_worker(worker.slot)
+        self._await_ready(successor, 120.0)
+        retry = []
+        for task in lost:
+            if task.attempts >= 2:
+                self._complete(task, f"{WORKER_DIED} (exit code {exitcode})")
+            else:
+                retry.append(task)
+        with self._lock:
+            self._counters["documents_retried"] += len(retry)
+            self._pending.extendleft(reversed(retry))
+            self._workers[worker.slot] = successor
+
+    def close(self) -> None:
+        """Stops the workers and frees every arena."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        for worker in workers:
+            try:
+                worker.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for worker in workers:
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+        for arena in self._all_arenas.values():
+            _destroy(arena)
+        self._all_arenas.clear()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def _destroy(arena: shared_memory.SharedMemory) -> None:
+    try:
+        arena.close()
+    except BufferError:
+        pass  # a view is still alive somewhere; the mapping goes with it
+    try:
+        arena.unlink()
+    except FileNotFoundError:
+        pass

@@ -376,12 +376,14 @@ class DecodePool:
             task = worker.in_flight.pop(task_id, None)
             if task is not None:
                 self._complete(task, error)
+        worker.process.join(timeout=5)  # reap it, for the exit code
         exitcode = worker.process.exitcode
         worker.conn.close()
         with self._lock:
             if self._closed:
                 return
             lost = list(worker.in_flight.values())
+            worker.in_flight.clear()
             self._counters["worker_restarts"] += 1
         log.warning("decode worker %d (pid %d) died with exit code %s; %d document(s) in flight",
                     worker.slot, worker.process.pid, exitcode, len(lost))

@@ -1,0 +1,148 @@
+"""The decode worker pool under worker death: SIGKILL a real worker mid-decode and still get every
+document exactly once (retried on a replacement), or reported when it kills workers twice."""
+
+import io
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from helpers import write_tiny_shards
+from preprocess_service.assemble import layout_microbatch
+from preprocess_service.config import AudioConfig, ImageConfig, JobConfig
+from preprocess_service.decode import WORKER_DIED, DecodePool, InlineDecoder
+from preprocess_service.packing import PackedSequence
+from preprocess_service.runner import RunResult, consume_rank, all_keys
+from preprocess_service.sample import parse_document
+from preprocess_service.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+CFG = ImageConfig(max_pixels=4096 * 28 * 28)
+
+
+def _big_png(seed: int) -> bytes:
+    """A 2400x2400 noise PNG: ~100 ms to decode, so a worker is caught holding it."""
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (2400, 2400, 3), dtype=np.uint8)).save(out, "PNG", compress_level=0)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def layout():
+    docs = [parse_document({"__key__": f"doc{i}", "png": _big_png(i), "txt": b"caption"},
+                           image_config=CFG, tokenizer=TOK, seq_len=8192) for i in range(8)]
+    return layout_microbatch([PackedSequence(seq_len=8192, documents=[d]) for d in docs], seq_len=8192,
+                             tokenizer=TOK, audio_config=AudioConfig())
+
+
+@pytest.fixture(scope="module")
+def expected(layout):
+    return InlineDecoder().submit(layout).result().buffer.copy()
+
+
+def _wait_for_holder(pool: DecodePool, key: str | None = None, timeout_s: float = 20.0, skip=()) -> int:
+    """Pid of a worker (not in ``skip``) holding ``key`` (any document if None) in flight."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid, keys in pool.in_flight().items():
+            if keys and (key is None or key in keys) and pid not in skip:
+                return pid
+        time.sleep(0.002)
+    raise AssertionError(f"no worker took {key or 'a document'} within {timeout_s} s")
+
+
+def test_killed_worker_is_replaced_and_its_documents_are_retried(layout, expected):
+    pool = DecodePool(2)
+    try:
+        future = pool.submit(layout)
+        victim = _wait_for_holder(pool)
+        os.kill(victim, signal.SIGKILL)
+        decoded = future.result(timeout=120)
+        assert decoded.errors == {}
+        np.testing.assert_array_equal(decoded.buffer, expected)  # every slot, byte for byte
+        decoded.release()
+        stats = pool.stats()
+        assert stats["worker_restarts"] == 1 and stats["documents_retried"] >= 1
+        assert stats["documents_decoded"] == len(layout.documents)  # each once: none lost, none twice
+        assert victim not in pool.worker_pids() and len(pool.worker_pids()) == 2
+    finally:
+        pool.close()
+
+
+def test_a_document_that_kills_two_workers_is_reported_and_the_rest_delivered(layout, expected):
+    pool = DecodePool(2, max_in_flight=1)
+    try:
+        future = pool.submit(layout)
+        poison = "doc5"
+        killed = []
+        for _ in range(2):
+            killed.append(_wait_for_holder(pool, poison, skip=killed))
+            os.kill(killed[-1], signal.SIGKILL)
+        decoded = future.result(timeout=120)
+        assert list(decoded.errors) == [poison] and decoded.errors[poison].startswith(WORKER_DIED)
+        for doc, items in layout.documents:
+            if doc.key != poison:
+                for item in items:
+                    window = slice(item.offset, item.offset + item.nbytes)
+                    np.testing.assert_array_equal(decoded.buffer[window], expected[window])
+        decoded.release()
+        assert pool.stats()["worker_restarts"] == 2
+    finally:
+        pool.close()
+
+
+def test_stream_survives_a_killed_decode_worker_with_every_sample_once(tmp_path):
+    """Service level: real server, real client processes; a decode worker is SIGKILLed mid-stream."""
+    import multiprocessing as mp
+
+    import grpc
+
+    from disttrain_api import preprocess_pb2 as pb
+    from disttrain_api import preprocess_pb2_grpc as pb_grpc
+    from preprocess_service.server import CHANNEL_OPTIONS, create_server
+    from preprocess_service.spec import spec_from_config
+
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=40)
+    config = JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2, seed=3)
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=2)
+    address = f"127.0.0.1:{port}"
+    try:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            info = pb_grpc.PreprocessStub(channel).OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)))
+        killer = threading.Thread(target=_kill_when_busy, args=(servicer,), daemon=True)
+        killer.start()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=consume_rank, args=(address, info.job_id, r, 1, results)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        ranks = [results.get(timeout=240) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=10)
+        killer.join(timeout=30)
+        job = servicer.jobs.get(info.job_id)
+        skipped = [{"key": r.key, "kind": r.kind} for r in job.report()["skipped"]]
+        run = RunResult(job_id=info.job_id, ranks=ranks, skipped=skipped, step_balance=[],
+                        shard_keys=all_keys(list(info.shard_urls)), seconds=1.0)
+        check = run.exactly_once()
+        assert check["ok"], check
+        assert check["skipped"] == 0 and check["delivered"] == 80
+        assert servicer.decoder.stats()["worker_restarts"] >= 1
+    finally:
+        server.stop(grace=0).wait()
+
+
+def _kill_when_busy(servicer) -> None:
+    pool = servicer.decoder
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        busy = [pid for pid, keys in pool.in_flight().items() if keys]
+        if busy:
+            os.kill(busy[0], signal.SIGKILL)
+            return
+        time.sleep(0.001)

@@ -17,6 +17,7 @@ Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
 from __future__ import annotations
 
 import collections
+import importlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -128,7 +129,8 @@ def _worker_main(conn, worker_id: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core: intra-op threads would only contend
-    from preprocess_service import audio, imaging  # noqa: F401  (load every decoder before "ready")
+    for module in ("preprocess_service.audio", "preprocess_service.imaging", "torchaudio"):
+        importlib.import_module(module)  # every decoder loaded before "ready"
 
     arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
     conn.send(("ready", worker_id, os.getpid()))

@@ -1,0 +1,284 @@
+"""Decode throughput, in one run on the same files: image paths, the decode stage vs a bare loop,
+worker scaling, and the service end to end vs a PyTorch DataLoader.
+
+    python bench/decode.py [--shards SPEC ...] [--max-docs 240] [--json FILE]
+
+1. image paths (one core): every way to turn the same JPEGs into the planned target size, in
+   images/s; the service uses the fastest robust one.
+2. decode stage per modality (image documents, audio documents, generation targets, the mixed
+   data as it comes): samples/s of
+     bare      a plain loop in one process calling the same decode operations (decode.decode_item:
+               simplejpeg/Pillow + torch resize, soundfile + torchaudio) on every member,
+     1 worker  the service's decode stage: microbatch layout, DecodePool(1) (encoded bytes and
+               results through shared memory), two microbatches in flight, as a stream runs it,
+     2 workers the same with DecodePool(2);
+   targets: 1 worker >= 0.9 x bare, 2 workers >= 1.8 x 1 worker.
+3. end to end: the service (embedded, default decode workers, one client process receiving
+   torch tensors over gRPC) vs torch.utils.data.DataLoader(num_workers=2) over webdataset doing the
+   same parsing and decoding per sample; samples/s of the whole demo epoch. Target >= 1.0x.
+Machines here are noisy: compare figures from one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import simplejpeg  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from preprocess_service import imaging, shards  # noqa: E402
+from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
+from preprocess_service.assemble import layout_microbatch  # noqa: E402
+from preprocess_service.config import JobConfig  # noqa: E402
+from preprocess_service.decode import DecodePool, decode_item  # noqa: E402
+from preprocess_service.errors import SampleError  # noqa: E402
+from preprocess_service.packing import PackedSequence  # noqa: E402
+from preprocess_service.sample import GenImageRef, ImageRef, parse_document  # noqa: E402
+from preprocess_service.tokenizer import ByteTokenizer  # noqa: E402
+
+TOKENIZER = ByteTokenizer()
+DOCS_PER_MICROBATCH = 16
+
+
+def load_documents(urls: list[str], config: JobConfig) -> list:
+    """Every document that parses and decodes (the corrupt ones are left out: they would be timed
+    as failures in one path and not the other)."""
+    docs = []
+    for url in urls:
+        for sample in shards.iter_shard(url, lambda u, r: None):
+            try:
+                doc = parse_document(sample, image_config=config.image, tokenizer=TOKENIZER,
+                                     seq_len=config.seq_len, audio_config=config.audio, generation=config.generation)
+            except SampleError:
+                continue
+            if _decodes(doc):
+                docs.append(doc)
+    return docs
+
+
+def _decodes(doc) -> bool:
+    try:
+        _decode_document(doc)
+    except Exception:
+        return False
+    return True
+
+
+# --- 1. image paths -------------------------------------------------------------------------------
+def _torch_resize(pixels, hw):
+    return imaging.resize(pixels, hw)
+
+
+def _pil_resize(pixels, hw):
+    if pixels.shape[:2] == hw:
+        return pixels
+    return np.asarray(Image.fromarray(pixels).resize((hw[1], hw[0]), Image.Resampling.BICUBIC))
+
+
+def _pil_decode(data, hw, draft):
+    with Image.open(io.BytesIO(data)) as img:
+        if draft:
+            img.draft("RGB", (hw[1], hw[0]))
+        return np.array(img.convert("RGB"))
+
+
+IMAGE_PATHS = {
+    "Pillow full decode + Pillow bicubic": lambda d, hw: _pil_resize(_pil_decode(d, hw, False), hw),
+    "Pillow draft + Pillow bicubic (previous path)": lambda d, hw: _pil_resize(_pil_decode(d, hw, True), hw),
+    "Pillow draft + torch bicubic": lambda d, hw: _torch_resize(_pil_decode(d, hw, True), hw),
+    "simplejpeg DCT-scaled + Pillow bicubic": lambda d, hw: _pil_resize(
+        simplejpeg.decode_jpeg(d, colorspace="RGB", min_height=hw[0], min_width=hw[1]), hw),
+    "simplejpeg DCT-scaled + torch bicubic (service)": lambda d, hw: imaging.decode_image(d, hw, 1),
+}
+
+
+def bench_image_paths(docs, repeats: int = 2) -> dict[str, float]:
+    jpegs = [(doc.media_bytes[img.member], (img.height, img.width)) for doc in docs for img in doc.images
+             if img.orientation == 1 and doc.media_bytes[img.member][:3] == b"\xff\xd8\xff"][:200]
+    out = {}
+    for name, fn in IMAGE_PATHS.items():
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for data, hw in jpegs:
+                fn(data, hw)
+            best = max(best, len(jpegs) / (time.perf_counter() - start))
+        out[name] = best
+    simd = "post" in Image.__version__  # pillow-simd versions read like 9.5.0.post1
+    out["pillow-simd"] = None if not simd else out["Pillow draft + Pillow bicubic (previous path)"]
+    return out
+
+
+# --- 2. decode stage --------------------------------------------------------------------------------
+def bare_loop(docs) -> float:
+    start = time.perf_counter()
+    for doc in docs:
+        _decode_document(doc)
+    return len(docs) / (time.perf_counter() - start)
+
+
+def _decode_document(doc) -> None:
+    for seg in doc.media:
+        if isinstance(seg, ImageRef):
+            decode_item("image", doc.media_bytes[seg.member], (seg.height, seg.width, seg.orientation))
+        elif isinstance(seg, GenImageRef):
+            decode_item("gen", doc.media_bytes[seg.member], (seg.size, seg.orientation))
+        else:
+            decode_item("audio", doc.media_bytes[seg.member], (seg.frames, CONFIG.audio))
+
+
+def pool_stage(pool: DecodePool, docs) -> float:
+    """Documents per second through layout -> pool -> arrays, two microbatches in flight."""
+    batches = [docs[i:i + DOCS_PER_MICROBATCH] for i in range(0, len(docs), DOCS_PER_MICROBATCH)]
+    in_flight: deque = deque()
+    start = time.perf_counter()
+    for batch in batches:
+        layout = layout_microbatch([PackedSequence(seq_len=1 << 20, documents=batch)], seq_len=1 << 20,
+                                   tokenizer=TOKENIZER, audio_config=CONFIG.audio)
+        in_flight.append((layout, pool.submit(layout)))
+        if len(in_flight) == 2:
+            _finish(*in_flight.popleft())
+    while in_flight:
+        _finish(*in_flight.popleft())
+    return len(docs) / (time.perf_counter() - start)
+
+
+def _finish(layout, future) -> None:
+    decoded = future.result()
+    if decoded.errors:
+        raise RuntimeError(f"decode errors in the benchmark set: {decoded.errors}")
+    layout.media_arrays(decoded.buffer)
+    decoded.release()
+
+
+# --- 3. end to end ----------------------------------------------------------------------------------
+def _dataloader_sample(sample):
+    """What a DataLoader user would write: parse, decode every member, return tensors."""
+    try:
+        doc = parse_document(sample, image_config=CONFIG.image, tokenizer=TOKENIZER, seq_len=CONFIG.seq_len,
+                             audio_config=CONFIG.audio, generation=CONFIG.generation)
+    except SampleError:
+        return {"__key__": sample["__key__"], "skipped": True}
+    out = {"__key__": doc.key, "tokens": [torch.from_numpy(s.ids) for s in doc.segments if hasattr(s, "ids")]}
+    media = []
+    for seg in doc.media:
+        kind = "image" if isinstance(seg, ImageRef) else "gen" if isinstance(seg, GenImageRef) else "audio"
+        params = ((seg.height, seg.width, seg.orientation) if kind == "image" else
+                  (seg.size, seg.orientation) if kind == "gen" else (seg.frames, CONFIG.audio))
+        try:
+            media.append(torch.from_numpy(decode_item(kind, doc.media_bytes[seg.member], params)))
+        except Exception:
+            return {"__key__": doc.key, "skipped": True}
+    out["media"] = media
+    return out
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)
+
+
+def dataloader_epoch(urls: list[str]) -> tuple[int, float]:
+    import webdataset as wds
+
+    dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False).map(_dataloader_sample)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, worker_init_fn=_worker_init,
+                                         prefetch_factor=4, persistent_workers=False)
+    count, start = 0, None
+    for item in loader:
+        if start is None:
+            start = time.perf_counter()  # from the first sample: worker start-up left out, as for the service
+        count += 0 if item.get("skipped") else 1
+    return count, time.perf_counter() - start
+
+
+def service_epoch(urls: list[str]) -> tuple[int, float]:
+    from preprocess_service.runner import run_job
+
+    config = JobConfig(shards=tuple(urls), dp_size=1, num_microbatches=4, seqs_per_microbatch=2)
+    result = run_job(config, progress=False)
+    if not result.exactly_once()["ok"]:
+        raise RuntimeError(f"service run failed its exactly-once check: {result.exactly_once()}")
+    rank = result.ranks[0]
+    return len(rank.keys), rank.seconds
+
+
+CONFIG = JobConfig(shards=("unused",))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", nargs="+", help="shard specs (default: the synthetic demo set)")
+    parser.add_argument("--max-docs", type=int, default=240, help="documents per modality in part 2")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    urls = shards.expand_shards(args.shards or [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
+    docs = load_documents(urls, CONFIG)
+    figures: dict = {"cores": len(os.sched_getaffinity(0))}
+
+    paths = bench_image_paths(docs)
+    figures["image_paths"] = paths
+    print(f"1. image paths, one core, JPEGs to their planned size ({figures['cores']} cores on this machine)")
+    for name, rate in paths.items():
+        print(f"   {name:48s} " + (f"{rate:7.1f} images/s" if rate else "not installed: it replaces Pillow and "
+                                   "needs a compiler build from source (see README)"))
+
+    groups = {
+        "image": [d for d in docs if d.images and not d.audio and not d.generated],
+        "audio": [d for d in docs if d.audio and not d.images and not d.generated],
+        "generation": [d for d in docs if d.generated],
+        "mixed": docs,
+    }
+    groups = {name: group[:args.max_docs] for name, group in groups.items() if group}
+    print("\n2. decode stage, samples/s (bare: same operations in a plain loop, one process)")
+    print(f"   {'modality':11s} {'docs':>5s} {'bare':>8s} {'1 worker':>9s} {'2 workers':>10s} "
+          f"{'1w/bare':>8s} {'2w/1w':>6s}")
+    stage = {}
+    pools = {n: DecodePool(n) for n in (1, 2)}
+    try:
+        for name, group in groups.items():
+            bare_loop(group[:8])  # warm caches (resampler kernels, mel filterbank)
+            for pool in pools.values():
+                pool_stage(pool, group[:8])
+            row = {"docs": len(group), "bare": bare_loop(group), "w1": pool_stage(pools[1], group),
+                   "w2": pool_stage(pools[2], group)}
+            row["w1_over_bare"], row["w2_over_w1"] = row["w1"] / row["bare"], row["w2"] / row["w1"]
+            stage[name] = row
+            print(f"   {name:11s} {row['docs']:5d} {row['bare']:8.1f} {row['w1']:9.1f} {row['w2']:10.1f} "
+                  f"{row['w1_over_bare']:8.2f} {row['w2_over_w1']:6.2f}")
+    finally:
+        for pool in pools.values():
+            pool.close()
+    figures["stage"] = stage
+
+    print("\n3. end to end over the whole data set, samples/s")
+    dl_count, dl_seconds = dataloader_epoch(urls)
+    sv_count, sv_seconds = service_epoch(urls)
+    figures["end_to_end"] = {"dataloader_samples": dl_count, "dataloader_s": dl_seconds,
+                             "service_samples": sv_count, "service_s": sv_seconds,
+                             "ratio": (sv_count / sv_seconds) / (dl_count / dl_seconds)}
+    print(f"   DataLoader(num_workers=2) over webdataset  {dl_count:5d} samples in {dl_seconds:6.2f} s = "
+          f"{dl_count / dl_seconds:7.1f} samples/s")
+    print(f"   service (packed, planned, gRPC, 1 client)  {sv_count:5d} samples in {sv_seconds:6.2f} s = "
+          f"{sv_count / sv_seconds:7.1f} samples/s")
+    print(f"   ratio service / DataLoader: {figures['end_to_end']['ratio']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

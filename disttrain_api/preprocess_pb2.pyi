@@ -38,6 +38,32 @@ class ImageSpec(_message.Message):
     max_source_pixels: int
     def __init__(self, patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., max_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_source_pixels: _Optional[int] = ...) -> None: ...
 
+class AudioSpec(_message.Message):
+    __slots__ = ("sample_rate", "n_mels", "n_fft", "hop_length", "token_stride", "max_seconds")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    N_MELS_FIELD_NUMBER: _ClassVar[int]
+    N_FFT_FIELD_NUMBER: _ClassVar[int]
+    HOP_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    n_mels: int
+    n_fft: int
+    hop_length: int
+    token_stride: int
+    max_seconds: float
+    def __init__(self, sample_rate: _Optional[int] = ..., n_mels: _Optional[int] = ..., n_fft: _Optional[int] = ..., hop_length: _Optional[int] = ..., token_stride: _Optional[int] = ..., max_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerationSpec(_message.Message):
+    __slots__ = ("image_size", "query_tokens", "select")
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SELECT_FIELD_NUMBER: _ClassVar[int]
+    image_size: int
+    query_tokens: int
+    select: str
+    def __init__(self, image_size: _Optional[int] = ..., query_tokens: _Optional[int] = ..., select: _Optional[str] = ...) -> None: ...
+
 class CostSpec(_message.Message):
     __slots__ = ("enc_linear_s", "enc_quadratic_s", "bb_linear_s", "bb_quadratic_s", "gen_per_image_s", "enc_backward_factor", "bb_backward_factor", "gen_backward_factor", "enc_frozen")
     ENC_LINEAR_S_FIELD_NUMBER: _ClassVar[int]
@@ -61,7 +87,7 @@ class CostSpec(_message.Message):
     def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "audio", "generation")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +104,8 @@ class JobSpec(_message.Message):
     STAGE_MAP_FIELD_NUMBER: _ClassVar[int]
     ENC_SHARED_BY_FIELD_NUMBER: _ClassVar[int]
     GEN_SHARED_BY_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -94,7 +122,9 @@ class JobSpec(_message.Message):
     stage_map: _containers.RepeatedScalarFieldContainer[str]
     enc_shared_by: int
     gen_shared_by: int
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ...) -> None: ...
+    audio: AudioSpec
+    generation: GenerationSpec
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ...) -> None: ...
 
 class OpenJobRequest(_message.Message):
     __slots__ = ("spec",)

@@ -64,8 +64,8 @@ class MicrobatchArrays:
 
     arrays: dict[str, np.ndarray]
     sample_keys: list[str]
-    skipped: list[tuple[str, str, str]] = field(default_factory=list)
-    """(key, shard, reason) of documents that failed to decode."""
+    skipped: list = field(default_factory=list)
+    """job.SkippedRecord (key, shard, reason, kind) of each document that failed to decode."""
 
     @property
     def nbytes(self) -> int:

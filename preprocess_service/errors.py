@@ -19,7 +19,8 @@ class SampleError(DisttrainError):
     """One sample cannot be used; it is skipped and reported, the stream goes on."""
 
     KINDS = ("invalid_json", "bad_utf8", "unreadable_image", "truncated_image", "decompression_bomb",
-             "too_long", "empty", "decode_failed", "shard_error")
+             "unreadable_audio", "invalid_order", "too_long", "empty", "decode_failed", "decode_worker_died",
+             "shard_error")
     """Short machine-readable causes, for counting; ``reason`` is the sentence for people."""
 
     def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):

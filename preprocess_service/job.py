@@ -119,9 +119,10 @@ class Job:
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
         with self._lock:
             for key, reason in decoded.errors.items():
-                kind = "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed"
-                arrays.skipped.append((key, shards_of[key], f"decode failed: {reason}"))
-                self._skipped.setdefault(key, SkippedRecord(key, shards_of[key], f"decode failed: {reason}", kind))
+                record = SkippedRecord(key, shards_of[key], f"decode failed: {reason}",
+                                       "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed")
+                arrays.skipped.append(record)
+                self._skipped.setdefault(key, record)
         return arrays, release
 
     def microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> MicrobatchArrays:

@@ -221,7 +221,7 @@ def _generation_targets(meta: dict, kinds: dict[str, str], generation: Generatio
     if generation.select == "all":
         return images
     listed = meta.get("generate", [])
-    if not isinstance(listed, list) or not set(listed) <= images:
+    if not isinstance(listed, list) or not all(isinstance(m, str) and m in images for m in listed):
         raise SampleError("", f'JSON "generate" must list image members of the sample, got {listed!r} '
                               f"(images: {sorted(images)})", kind="invalid_order")
     return set(listed)

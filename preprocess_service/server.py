@@ -196,7 +196,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             sequence_costs=[pb.SequenceCost(encoder_s=s.cost.encoder_s, backbone_s=s.cost.backbone_s,
                                             generator_s=s.cost.generator_s, total_s=s.cost.total_s)
                             for s in plan.microbatch(rank, index)],
-            skipped=[pb.SkippedSample(key=k, shard=s, reason=r, kind="decode_failed") for k, s, r in arrays.skipped],
+            skipped=[pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind) for r in arrays.skipped],
         )
         return wire.encode_microbatch(header, arrays.arrays)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from disttrain_api import preprocess_pb2 as pb
-from preprocess_service.config import CostConfig, ImageConfig, JobConfig
+from preprocess_service.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
 
 # Scalar fields with the same name in JobSpec and JobConfig. The one boolean, no_shard_shuffle, is
 # negated by hand so that proto3's default false means our default (shuffle).
@@ -22,9 +22,13 @@ def config_from_spec(spec: pb.JobSpec) -> JobConfig:
     image = ImageConfig(**_nonzero_fields(spec.image, [f.name for f in dataclasses.fields(ImageConfig)]))
     cost_names = [f.name for f in dataclasses.fields(CostConfig)]
     cost = CostConfig(**_nonzero_fields(spec.cost, cost_names))
+    audio = AudioConfig(**_nonzero_fields(spec.audio, [f.name for f in dataclasses.fields(AudioConfig)]))
+    generation = GenerationConfig(**_nonzero_fields(spec.generation,
+                                                    [f.name for f in dataclasses.fields(GenerationConfig)]))
     extra = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
     return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle,
-                     image=image, cost=cost, **extra, **_nonzero_fields(spec, _JOB_FIELDS))
+                     image=image, audio=audio, generation=generation, cost=cost, **extra,
+                     **_nonzero_fields(spec, _JOB_FIELDS))
 
 
 def spec_from_config(config: JobConfig) -> pb.JobSpec:
@@ -34,6 +38,8 @@ def spec_from_config(config: JobConfig) -> pb.JobSpec:
         stage_map=list(config.stage_map),
         no_shard_shuffle=not config.shard_shuffle,
         image=pb.ImageSpec(**dataclasses.asdict(config.image)),
+        audio=pb.AudioSpec(**dataclasses.asdict(config.audio)),
+        generation=pb.GenerationSpec(**dataclasses.asdict(config.generation)),
         cost=pb.CostSpec(**dataclasses.asdict(config.cost)),
         **{name: getattr(config, name) for name in _JOB_FIELDS},
     )

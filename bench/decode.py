@@ -250,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     pools = {n: DecodePool(n) for n in (1, 2)}
     try:
         for name, group in groups.items():
-            bare_loop(group[:8])  # warm caches (resampler kernels, mel filterbank)
-            for pool in pools.values():
-                pool_stage(pool, group[:8])
-            row = {"docs": len(group), "bare": bare_loop(group), "w1": pool_stage(pools[1], group),
-                   "w2": pool_stage(pools[2], group)}
+            # Best of two passes each: the first pass also warms every process's caches (resampler
+            # kernels per sample rate, mel filterbank), which the bare process already has.
+            row = {"docs": len(group), "bare": max(bare_loop(group) for _ in range(2)),
+                   "w1": max(pool_stage(pools[1], group) for _ in range(2)),
+                   "w2": max(pool_stage(pools[2], group) for _ in range(2))}
             row["w1_over_bare"], row["w2_over_w1"] = row["w1"] / row["bare"], row["w2"] / row["w1"]
             stage[name] = row
             print(f"   {name:11s} {row['docs']:5d} {row['bare']:8.1f} {row['w1']:9.1f} {row['w2']:10.1f} "

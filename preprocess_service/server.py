@@ -246,6 +246,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     from preprocess_service.reorder import ours
 
     ours.warm_up()
+    wire.tune_malloc()
     decoder = create_decoder(decode_workers)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
     servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder)

@@ -108,6 +108,7 @@ class DataClient:
                  connect_timeout_s: float = 10.0, max_reconnects: int = 5):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
         self.address = address
         self.dp_rank = dp_rank
         self.prefetch = prefetch

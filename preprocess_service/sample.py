@@ -138,12 +138,6 @@ def classify_members(sample: dict) -> dict[str, str]:
     return {ext: _KIND_OF_EXT[m.group(2)] for ext in sample if isinstance(ext, str) and (m := _MEMBER.match(ext))}
 
 
-def image_members(sample: dict) -> list[str]:
-    """Image member extensions of a raw sample in default order."""
-    kinds = classify_members(sample)
-    return [m for m in _default_order(kinds) if kinds[m] == "image"]
-
-
 def _member_index(member: str) -> int:
     match = _MEMBER.match(member)
     return int(match.group(1) or 0) if match else 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -92,10 +93,14 @@ def cmd_run(args) -> int:
 
 def cmd_serve(args) -> int:
     from preprocess_service.server import create_server
+    from preprocess_service.store import describe
 
     server, port, _ = create_server(f"{args.host}:{args.port}", prefetch=args.prefetch,
-                                    decode_workers=args.decode_workers)
+                                    decode_workers=args.decode_workers, redis_url=args.redis,
+                                    replica_id=args.replica_id)
+    mode = f"replica of the deployment on Redis {describe(args.redis)}" if args.redis else "single node, no Redis"
     print(f"disttrain preprocessing service listening on {args.host}:{port}", flush=True)
+    print(f"mode: {mode}", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
@@ -132,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--prefetch", type=int, default=2, help="microbatches prepared ahead per stream")
     serve.add_argument("--decode-workers", type=int, default=None,
                        help="decode processes (default: one per core; 0: decode on threads in the server process)")
+    serve.add_argument("--redis", default=os.environ.get("DISTTRAIN_REDIS_URL"), metavar="URL",
+                       help="Redis of a multi-replica deployment, e.g. redis://redis:6379/0 (default: "
+                            "$DISTTRAIN_REDIS_URL; unset: single node, state in this process)")
+    serve.add_argument("--replica-id", default=None, help="this replica's name in leases (default host:port:pid)")
     sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
     cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
     cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")

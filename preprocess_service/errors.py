@@ -33,4 +33,9 @@ class SampleError(DisttrainError):
 
 
 class ServiceUnavailableError(DisttrainError, ConnectionError):
-    """The preprocessing service cannot be reached (client side)."""
+    """Something this process needs cannot be reached: the service (from a client), Redis (from a
+    replica). gRPC UNAVAILABLE."""
+
+
+class StreamSuperseded(DisttrainError):
+    """A newer stream of the same rank started (on any replica); the older one stops (gRPC ABORTED)."""

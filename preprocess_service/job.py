@@ -22,6 +22,14 @@ from preprocess_service.planner import Planner, StepPlan
 from preprocess_service.tokenizer import ByteTokenizer, Tokenizer
 
 
+@dataclass(frozen=True, slots=True)
+class SkippedRecord:
+    key: str
+    shard: str
+    reason: str
+    kind: str
+
+
 @dataclass(slots=True)
 class PendingMicrobatch:
     """A microbatch whose decoding is under way."""
@@ -29,14 +37,8 @@ class PendingMicrobatch:
     sequences: list[PackedSequence]
     layout: Layout
     future: Future
-
-
-@dataclass(frozen=True, slots=True)
-class SkippedRecord:
-    key: str
-    shard: str
-    reason: str
-    kind: str
+    skipped: list[SkippedRecord]
+    """Planned documents that could not even be re-read (they are not in ``sequences``)."""
 
 
 class Job:
@@ -64,8 +66,9 @@ class Job:
         self.num_planned_samples = 0
 
     # --- planning -------------------------------------------------------------------------
-    def step_plan(self, step: int) -> StepPlan | None:
-        """The plan of ``step``, planning up to it if needed; None past the last step."""
+    def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
+        """The plan of ``step``, planning up to it if needed; None past the last step. ``stop``
+        (a cancelled stream) ends a wait early where planning happens elsewhere (SharedJob)."""
         with self._lock:
             while len(self._plans) <= step and not self._planning_done:
                 plan = next(self._planner, None)
@@ -100,9 +103,9 @@ class Job:
 
     def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> PendingMicrobatch:
         """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (decode.py)."""
-        sequences = self._with_bytes(plan.microbatch(rank, index))
+        sequences, skipped = self._resolve(plan.microbatch(rank, index))
         layout = self._layout(sequences)
-        return PendingMicrobatch(sequences, layout, decoder.submit(layout))
+        return PendingMicrobatch(sequences, layout, decoder.submit(layout), skipped)
 
     def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None]]:
         """Waits for the decode; returns the arrays (views of the decode buffer) and the function
@@ -117,6 +120,7 @@ class Job:
             layout, release = survivors, (lambda: None)
         arrays = finish(layout, buffer)
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
+        arrays.skipped.extend(pending.skipped)
         with self._lock:
             for key, reason in decoded.errors.items():
                 record = SkippedRecord(key, shards_of[key], f"decode failed: {reason}",
@@ -136,6 +140,10 @@ class Job:
         return layout_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer,
                                  audio_config=self.config.audio, skip=skip)
 
+    def _resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
+        """The planned sequences with their documents' encoded bytes, and documents that were lost."""
+        return self._with_bytes(sequences), []
+
     def _with_bytes(self, sequences: list[PackedSequence]) -> list[PackedSequence]:
         """Copies of the sequences whose documents hold their encoded images: a snapshot taken under
         the lock (a concurrent release cannot pull bytes from under the decoder), and bytes that were
@@ -148,7 +156,7 @@ class Job:
                 missing[doc.shard].add(doc.key)
         fetched: dict[str, dict] = {}
         for url, keys in missing.items():
-            fetched.update(shards.fetch_samples(url, keys))
+            fetched.update(shards.read_samples(url, keys))
         out = []
         for seq, pairs in zip(sequences, snapshot):
             documents = []
@@ -159,6 +167,13 @@ class Job:
                 documents.append(dataclasses.replace(doc, media_bytes=data))
             out.append(dataclasses.replace(seq, documents=documents))
         return out
+
+    def open_stream(self, rank: int, start_step: int, stop: threading.Event) -> StreamLease:
+        """Registers a stream of ``rank``; the server reports each step it finishes to the lease."""
+        return StreamLease(self, rank)
+
+    def close(self) -> None:
+        """Stops background work (SharedJob's planner thread)."""
 
     def mark_sent(self, rank: int, step: int, num_microbatches: int) -> None:
         """Called after a rank's whole step went out; drops bytes no rank still needs."""
@@ -194,6 +209,21 @@ class Job:
             }
 
 
+class StreamLease:
+    """One stream's hold on its rank (in one process there is nothing to hold)."""
+
+    def __init__(self, job: Job, rank: int):
+        self.job, self.rank = job, rank
+
+    def step_sent(self, step: int, num_microbatches: int) -> None:
+        """Every microbatch of ``step`` went out. SharedJob's lease raises StreamSuperseded here
+        when a newer stream of the same rank has started elsewhere."""
+        self.job.mark_sent(self.rank, step, num_microbatches)
+
+    def close(self) -> None:
+        pass
+
+
 def _balance(plan: StepPlan) -> dict:
     imbalance, arrival = plan.imbalance()
     return {"step": plan.step, "imbalance": imbalance, "arrival_imbalance": arrival,
@@ -222,3 +252,6 @@ class JobRegistry:
         if job is None:
             raise NotFoundError(f"no open job with id {job_id!r}; call OpenJob first")
         return job
+
+    def close(self) -> None:
+        """Stops what the jobs run in the background (nothing, in one process)."""

@@ -79,9 +79,15 @@ class Planner:
         self.on_skip = on_skip
 
     def __iter__(self) -> Iterator[StepPlan]:
-        step = 0
-        for epoch in range(self.config.num_epochs):
-            for plan in self._plan_epoch(epoch, step):
+        return self.plans_from(0, 0)
+
+    def plans_from(self, epoch: int, first_step: int) -> Iterator[StepPlan]:
+        """The plans from the start of ``epoch``, whose first step is ``first_step``, to the end of
+        the job. Each epoch starts afresh (its own shard order, shuffle buffer and packer), so this
+        equals the tail of a full iteration: a planner can resume at any epoch start."""
+        step = first_step
+        for ep in range(epoch, self.config.num_epochs):
+            for plan in self._plan_epoch(ep, step):
                 yield plan
                 step += 1
 

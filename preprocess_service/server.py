@@ -25,7 +25,7 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import wire
 from preprocess_service.decode import DecodePool, InlineDecoder
-from preprocess_service.errors import ConfigError, NotFoundError
+from preprocess_service.errors import ConfigError, NotFoundError, ServiceUnavailableError, StreamSuperseded
 from preprocess_service.job import Job, JobRegistry
 from preprocess_service.spec import config_from_spec, spec_from_config
 
@@ -52,9 +52,17 @@ class StreamCounters:
     sent_bytes: int = 0
 
 
+_STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, grpc.StatusCode.ABORTED),
+              (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT))
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    return next((code for kind, code in _STATUS_OF if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+
+
 class PreprocessServicer(pb_grpc.PreprocessServicer):
-    def __init__(self, *, decoder, prefetch: int = 2):
-        self.jobs = JobRegistry()
+    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None):
+        self.jobs = jobs or JobRegistry()
         self.prefetch = prefetch
         self.decoder = decoder
         """Shared by all streams: one stream alone can use every worker, many streams share them."""
@@ -66,6 +74,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             return self.jobs.get(job_id)
         except NotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ServiceUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def _info(self, job: Job) -> pb.JobInfo:
         return pb.JobInfo(job_id=job.job_id, spec=spec_from_config(job.config),
@@ -75,8 +85,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def OpenJob(self, request, context):
         try:
             job = self.jobs.open(config_from_spec(request.spec))
-        except ConfigError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (ConfigError, ServiceUnavailableError) as exc:
+            context.abort(_status_of(exc), str(exc))
         return self._info(job)
 
     def DescribeJob(self, request, context):
@@ -86,12 +96,15 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         job = self._job(request.job_id, context)
         try:
             return pb.AckResponse(min_next_step=job.acknowledge(request.dp_rank, request.next_step))
-        except ConfigError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (ConfigError, ServiceUnavailableError) as exc:
+            context.abort(_status_of(exc), str(exc))
 
     def GetReport(self, request, context):
         job = self._job(request.job_id, context)
-        report = job.report()
+        try:
+            report = job.report()
+        except ServiceUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         skipped = [pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind)
                    for r in report.pop("skipped")]
         balance = [pb.StepBalance(**b) for b in report.pop("step_balance")]
@@ -103,12 +116,16 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             job.check_rank(request.dp_rank)
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request.start_step > 0 and job.step_plan(request.start_step - 1) is None:
+        stop = threading.Event()
+        context.add_callback(stop.set)
+        try:
+            past_end = request.start_step > 0 and job.step_plan(request.start_step - 1, stop) is None
+        except (NotFoundError, ServiceUnavailableError) as exc:
+            context.abort(_status_of(exc), str(exc))
+        if past_end:
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                           f"start_step {request.start_step} is past the job's last step "
                           f"({job.num_steps() - 1})")
-        stop = threading.Event()
-        context.add_callback(stop.set)
         items: queue.Queue = queue.Queue(maxsize=self.prefetch)
         producer = threading.Thread(target=self._produce, args=(job, request, items, stop),
                                     name=f"stream-{job.job_id}-r{request.dp_rank}", daemon=True)
@@ -125,8 +142,11 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
-                    log.exception("stream failed", exc_info=item)
-                    context.abort(grpc.StatusCode.INTERNAL, f"microbatch preparation failed: {item!r}")
+                    code = _status_of(item)
+                    if code == grpc.StatusCode.INTERNAL:
+                        log.error("stream failed", exc_info=item)
+                        context.abort(code, f"microbatch preparation failed: {item!r}")
+                    context.abort(code, str(item))
                 yield item
                 self._count(sent_microbatches=1, sent_bytes=len(item))
         finally:
@@ -136,19 +156,23 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _produce(self, job: Job, request, items: queue.Queue, stop: threading.Event) -> None:
         """Keeps up to two microbatches decoding ahead of the one being serialized."""
         in_decode: collections.deque = collections.deque()
+        lease = None
         try:
+            lease = job.open_stream(request.dp_rank, request.start_step, stop)
             for plan, index, last in self._positions(job, request, stop):
                 in_decode.append((plan, index, last, job.start_microbatch(plan, request.dp_rank, index, self.decoder)))
-                if len(in_decode) == 2 and not self._emit(job, request, in_decode.popleft(), items, stop):
+                if len(in_decode) == 2 and not self._emit(job, request, lease, in_decode.popleft(), items, stop):
                     return
             while in_decode and not stop.is_set():
-                if not self._emit(job, request, in_decode.popleft(), items, stop):
+                if not self._emit(job, request, lease, in_decode.popleft(), items, stop):
                     return
             if not stop.is_set():
                 self._put(items, _END, stop)
         except BaseException as exc:  # handed to the consumer thread, which aborts the call with it
             self._put(items, exc, stop)
         finally:
+            if lease is not None:
+                lease.close()
             for *_, pending in in_decode:  # abandoned by a cancelled stream: free the buffers
                 pending.future.add_done_callback(lambda f: f.exception() or f.result().release())
 
@@ -158,14 +182,14 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         step, end = request.start_step, (request.start_step + request.max_steps if request.max_steps else None)
         first = request.start_microbatch
         while (end is None or step < end) and not stop.is_set():
-            plan = job.step_plan(step)
+            plan = job.step_plan(step, stop)
             if plan is None:
                 return
             for index in range(first, plan.num_microbatches):
                 yield plan, index, index == plan.num_microbatches - 1
             step, first = step + 1, 0
 
-    def _emit(self, job: Job, request, entry, items: queue.Queue, stop: threading.Event) -> bool:
+    def _emit(self, job: Job, request, lease, entry, items: queue.Queue, stop: threading.Event) -> bool:
         plan, index, last, pending = entry
         arrays, release = job.finish_microbatch(pending)
         try:
@@ -176,7 +200,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             return False
         if last:
             first = request.start_microbatch if plan.step == request.start_step else 0
-            job.mark_sent(request.dp_rank, plan.step, plan.num_microbatches - first)
+            lease.step_sent(plan.step, plan.num_microbatches - first)
         return True
 
     def _put(self, items: queue.Queue, item, stop: threading.Event) -> bool:
@@ -237,19 +261,36 @@ def create_decoder(decode_workers: int | None):
 
 
 def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
-                  decode_workers: int | None = None):
+                  decode_workers: int | None = None, redis_url: str | None = None,
+                  replica_id: str | None = None, job_options: dict | None = None):
     """Builds and starts a server; returns (server, bound port, servicer). ``decode_workers``
     defaults to one decode process per core (0: decode on threads in this process). The decode
     workers and the planner's compiled kernels are loaded first, so health checks report SERVING
     only once a step can be planned and decoded at full speed. ``server.stop()`` also stops the
-    decode workers."""
+    decode workers.
+
+    With ``redis_url`` the server is one replica of a deployment: jobs, plans, leases and
+    acknowledgements live in that Redis (shared_job.py), ``replica_id`` names this replica in
+    leases (default host:port:pid), and ``job_options`` go to every SharedJob (lease_ttl_s,
+    lookahead, ...). Raises ServiceUnavailableError, naming the address, if Redis cannot be reached."""
     from preprocess_service.reorder import ours
 
+    jobs = JobRegistry()
+    if redis_url:
+        import os
+        import socket
+
+        from preprocess_service.shared_job import SharedJobRegistry
+        from preprocess_service.store import RedisStore
+
+        store = RedisStore(redis_url)
+        jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
+                                 f"{os.getpid()}", **(job_options or {}))
     ours.warm_up()
     wire.tune_malloc()
     decoder = create_decoder(decode_workers)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder)
+    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs)
     _add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -267,6 +308,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     def stop(grace=None):
         """grpc's stop, then the decode workers; the event is set once both are down."""
         stopped, done = _stop(grace), threading.Event()
+        jobs.close()
         threading.Thread(target=lambda: (stopped.wait(), decoder.close(), done.set()), daemon=True).start()
         return done
 

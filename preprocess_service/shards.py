@@ -7,7 +7,10 @@ NNNNN_stats.json files img2dataset writes beside each tar are never opened.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -72,6 +75,48 @@ def fetch_samples(url: str, keys: set[str]) -> dict[str, dict]:
             if len(found) == len(keys):
                 break
     return found
+
+
+def read_samples(url: str, keys: set[str]) -> dict[str, dict]:
+    """The raw samples of ``keys`` in one shard. A local tar is read at the members' offsets (an
+    index of its headers is built once per file version and cached); other URLs are scanned."""
+    path = local_path(url)
+    if path is None:
+        return fetch_samples(url, keys)
+    stat = os.stat(path)
+    index = _tar_index(path, stat.st_mtime_ns, stat.st_size)
+    found: dict[str, dict] = {}
+    with open(path, "rb") as f:
+        for key in keys:
+            members = index.get(key)
+            if members is not None:
+                sample = {"__key__": key, "__url__": url}
+                for suffix, (offset, size) in members.items():
+                    sample[suffix] = os.pread(f.fileno(), size, offset)
+                found[key] = sample
+    return found
+
+
+_META = re.compile(r"__[^/]*__($|/)")
+
+
+@functools.lru_cache(maxsize=256)
+def _tar_index(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, tuple[int, int]]]:
+    """key -> {member suffix: (data offset, size)} of a local tar, members grouped into samples as
+    webdataset groups them (base_plus_ext, lower-case suffix, meta files skipped). ``mtime_ns`` and
+    ``size`` only key the cache: a rewritten file gets a new index."""
+    index: dict[str, dict[str, tuple[int, int]]] = {}
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:
+                if not info.isreg() or _META.match(info.name):
+                    continue
+                prefix, suffix = tariterators.base_plus_ext(info.name)
+                if prefix is not None:
+                    index.setdefault(prefix, {})[suffix.lower()] = (info.offset_data, info.size)
+    except (tarfile.TarError, OSError, EOFError):
+        pass  # a broken tail: the samples before it are indexed; planning reported the damage
+    return index
 
 
 def shard_order(urls: list[str], *, seed: int, epoch: int, shuffle: bool) -> list[str]:

@@ -176,8 +176,11 @@ def test_state_from_another_topology_is_refused(dataset, service):
     with DataClient(address, _config(dataset, dp_size=2), 1) as client:
         state = client.state_dict()
     with DataClient(address, _config(dataset, dp_size=1), 0) as other:
-        with pytest.raises(ValueError, match="saved with job_id="):
+        with pytest.raises(ValueError, match="saved with dp_size=2 but this client's job has dp_size=1"):
             other.load_state_dict(state)
+    with DataClient(address, _config(dataset, seed=99), 1) as other_job:
+        with pytest.raises(ValueError, match="saved with job_id="):
+            other_job.load_state_dict(state)
     state = {**state, "version": 99}
     with DataClient(address, _config(dataset, dp_size=2), 1) as same:
         with pytest.raises(ValueError, match="version 99"):

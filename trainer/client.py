@@ -7,7 +7,12 @@
 
 A background thread reads the gRPC stream into a bounded queue (``prefetch`` microbatches), so
 decoding on the server and the copy to torch overlap with training. If the stream breaks with a
-transient error the thread reconnects and continues at the first microbatch it does not have.
+transient error (the replica died, restarted, or a newer stream took the rank over) the thread
+reconnects, to the next of the given addresses, and continues at the first microbatch it does
+not have: with several replicas on one Redis every replica streams the same committed plan.
+
+``address`` is one gRPC target ("host:port", or "dns:///name:port" for a name that resolves to
+several replicas: gRPC then picks a live one), a comma-separated list of them, or a list.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,7 +36,8 @@ from preprocess_service.server import CHANNEL_OPTIONS, SERVICE_NAME
 from preprocess_service.spec import spec_from_config
 
 STATE_VERSION = 1
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.ABORTED}
 _END = object()
 
 
@@ -101,31 +108,28 @@ class DataClient:
     """Iterates over ``dp_rank``'s microbatches of a job, from the saved position onwards.
 
     ``job`` is a JobConfig (the job is opened, or joined if open) or the id of an open job.
-    Raises ServiceUnavailableError when the service cannot be reached within ``connect_timeout_s``.
+    Raises ServiceUnavailableError when no address can be reached within ``connect_timeout_s``,
+    or, while iterating, when the stream cannot be re-established within ``reconnect_timeout_s``.
     """
 
-    def __init__(self, address: str, job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
-                 connect_timeout_s: float = 10.0, max_reconnects: int = 5):
+    def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
+                 connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
-        self.address = address
+        self.addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)
+                          if a.strip()]
+        if not self.addresses:
+            raise ValueError("no service address given")
         self.dp_rank = dp_rank
         self.prefetch = prefetch
-        self.max_reconnects = max_reconnects
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            raise ServiceUnavailableError(
-                f"cannot reach the preprocessing service at {address!r} within {connect_timeout_s:g} s "
-                "(is it running, and is the address right?)") from None
-        self._stub = pb_grpc.PreprocessStub(self._channel)
-        self._stream_raw = self._channel.unary_stream(
-            f"/{SERVICE_NAME}/StreamMicrobatches", request_serializer=pb.StreamRequest.SerializeToString,
-            response_deserializer=None)
-        self.info = self._open(job)
+        self.connect_timeout_s = connect_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.num_reconnects = 0
+        self._channel = None
+        self._current = -1
+        self._connect(connect_timeout_s)
+        self.info = self._unary(lambda stub: self._open(stub, job))
         self.job_id = self.info.job_id
         self.dp_size = self.info.spec.dp_size
         if not 0 <= dp_rank < self.dp_size:
@@ -136,10 +140,51 @@ class DataClient:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._call = None
 
-    def _open(self, job: JobConfig | str) -> pb.JobInfo:
+    @property
+    def address(self) -> str:
+        """The address in use now."""
+        return self.addresses[self._current]
+
+    def _connect(self, timeout_s: float) -> None:
+        """Connects to the first reachable address, starting after the current one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for _ in range(len(self.addresses)):
+                self._current = (self._current + 1) % len(self.addresses)
+                if self._channel is not None:
+                    self._channel.close()
+                self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                wait = max(0.2, min(2.0, deadline - time.monotonic()) / len(self.addresses))
+                try:
+                    grpc.channel_ready_future(self._channel).result(timeout=wait)
+                except grpc.FutureTimeoutError:
+                    continue
+                self._stub = pb_grpc.PreprocessStub(self._channel)
+                self._stream_raw = self._channel.unary_stream(
+                    f"/{SERVICE_NAME}/StreamMicrobatches", request_serializer=pb.StreamRequest.SerializeToString,
+                    response_deserializer=None)
+                return
+            if time.monotonic() >= deadline or (self._thread is not None and self._stop.is_set()):
+                self._channel.close()
+                raise ServiceUnavailableError(
+                    f"cannot reach the preprocessing service at {', '.join(map(repr, self.addresses))} within "
+                    f"{timeout_s:g} s (is it running, and is the address right?)")
+
+    def _unary(self, call):
+        """A unary call, moved to the next address while the current one is unreachable."""
+        for attempt in range(2 * len(self.addresses)):
+            try:
+                return call(self._stub)
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt + 1 == 2 * len(self.addresses):
+                    raise
+                self._connect(self.connect_timeout_s)
+
+    @staticmethod
+    def _open(stub, job: JobConfig | str) -> pb.JobInfo:
         if isinstance(job, JobConfig):
-            return self._stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(job)))
-        return self._stub.DescribeJob(pb.DescribeJobRequest(job_id=job))
+            return stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(job)))
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job))
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -153,10 +198,15 @@ class DataClient:
             raise RuntimeError("load_state_dict() must be called before iterating")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data client state has version {state.get('version')!r}, expected {STATE_VERSION}")
-        for name, mine in (("job_id", self.job_id), ("dp_size", self.dp_size), ("dp_rank", self.dp_rank)):
+        if state["dp_size"] != self.dp_size:
+            raise ValueError(
+                f"data client state was saved with dp_size={state['dp_size']} but this client's job has "
+                f"dp_size={self.dp_size}: a job's data order is planned for its DP size, so a checkpoint "
+                f"cannot move to another one; resume with dp_size={state['dp_size']} (or start a new job)")
+        for name, mine in (("job_id", self.job_id), ("dp_rank", self.dp_rank)):
             if state[name] != mine:
                 raise ValueError(f"data client state was saved with {name}={state[name]!r} but this client has "
-                                 f"{name}={mine!r}; restore into the same job and topology")
+                                 f"{name}={mine!r}; restore into the same job and rank")
         self._next = (int(state["next_step"]), int(state["next_microbatch"]))
 
     # --- iteration ---------------------------------------------------------------------------
@@ -184,21 +234,21 @@ class DataClient:
         """Tells the service every step before ``next_step`` (default: this client's position) is trained."""
         request = pb.AckRequest(job_id=self.job_id, dp_rank=self.dp_rank,
                                 next_step=self._next[0] if next_step is None else next_step)
-        return self._stub.Acknowledge(request).min_next_step
+        return self._unary(lambda stub: stub.Acknowledge(request)).min_next_step
 
     def report(self) -> pb.JobReport:
-        return self._stub.GetReport(pb.ReportRequest(job_id=self.job_id))
+        return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id)))
 
     def _receive(self) -> None:
         position = self._next
-        failures = 0
+        failing_since = None
         try:
             while not self._stop.is_set():
                 try:
                     for raw in self._open_stream(position):
                         message = wire.decode_microbatch(raw)  # (header, array views of raw)
                         position = (message[0].step, message[0].microbatch_index + 1)
-                        failures = 0
+                        failing_since = None
                         if not self._put(message):
                             return
                     self._put(_END)
@@ -206,11 +256,13 @@ class DataClient:
                 except grpc.RpcError as exc:
                     if self._stop.is_set():
                         return
-                    failures += 1
-                    if exc.code() not in _RETRYABLE or failures > self.max_reconnects:
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if exc.code() not in _RETRYABLE or now - failing_since > self.reconnect_timeout_s:
                         raise ServiceUnavailableError(
                             f"stream from {self.address!r} failed ({exc.code().name}: {exc.details()})") from exc
-                    time.sleep(min(0.2 * 2 ** failures, 5.0))
+                    self.num_reconnects += 1
+                    self._connect(max(1.0, self.reconnect_timeout_s - (now - failing_since)))
         except BaseException as exc:  # handed to the consumer
             self._put(exc)
 
@@ -237,7 +289,8 @@ class DataClient:
             self._call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def __enter__(self):
         return self

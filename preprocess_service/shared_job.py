@@ -1,0 +1,308 @@
+"""A job served by several replicas through Redis (store.py): any replica streams any rank.
+
+How a step travels:
+1. A stream that needs step k asks Redis for its committed plan. If it is not there yet, the
+   stream records that it wants k and wakes the planner, then polls.
+2. Exactly one replica holds the job's planning lease (it expires unless renewed, so a dead
+   replica's lease passes to another within ``lease_ttl_s``). Its planner thread plans the steps
+   wanted, ``lookahead`` steps beyond, and commits each plan (SET NX) before anyone streams it.
+   A replica that takes the lease over resumes its own planner at the start of the epoch of
+   the last committed step and replays (planning is deterministic) without committing again.
+3. Every replica streams from the committed plans only, re-reading the microbatch's samples
+   from the shards, so a microbatch has the same content whichever replica sends it.
+4. Each stream holds its rank's step lease and fence token: a newer stream of the same rank
+   (the client reconnected elsewhere) makes the older one stop at its next step boundary.
+5. Trainers acknowledge steps once a checkpoint holding the client state is durable; plans of
+   steps every rank has acknowledged are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import uuid
+
+from disttrain_api import preprocess_pb2 as pb
+from preprocess_service import plan_record, shards
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import NotFoundError, SampleError, ServiceUnavailableError, StreamSuperseded
+from preprocess_service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
+from preprocess_service.packing import PackedSequence
+from preprocess_service.planner import Planner, StepPlan
+from preprocess_service.sample import parse_document
+from preprocess_service.spec import config_from_spec, spec_from_config
+from preprocess_service.store import RedisStore
+
+log = logging.getLogger(__name__)
+
+
+class SharedJob(Job):
+    """One replica's view of a job whose plans, leases and acknowledgements live in Redis."""
+
+    def __init__(self, config: JobConfig, store: RedisStore, replica_id: str, *, lookahead: int = 2,
+                 lease_ttl_s: float = 5.0, rank_lease_ttl_s: float = 30.0, cache_steps: int = 64,
+                 poll_s: float = 0.02):
+        super().__init__(config)
+        self.store = store
+        self.replica_id = replica_id
+        self.lookahead = lookahead
+        self.lease_ttl_s = lease_ttl_s
+        self.rank_lease_ttl_s = rank_lease_ttl_s
+        self.poll_s = poll_s
+        self._token = f"{replica_id}/{uuid.uuid4().hex[:8]}"
+        self._cache: collections.OrderedDict[int, StepPlan] = collections.OrderedDict()
+        self._cache_steps = cache_steps
+        self._num_steps: int | None = None
+        self._dropped_through = 0  # plans of steps < this were dropped after acknowledgement
+        self._closed = threading.Event()
+        self._planner_thread: threading.Thread | None = None
+        self._planner_error: BaseException | None = None
+        self._planning_skips: dict[str, str] = {}
+
+    # --- reading committed plans ------------------------------------------------------------
+    def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
+        """The committed plan of ``step``, waiting for the planner if need be; None past the end."""
+        polls = 0
+        while True:
+            with self._lock:
+                plan = self._cache.get(step)
+                if plan is not None:
+                    self._cache.move_to_end(step)
+                    return plan
+            data, frontier, done = self.store.read_plan(self.job_id, step, want=polls > 0, stop=stop)
+            if data is not None:
+                return self._remember(plan_record.decode(data))
+            if done is not None:
+                with self._lock:
+                    self._num_steps = done
+                if step >= done:
+                    return None
+            if step < frontier:
+                raise NotFoundError(f"the plan of step {step} was dropped: every rank acknowledged a later "
+                                    f"step, so no rank may resume before it")
+            if self._planner_error is not None:
+                raise RuntimeError(f"planning job {self.job_id} failed on this replica") from self._planner_error
+            self._ensure_planner()
+            if polls > 0 and (stop or self._closed).wait(min(self.poll_s * polls, 0.2)):
+                raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
+            polls += 1
+
+    def _remember(self, plan: StepPlan) -> StepPlan:
+        with self._lock:
+            self._cache[plan.step] = plan
+            while len(self._cache) > self._cache_steps:
+                self._cache.popitem(last=False)
+        return plan
+
+    def num_steps(self) -> int:
+        with self._lock:
+            return -1 if self._num_steps is None else self._num_steps
+
+    def plan_all(self) -> int:
+        step = 0
+        while self.step_plan(step) is not None:
+            step += 1
+        return step
+
+    # --- the planner thread -----------------------------------------------------------------
+    def _ensure_planner(self) -> None:
+        with self._lock:
+            if self._planner_thread is None or not self._planner_thread.is_alive():
+                self._planner_thread = threading.Thread(target=self._planner_loop, daemon=True,
+                                                        name=f"planner-{self.job_id}")
+                self._planner_thread.start()
+
+    def _planner_loop(self) -> None:
+        """Competes for the planning lease; while holding it, plans what the streams want."""
+        plans, next_step, previous_epoch, seen_frontier = None, 0, None, 0
+        stop = self._closed
+        try:
+            while not stop.is_set():
+                held, frontier, want, done = self.store.planner_view(self.job_id, self._token, self.lease_ttl_s,
+                                                                     stop=stop)
+                if done is not None:
+                    return
+                if not held:
+                    stop.wait(self.lease_ttl_s / 3)  # standby: the holder may die
+                    continue
+                if frontier < seen_frontier:
+                    log.warning("job %s: Redis lost committed plans (frontier %d, was %d; restarted without "
+                                "AOF?): replanning from the start, plans are deterministic",
+                                self.job_id, frontier, seen_frontier)
+                    plans = None
+                seen_frontier = frontier
+                if plans is None:
+                    _, epoch, next_step = self.store.resume_point(self.job_id, stop=stop)
+                    planner = Planner(self.config, self.shard_urls, self.tokenizer, self._planning_skip)
+                    plans, previous_epoch = planner.plans_from(epoch, next_step), None
+                    log.info("job %s: planning from epoch %d (step %d), %d steps committed",
+                             self.job_id, epoch, next_step, frontier)
+                if next_step >= max(frontier, want + 1) + self.lookahead:
+                    self.store.wait_for_want(self.job_id, timeout_s=self.lease_ttl_s / 3, stop=stop)
+                    continue
+                plan = next(plans, None)
+                if plan is None:
+                    self.store.commit_done(self.job_id, next_step, stop=stop)
+                    return
+                first_of_epoch, previous_epoch = plan.epoch != previous_epoch, plan.epoch
+                skips, self._planning_skips = self._planning_skips, {}
+                if plan.step >= frontier:  # earlier steps are a replay: committed already
+                    self.store.commit_plan(self.job_id, plan.step, plan.epoch, first_of_epoch,
+                                           plan_record.encode(plan), sum(1 for _ in plan.documents()),
+                                           skips, self._token, self.lease_ttl_s, stop=stop)
+                    seen_frontier = max(seen_frontier, plan.step + 1)
+                next_step = plan.step + 1
+        except ServiceUnavailableError:
+            return  # closed while Redis was away
+        except BaseException as exc:
+            log.exception("job %s: planning failed", self.job_id)
+            self._planner_error = exc
+        finally:
+            self.store.release(self.job_id, "planner", self._token)
+
+    def _planning_skip(self, exc: SampleError) -> None:
+        key = exc.key or f"<shard {exc.shard}>"
+        self._planning_skips.setdefault(key, _record_json(SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind)))
+
+    # --- serving ----------------------------------------------------------------------------
+    def _resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
+        """Documents rebuilt from their samples, re-read from the shards; a sample that is gone or
+        no longer matches its plan is left out and reported (every replica reads the same shards,
+        so every replica leaves out the same ones)."""
+        wanted: dict[str, set[str]] = collections.defaultdict(set)
+        for seq in sequences:
+            for ref in seq.documents:
+                wanted[ref.shard].add(ref.key)
+        samples = {(url, key): sample for url, keys in wanted.items()
+                   for key, sample in shards.read_samples(url, keys).items()}
+        out, lost = [], []
+        for seq in sequences:
+            documents = []
+            for ref in seq.documents:
+                problem, doc = self._rebuild(ref, samples.get((ref.shard, ref.key)))
+                if doc is not None:
+                    documents.append(doc)
+                else:
+                    lost.append(SkippedRecord(ref.key, ref.shard, problem, "shard_error"))
+            out.append(PackedSequence(seq_len=seq.seq_len, documents=documents, cost=seq.cost))
+        if lost:
+            self.store.record_skipped(self.job_id, {r.key: _record_json(r) for r in lost})
+        return out, lost
+
+    def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
+        if sample is None:
+            return "not found when re-reading its shard (did the shard change after planning?)", None
+        cfg = self.config
+        try:
+            doc = parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer, seq_len=cfg.seq_len,
+                                 audio_config=cfg.audio, generation=cfg.generation)
+        except SampleError as exc:
+            return f"re-read from its shard, it no longer parses: {exc.reason}", None
+        if doc.num_tokens != ref.num_tokens:
+            return (f"re-read from its shard, it has {doc.num_tokens} tokens where the plan has "
+                    f"{ref.num_tokens} (did the shard change after planning?)"), None
+        return "", doc
+
+    def open_stream(self, rank: int, start_step: int, stop: threading.Event) -> StreamLease:
+        return RankLease(self, rank, start_step, stop)
+
+    def mark_sent(self, rank: int, step: int, num_microbatches: int) -> None:
+        with self._lock:
+            self.num_sent_microbatches += num_microbatches
+
+    # --- acknowledgements and report --------------------------------------------------------
+    def acknowledge(self, rank: int, next_step: int) -> int:
+        """Records that ``rank`` will never resume before ``next_step``; drops the plans of steps
+        every rank has acknowledged. Returns the lowest acknowledged step over all ranks."""
+        self.check_rank(rank)
+        low = self.store.acknowledge(self.job_id, rank, next_step, self.config.dp_size)
+        with self._lock:
+            drop = range(self._dropped_through, low)
+            self._dropped_through = max(self._dropped_through, low)
+            for step in drop:
+                self._cache.pop(step, None)
+        self.store.drop_plans(self.job_id, drop)
+        return low
+
+    def report(self) -> dict:
+        shared = self.store.report(self.job_id)
+        with self._lock:
+            cached = list(self._cache.values())
+        return {
+            "skipped": [SkippedRecord(**r) for r in shared["skipped"]],
+            "num_planned_samples": shared["counters"].get("planned_samples", 0),
+            "num_planned_steps": shared["frontier"],
+            "planning_done": shared["done"] is not None,
+            "num_sent_microbatches": shared["counters"].get("sent_microbatches", 0),
+            "step_balance": [_balance(plan) for plan in sorted(cached, key=lambda p: p.step)],
+        }
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+class RankLease(StreamLease):
+    """A stream's step lease on its rank; fenced, so only the newest stream of a rank goes on."""
+
+    def __init__(self, job: SharedJob, rank: int, start_step: int, stop: threading.Event):
+        super().__init__(job, rank)
+        self.stop = stop
+        self.stream_id = uuid.uuid4().hex[:12]
+        self.info = {"replica": job.replica_id, "stream": self.stream_id, "step": start_step}
+        self.fence = job.store.claim_rank(job.job_id, rank, self.info, job.rank_lease_ttl_s, stop=stop)
+
+    def step_sent(self, step: int, num_microbatches: int) -> None:
+        job: SharedJob = self.job
+        job.mark_sent(self.rank, step, num_microbatches)
+        self.info["step"] = step + 1
+        fence = job.store.step_sent(job.job_id, self.rank, self.info, job.rank_lease_ttl_s, num_microbatches,
+                                    stop=self.stop)
+        if fence != self.fence:
+            raise StreamSuperseded(f"rank {self.rank} of job {job.job_id} is now streamed by a newer stream; "
+                                   f"this one (on {job.replica_id}) stops after step {step}")
+
+
+def _record_json(record: SkippedRecord) -> str:
+    return json.dumps({"key": record.key, "shard": record.shard, "reason": record.reason, "kind": record.kind},
+                      sort_keys=True)
+
+
+class SharedJobRegistry(JobRegistry):
+    """Open jobs of this replica, registered in Redis: a stream for a job another replica opened
+    finds its spec there and opens the same job here."""
+
+    def __init__(self, store: RedisStore, replica_id: str, **job_options):
+        super().__init__()
+        self.store = store
+        self.replica_id = replica_id
+        self.job_options = job_options
+
+    def open(self, config: JobConfig) -> Job:
+        job_id = config.job_id()
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is not None:
+            return job
+        self.store.register_job(job_id, spec_from_config(config).SerializeToString())
+        job = SharedJob(config, self.store, self.replica_id, **self.job_options)
+        with self._lock:
+            return self._jobs.setdefault(job_id, job)
+
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is not None:
+            return job
+        spec = self.store.job_spec(job_id)
+        if spec is None:
+            raise NotFoundError(f"no job with id {job_id!r} is registered in Redis at {self.store.address}; "
+                                "call OpenJob first")
+        return self.open(config_from_spec(pb.JobSpec.FromString(spec)))
+
+    def close(self) -> None:
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.close()

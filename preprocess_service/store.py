@@ -1,0 +1,310 @@
+"""Redis adapter: the state that lets several service replicas serve one job.
+
+Keys of a job (the ``{job_id}`` hash tag keeps a job on one Redis Cluster slot):
+
+  disttrain:jobs                     set of job ids (the registry)
+  disttrain:{J}:spec                 the normalised JobSpec, serialized (the job's identity)
+  disttrain:{J}:plan:K               committed plan of step K (plan_record bytes); written once, with SET NX,
+                                     before any replica streams any of it
+  disttrain:{J}:frontier             steps 0..frontier-1 are committed
+  disttrain:{J}:done                 number of steps, once planning has reached the end
+  disttrain:{J}:epoch_start          hash epoch -> first step (a new planner resumes at an epoch start)
+  disttrain:{J}:wants                the highest step a stream waits for (sorted set, member "max")
+  disttrain:{J}:wake                 list a waiting stream pushes to, the planner blocks on (BLPOP)
+  disttrain:{J}:planner              planning lease: the token of the replica that plans ahead (PX expiry)
+  disttrain:{J}:rank:R               step lease of rank R's stream: JSON {replica, stream, step} (PX expiry)
+  disttrain:{J}:fence:R              incremented by every new stream of rank R; an older stream that sees a
+                                     newer value stops (only one stream per rank is ever served)
+  disttrain:{J}:acks                 hash rank -> next step every earlier step of which is checkpointed
+  disttrain:{J}:skipped              hash sample key -> JSON SkippedRecord
+  disttrain:{J}:counters             hash: planned_samples, sent_microbatches
+
+Every public method is one round trip (a pipeline or a Lua script), so the round trips per step
+are constant whatever the data set size; ``stats()`` counts commands and round trips. When Redis
+cannot be reached a call retries with capped exponential backoff until it succeeds, its deadline
+passes (ServiceUnavailableError) or its ``stop`` event is set: streams pause and resume, they do
+not fail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+import redis
+
+from preprocess_service.errors import ServiceUnavailableError
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+# Commit step K if nobody has: plan, frontier, counters, skipped samples, epoch start; renew the
+# planning lease if the caller holds it. KEYS: plan, frontier, counters, skipped, epoch_start,
+# planner. ARGV: plan bytes, step, num samples, epoch, is first step of its epoch (0/1), token,
+# ttl ms, then pairs of (skipped key, record JSON). Returns 1 if this call committed the step.
+_COMMIT = """
+if redis.call('GET', KEYS[6]) == ARGV[6] then redis.call('PEXPIRE', KEYS[6], ARGV[7]) end
+local fresh = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+for i = 8, #ARGV, 2 do redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1]) end
+if ARGV[5] == '1' then redis.call('HSETNX', KEYS[5], ARGV[4], ARGV[2]) end
+if not fresh then return 0 end
+redis.call('HINCRBY', KEYS[3], 'planned_samples', ARGV[3])
+local frontier = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[2]) + 1 > frontier then redis.call('SET', KEYS[2], tonumber(ARGV[2]) + 1) end
+return 1
+"""
+
+# Take or keep a lease: KEYS[1] lease, ARGV token, ttl ms. Returns 1 if the caller holds it now.
+_ACQUIRE = """
+local owner = redis.call('GET', KEYS[1])
+if owner == false or owner == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# Give a lease back only if held: KEYS[1] lease, ARGV token.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# Acknowledge: KEYS acks, ARGV rank, next_step, dp_size. Keeps the max per rank; returns the min over
+# all dp_size ranks (0 while some rank has not acknowledged).
+_ACK = """
+local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > old then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+local values = redis.call('HVALS', KEYS[1])
+if #values < tonumber(ARGV[3]) then return 0 end
+local low = nil
+for _, v in ipairs(values) do local n = tonumber(v); if low == nil or n < low then low = n end end
+return low
+"""
+
+
+def describe(url: str) -> str:
+    """The Redis address of ``url`` without a password, for messages."""
+    parsed = urlparse(url)
+    return f"{parsed.scheme}://{parsed.hostname or 'localhost'}:{parsed.port or 6379}{parsed.path or ''}"
+
+
+class RedisStore:
+    """One replica's connection to the job state in Redis (thread-safe: redis-py pools connections)."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 5.0, socket_timeout_s: float = 10.0):
+        self.url = url
+        self.address = describe(url)
+        self._redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s,
+                                           socket_timeout=socket_timeout_s, health_check_interval=30)
+        try:
+            self._redis.ping()
+        except _RETRYABLE + (redis.ResponseError, OSError) as exc:
+            raise ServiceUnavailableError(f"cannot reach Redis at {self.address}: {exc}") from None
+        self._commit = self._redis.register_script(_COMMIT)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._release = self._redis.register_script(_RELEASE)
+        self._ack = self._redis.register_script(_ACK)
+        self._lock = threading.Lock()
+        self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
+        self._down_since: float | None = None
+
+    # --- plumbing -----------------------------------------------------------------------------
+    def _call(self, fn: Callable, *, commands: int, stop: threading.Event | None = None,
+              deadline_s: float | None = None):
+        """Runs ``fn(redis)`` (one round trip of ``commands`` commands), retrying while Redis is away."""
+        start, delay = time.monotonic(), 0.05
+        while True:
+            try:
+                result = fn(self._redis)
+            except _RETRYABLE as exc:
+                with self._lock:
+                    self._stats["retries"] += 1
+                    first = self._down_since is None
+                    if first:
+                        self._down_since = time.monotonic()
+                if first:
+                    log.warning("Redis at %s is unreachable (%s); pausing and retrying", self.address, exc)
+                if stop is not None and stop.is_set():
+                    raise ServiceUnavailableError(f"Redis at {self.address} is unreachable: {exc}") from None
+                if deadline_s is not None and time.monotonic() - start + delay > deadline_s:
+                    raise ServiceUnavailableError(
+                        f"Redis at {self.address} is unreachable (retried for {deadline_s:g} s): {exc}") from None
+                (stop or threading.Event()).wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            with self._lock:
+                self._stats["commands"] += commands
+                self._stats["round_trips"] += 1
+                if self._down_since is not None:
+                    log.warning("Redis at %s is back after %.1f s", self.address, time.monotonic() - self._down_since)
+                    self._down_since = None
+            return result
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        self._redis.close()
+
+    @staticmethod
+    def _key(job_id: str, *parts) -> str:
+        return ":".join(("disttrain", "{" + job_id + "}", *map(str, parts)))
+
+    # --- registry -----------------------------------------------------------------------------
+    def register_job(self, job_id: str, spec: bytes, *, deadline_s: float = 30.0) -> None:
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.set(self._key(job_id, "spec"), spec, nx=True)
+            pipe.sadd("disttrain:jobs", job_id)
+            pipe.execute()
+        self._call(run, commands=2, deadline_s=deadline_s)
+
+    def job_spec(self, job_id: str, *, deadline_s: float = 30.0) -> bytes | None:
+        return self._call(lambda r: r.get(self._key(job_id, "spec")), commands=1, deadline_s=deadline_s)
+
+    # --- plans --------------------------------------------------------------------------------
+    def read_plan(self, job_id: str, step: int, *, want: bool = False,
+                  stop=None) -> tuple[bytes | None, int, int | None]:
+        """(committed plan of ``step`` or None, frontier, number of steps or None while planning).
+        ``want`` also tells the planner that a stream waits for ``step`` and wakes it."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.get(self._key(job_id, "plan", step))
+            pipe.get(self._key(job_id, "frontier"))
+            pipe.get(self._key(job_id, "done"))
+            if want:
+                pipe.zadd(self._key(job_id, "wants"), {"max": step}, gt=True)
+                pipe.lpush(self._key(job_id, "wake"), 1)
+                pipe.ltrim(self._key(job_id, "wake"), 0, 0)
+            return pipe.execute()
+        plan, frontier, done, *_ = self._call(run, commands=6 if want else 3, stop=stop)
+        return plan, int(frontier or 0), None if done is None else int(done)
+
+    def planner_view(self, job_id: str, token: str, ttl_s: float, *,
+                     stop=None) -> tuple[bool, int, int, int | None]:
+        """Takes or renews the planning lease for ``token``; returns (held, frontier, highest step a
+        stream waits for or -1, number of steps or None while planning)."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            self._acquire(keys=[self._key(job_id, "planner")], args=[token, int(ttl_s * 1000)], client=pipe)
+            pipe.get(self._key(job_id, "frontier"))
+            pipe.zscore(self._key(job_id, "wants"), "max")
+            pipe.get(self._key(job_id, "done"))
+            return pipe.execute()
+        held, frontier, want, done = self._call(run, commands=4, stop=stop)
+        return (bool(held), int(frontier or 0), -1 if want is None else int(want),
+                None if done is None else int(done))
+
+    def wait_for_want(self, job_id: str, timeout_s: float, *, stop=None) -> None:
+        """Blocks until a stream wants a plan (read_plan with want) or ``timeout_s`` passes."""
+        self._call(lambda r: r.blpop([self._key(job_id, "wake")], timeout=timeout_s), commands=1, stop=stop)
+
+    def resume_point(self, job_id: str, *, stop=None) -> tuple[int, int, int]:
+        """(frontier, epoch, first step of that epoch): where a new planner starts replaying."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.get(self._key(job_id, "frontier"))
+            pipe.hgetall(self._key(job_id, "epoch_start"))
+            return pipe.execute()
+        frontier, starts = self._call(run, commands=2, stop=stop)
+        frontier = int(frontier or 0)
+        known = sorted((int(e), int(s)) for e, s in starts.items() if int(s) <= frontier)
+        epoch, first = known[-1] if known else (0, 0)
+        return frontier, epoch, first
+
+    def commit_plan(self, job_id: str, step: int, epoch: int, first_of_epoch: bool, plan: bytes,
+                    num_samples: int, skipped: dict[str, str], token: str, ttl_s: float, *, stop=None) -> bool:
+        """Commits ``step`` unless it already is (returns whether this call did), with the skipped
+        samples found while planning it, and renews the planning lease ``token`` holds."""
+        keys = [self._key(job_id, name) for name in ("plan", "frontier", "counters", "skipped", "epoch_start", "planner")]
+        keys[0] = self._key(job_id, "plan", step)
+        args = [plan, step, num_samples, epoch, int(first_of_epoch), token, int(ttl_s * 1000)]
+        for key, record in skipped.items():
+            args += [key, record]
+        return bool(self._call(lambda r: self._commit(keys=keys, args=args, client=r), commands=1, stop=stop))
+
+    def commit_done(self, job_id: str, num_steps: int, *, stop=None) -> None:
+        self._call(lambda r: r.set(self._key(job_id, "done"), num_steps, nx=True), commands=1, stop=stop)
+
+    def drop_plans(self, job_id: str, steps: range, *, stop=None) -> None:
+        if steps:
+            self._call(lambda r: r.delete(*(self._key(job_id, "plan", k) for k in steps)), commands=1, stop=stop)
+
+    # --- leases -------------------------------------------------------------------------------
+    def acquire(self, job_id: str, name: str, token: str, ttl_s: float, *, stop=None) -> bool:
+        """Takes the lease ``name`` (e.g. "planner") for ``token``, or renews it; False if another holds it."""
+        key = self._key(job_id, name)
+        return bool(self._call(lambda r: self._acquire(keys=[key], args=[token, int(ttl_s * 1000)], client=r),
+                               commands=1, stop=stop))
+
+    def release(self, job_id: str, name: str, token: str) -> None:
+        key = self._key(job_id, name)
+        try:
+            self._call(lambda r: self._release(keys=[key], args=[token], client=r), commands=1, deadline_s=2.0)
+        except ServiceUnavailableError:
+            pass  # it expires on its own
+
+    def claim_rank(self, job_id: str, rank: int, lease: dict, ttl_s: float, *, stop=None) -> int:
+        """Starts a stream of ``rank``: returns its fence token (newer streams get larger ones)."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.incr(self._key(job_id, "fence", rank))
+            pipe.set(self._key(job_id, "rank", rank), json.dumps(lease), px=int(ttl_s * 1000))
+            return pipe.execute()[0]
+        return int(self._call(run, commands=2, stop=stop))
+
+    def step_sent(self, job_id: str, rank: int, lease: dict, ttl_s: float, num_microbatches: int, *,
+                  stop=None) -> int:
+        """A stream finished sending a step: renews its lease, counts, returns the rank's fence."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.get(self._key(job_id, "fence", rank))
+            pipe.set(self._key(job_id, "rank", rank), json.dumps(lease), px=int(ttl_s * 1000))
+            pipe.hincrby(self._key(job_id, "counters"), "sent_microbatches", num_microbatches)
+            return pipe.execute()[0]
+        return int(self._call(run, commands=3, stop=stop) or 0)
+
+    def rank_leases(self, job_id: str, dp_size: int) -> list[dict | None]:
+        """The live step lease of every rank (None where no stream holds one)."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            for rank in range(dp_size):
+                pipe.get(self._key(job_id, "rank", rank))
+            return pipe.execute()
+        return [json.loads(v) if v else None for v in self._call(run, commands=dp_size, deadline_s=10.0)]
+
+    # --- acknowledgements and report ------------------------------------------------------------
+    def acknowledge(self, job_id: str, rank: int, next_step: int, dp_size: int, *, deadline_s: float = 30.0) -> int:
+        key = self._key(job_id, "acks")
+        return int(self._call(lambda r: self._ack(keys=[key], args=[rank, next_step, dp_size], client=r),
+                              commands=1, deadline_s=deadline_s))
+
+    def record_skipped(self, job_id: str, records: dict[str, str], *, stop=None) -> None:
+        """Adds skipped samples (key -> SkippedRecord JSON); a key already recorded keeps its record."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            for key, record in records.items():
+                pipe.hsetnx(self._key(job_id, "skipped"), key, record)
+            pipe.execute()
+        if records:
+            self._call(run, commands=len(records), stop=stop)
+
+    def report(self, job_id: str, *, deadline_s: float = 30.0) -> dict:
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.hgetall(self._key(job_id, "skipped"))
+            pipe.hgetall(self._key(job_id, "counters"))
+            pipe.get(self._key(job_id, "frontier"))
+            pipe.get(self._key(job_id, "done"))
+            return pipe.execute()
+        skipped, counters, frontier, done = self._call(run, commands=4, deadline_s=deadline_s)
+        return {"skipped": [json.loads(v) for v in skipped.values()],
+                "counters": {k.decode(): int(v) for k, v in counters.items()},
+                "frontier": int(frontier or 0), "done": None if done is None else int(done)}

@@ -37,11 +37,21 @@ PY
     echo "[setup] done" >&2
 }
 
+ensure_redis() {
+    # The tests start their own redis-server (Debian package) on free ports; the single-node run needs none.
+    command -v redis-server >/dev/null && return 0
+    echo "[setup] installing redis-server (Debian package, for the multi-replica tests)" >&2
+    local sudo=""
+    [[ $(id -u) -ne 0 ]] && sudo="sudo"
+    $sudo apt-get update -qq >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >&2
+}
+
 cmd=${1:-run}
 [[ $# -gt 0 ]] && shift
 setup
 case "$cmd" in
-    setup) ;;
-    test) exec "$VENV/bin/python" -m pytest "$@" ;;
+    setup) ensure_redis ;;
+    test) ensure_redis; exec "$VENV/bin/python" -m pytest "$@" ;;
     *) exec "$VENV/bin/python" -m preprocess_service "$cmd" "$@" ;;
 esac

@@ -1,0 +1,138 @@
+"""Local stand-ins for a deployment, for tests, benchmarks and the chaos script: a throwaway
+redis-server (the Debian package's binary) on a free port, run in the foreground as a child
+process with AOF on (as deployed) and restartable on the same port and data directory; and
+service replicas as separate processes that can be SIGKILLed and restarted."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalRedis:
+    def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (./dev.sh setup installs the Debian package)")
+        self.binary = binary
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "redis.log")]
+        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                client.close()
+                return self
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    log = (self.data_dir / "redis.log")
+                    raise RuntimeError(f"redis-server on port {self.port} did not start: "
+                                       f"{log.read_text()[-2000:] if log.exists() else ''}") from None
+                time.sleep(0.05)
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stops the server (SIGKILL with ``kill``: nothing flushed beyond what AOF fsync wrote)."""
+        if self.process is None:
+            return
+        if kill:
+            self.process.kill()
+        else:
+            self.process.terminate()
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(kill=True)
+
+
+class Replica:
+    """One service replica as its own process (``python -m preprocess_service serve --redis``), so
+    it can be SIGKILLed like a crashed node and restarted on the same port."""
+
+    def __init__(self, redis_url: str, *, port: int | None = None, decode_workers: int = 1,
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = ()):
+        self.redis_url = redis_url
+        self.port = port or free_port()
+        self.decode_workers = decode_workers
+        self.log_path = log_path
+        self.extra_args = extra_args
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, *, wait: bool = True, timeout_s: float = 120.0) -> Replica:
+        import sys
+
+        args = [sys.executable, "-m", "preprocess_service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--redis", self.redis_url, "--decode-workers", str(self.decode_workers),
+                "--replica-id", f"replica-{self.port}", *self.extra_args]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.starts += 1
+        if wait:
+            self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"replica on port {self.port} exited with {self.process.returncode}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replica on port {self.port} not serving after {timeout_s:g} s")
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed node: no cleanup, its leases expire in Redis."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+            self.process = None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None

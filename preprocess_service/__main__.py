@@ -97,7 +97,7 @@ def cmd_serve(args) -> int:
 
     server, port, _ = create_server(f"{args.host}:{args.port}", prefetch=args.prefetch,
                                     decode_workers=args.decode_workers, redis_url=args.redis,
-                                    replica_id=args.replica_id)
+                                    replica_id=args.replica_id, job_options={"lease_ttl_s": args.lease_ttl})
     mode = f"replica of the deployment on Redis {describe(args.redis)}" if args.redis else "single node, no Redis"
     print(f"disttrain preprocessing service listening on {args.host}:{port}", flush=True)
     print(f"mode: {mode}", flush=True)
@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="Redis of a multi-replica deployment, e.g. redis://redis:6379/0 (default: "
                             "$DISTTRAIN_REDIS_URL; unset: single node, state in this process)")
     serve.add_argument("--replica-id", default=None, help="this replica's name in leases (default host:port:pid)")
+    serve.add_argument("--lease-ttl", type=float, default=5.0,
+                       help="seconds before a dead replica's planning lease passes to another (default 5)")
     sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
     cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
     cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")

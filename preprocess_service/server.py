@@ -119,7 +119,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         stop = threading.Event()
         context.add_callback(stop.set)
         try:
-            past_end = request.start_step > 0 and job.step_plan(request.start_step - 1, stop) is None
+            past_end = job.step_plan(request.start_step, stop) is None and request.start_step > job.num_steps()
         except (NotFoundError, ServiceUnavailableError) as exc:
             context.abort(_status_of(exc), str(exc))
         if past_end:

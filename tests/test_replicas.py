@@ -264,3 +264,22 @@ def test_sigkill_of_the_planning_replica_mid_epoch_loses_and_repeats_nothing(dat
     finally:
         for replica in replicas:
             replica.kill()
+
+
+def test_chaos_random_replica_kills_lose_and_repeat_nothing(tmp_path):
+    """bench/chaos.py, shortened: 3 replica processes, 4 ranks, a random replica SIGKILLed and
+    restarted every 2-4 s for 30 s."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from chaos import chaos
+
+    figures = chaos(num_replicas=3, num_ranks=4, duration_s=30, kill_every_s=(2.0, 4.0), seed=1,
+                    workdir=tmp_path, log=lambda _line: None)
+    assert figures["replicas_killed"] >= 5
+    assert figures["client_reconnects"] >= 1
+    assert figures["samples_planned"] > 500
+    assert figures["samples_lost"] == 0
+    assert figures["samples_duplicated"] == 0
+    assert figures["samples_misplaced"] == 0

@@ -86,14 +86,20 @@ class PreprocessServicer:
         client (backpressure): the server prepares at most a few microbatches ahead of what the
         client has read. Cancelling the call frees everything the server held for it.
         INVALID_ARGUMENT for a dp_rank outside the job's dp_size; NOT_FOUND for an unknown job;
-        OUT_OF_RANGE for a start_step past the end of the job.
+        OUT_OF_RANGE for a start_step past the end of the job, or of a step every rank acknowledged.
+        With several replicas on one Redis any replica streams any rank, with identical content (the
+        plan of each step is committed to Redis before any of it is streamed). A newer stream of the
+        same rank, on any replica, ends an older one with ABORTED at its next step boundary.
+        UNAVAILABLE while the replica cannot reach Redis for a request that needs it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Acknowledge(self, request, context):
-        """Records that a DP rank has consumed (trained on) every microbatch of steps < next_step.
+        """Records that a DP rank will never resume before next_step: call it once a checkpoint holding the
+        client's state at next_step is durable. With several replicas on Redis, the committed plans of
+        steps every rank has acknowledged are dropped, and streaming them again is OUT_OF_RANGE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

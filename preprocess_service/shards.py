@@ -100,7 +100,7 @@ def read_samples(url: str, keys: set[str]) -> dict[str, dict]:
 _META = re.compile(r"__[^/]*__($|/)")
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)  # a step draws from a few shards at a time; ~5 MB per 10k-sample shard
 def _tar_index(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, tuple[int, int]]]:
     """key -> {member suffix: (data offset, size)} of a local tar, members grouped into samples as
     webdataset groups them (base_plus_ext, lower-case suffix, meta files skipped). ``mtime_ns`` and

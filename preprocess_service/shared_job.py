@@ -223,7 +223,10 @@ class SharedJob(Job):
             self._dropped_through = max(self._dropped_through, low)
             for step in drop:
                 self._cache.pop(step, None)
-        self.store.drop_plans(self.job_id, drop)
+        try:
+            self.store.drop_plans(self.job_id, drop)
+        except ServiceUnavailableError:
+            pass  # the acknowledgement is recorded; a later one drops these plans too
         return low
 
     def report(self) -> dict:

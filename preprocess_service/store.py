@@ -233,9 +233,10 @@ class RedisStore:
     def commit_done(self, job_id: str, num_steps: int, *, stop=None) -> None:
         self._call(lambda r: r.set(self._key(job_id, "done"), num_steps, nx=True), commands=1, stop=stop)
 
-    def drop_plans(self, job_id: str, steps: range, *, stop=None) -> None:
+    def drop_plans(self, job_id: str, steps: range, *, deadline_s: float = 10.0) -> None:
         if steps:
-            self._call(lambda r: r.delete(*(self._key(job_id, "plan", k) for k in steps)), commands=1, stop=stop)
+            self._call(lambda r: r.delete(*(self._key(job_id, "plan", k) for k in steps)), commands=1,
+                       deadline_s=deadline_s)
 
     # --- leases -------------------------------------------------------------------------------
     def acquire(self, job_id: str, name: str, token: str, ttl_s: float, *, stop=None) -> bool:

@@ -126,6 +126,8 @@ class DataClient:
         self.connect_timeout_s = connect_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.num_reconnects = 0
+        self.resumed_at: list[float] = []
+        """time.monotonic() of the first microbatch received after each reconnect."""
         self._channel = None
         self._current = -1
         self._connect(connect_timeout_s)
@@ -248,7 +250,9 @@ class DataClient:
                     for raw in self._open_stream(position):
                         message = wire.decode_microbatch(raw)  # (header, array views of raw)
                         position = (message[0].step, message[0].microbatch_index + 1)
-                        failing_since = None
+                        if failing_since is not None:
+                            self.resumed_at.append(time.monotonic())
+                            failing_since = None
                         if not self._put(message):
                             return
                     self._put(_END)

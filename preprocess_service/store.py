@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
-# Commit step K if nobody has: plan, frontier, counters, skipped samples, epoch start; renew the
-# planning lease if the caller holds it. KEYS: plan, frontier, counters, skipped, epoch_start,
+# Commit step K if nobody has: plan, counters, skipped samples, epoch start; renew the planning
+# lease if the caller holds it. The frontier only moves over contiguous steps (K == frontier), so
+# every step below it has a plan: a late commit landing in a Redis that lost its data (restarted
+# without AOF) cannot make the steps before it look dropped. KEYS: plan, frontier, counters, skipped, epoch_start,
 # planner. ARGV: plan bytes, step, num samples, epoch, is first step of its epoch (0/1), token,
 # ttl ms, then pairs of (skipped key, record JSON). Returns 1 if this call committed the step.
 _COMMIT = """
@@ -52,10 +54,10 @@ if redis.call('GET', KEYS[6]) == ARGV[6] then redis.call('PEXPIRE', KEYS[6], ARG
 local fresh = redis.call('SET', KEYS[1], ARGV[1], 'NX')
 for i = 8, #ARGV, 2 do redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1]) end
 if ARGV[5] == '1' then redis.call('HSETNX', KEYS[5], ARGV[4], ARGV[2]) end
+local frontier = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[2]) == frontier then redis.call('SET', KEYS[2], frontier + 1) end
 if not fresh then return 0 end
 redis.call('HINCRBY', KEYS[3], 'planned_samples', ARGV[3])
-local frontier = tonumber(redis.call('GET', KEYS[2]) or '0')
-if tonumber(ARGV[2]) + 1 > frontier then redis.call('SET', KEYS[2], tonumber(ARGV[2]) + 1) end
 return 1
 """
 

@@ -85,6 +85,9 @@ def chaos(*, num_replicas: int = 3, num_ranks: int = 4, duration_s: float = 120.
             thread.join(timeout=300)
         for replica in replicas:
             replica.kill()
+    hung = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+    if hung:
+        raise RuntimeError(f"ranks {hung} did not finish within 300 s of the end of the chaos")
     if errors:
         raise RuntimeError(f"ranks failed: {errors}")
     return _verdict(config, received, kills, reconnects, duration_s)

@@ -53,7 +53,9 @@ class StreamCounters:
 
 
 _STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, grpc.StatusCode.ABORTED),
-              (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT))
+              (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+              # storage away (a network file system, an object store): the client tries again, maybe elsewhere
+              (OSError, grpc.StatusCode.UNAVAILABLE))
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:

@@ -114,8 +114,9 @@ def _tar_index(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, tuple
                 prefix, suffix = tariterators.base_plus_ext(info.name)
                 if prefix is not None:
                     index.setdefault(prefix, {})[suffix.lower()] = (info.offset_data, info.size)
-    except (tarfile.TarError, OSError, EOFError):
+    except (tarfile.TarError, EOFError):
         pass  # a broken tail: the samples before it are indexed; planning reported the damage
+    # (an OSError, e.g. a network file system away, propagates: nothing partial is cached)
     return index
 
 

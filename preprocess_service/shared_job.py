@@ -60,6 +60,7 @@ class SharedJob(Job):
         self._planner_thread: threading.Thread | None = None
         self._planner_error: BaseException | None = None
         self._planning_skips: dict[str, str] = {}
+        self.spec_bytes = spec_from_config(config).SerializeToString()
 
     # --- reading committed plans ------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
@@ -82,8 +83,9 @@ class SharedJob(Job):
             if step < frontier:
                 raise NotFoundError(f"the plan of step {step} was dropped: every rank acknowledged a later "
                                     f"step, so no rank may resume before it")
-            if self._planner_error is not None:
-                raise RuntimeError(f"planning job {self.job_id} failed on this replica") from self._planner_error
+            error, self._planner_error = self._planner_error, None  # reported once; the next call plans again
+            if error is not None:
+                raise RuntimeError(f"planning job {self.job_id} failed on this replica: {error!r}") from error
             self._ensure_planner()
             if polls > 0 and (stop or self._closed).wait(min(self.poll_s * polls, 0.2)):
                 raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
@@ -140,18 +142,30 @@ class SharedJob(Job):
                     log.info("job %s: planning from epoch %d (step %d), %d steps committed",
                              self.job_id, epoch, next_step, frontier)
                 if next_step >= max(frontier, want + 1) + self.lookahead:
-                    self.store.wait_for_want(self.job_id, timeout_s=self.lease_ttl_s / 3, stop=stop)
+                    self.store.wait_for_want(self.job_id, timeout_s=min(self.lease_ttl_s / 3, 5.0), stop=stop)
                     continue
                 plan = next(plans, None)
                 if plan is None:
-                    self.store.commit_done(self.job_id, next_step, stop=stop)
+                    if not self.store.commit_done(self.job_id, next_step, stop=stop):
+                        plans = None  # steps are missing (Redis lost them): plan them again
+                        continue
                     return
                 first_of_epoch, previous_epoch = plan.epoch != previous_epoch, plan.epoch
                 skips, self._planning_skips = self._planning_skips, {}
-                if plan.step >= frontier:  # earlier steps are a replay: committed already
-                    self.store.commit_plan(self.job_id, plan.step, plan.epoch, first_of_epoch,
-                                           plan_record.encode(plan), sum(1 for _ in plan.documents()),
-                                           skips, self._token, self.lease_ttl_s, stop=stop)
+                record = plan_record.encode(plan)
+                if plan.step < frontier:  # a replay: it must match what was committed
+                    committed = self.store.committed_plan(self.job_id, plan.step, stop=stop)
+                    if committed is not None and committed != record:
+                        log.error("job %s: replaying step %d gave a different plan than the committed one (a "
+                                  "shard read failed or changed?); replanning from the epoch start in %g s",
+                                  self.job_id, plan.step, self.lease_ttl_s)
+                        plans = None
+                        stop.wait(self.lease_ttl_s)
+                        continue
+                else:
+                    self.store.commit_plan(self.job_id, plan.step, plan.epoch, first_of_epoch, record,
+                                           sum(1 for _ in plan.documents()), skips, self._token,
+                                           self.lease_ttl_s, stop=stop)
                     seen_frontier = max(seen_frontier, plan.step + 1)
                 next_step = plan.step + 1
         except ServiceUnavailableError:
@@ -188,7 +202,7 @@ class SharedJob(Job):
                     lost.append(SkippedRecord(ref.key, ref.shard, problem, "shard_error"))
             out.append(PackedSequence(seq_len=seq.seq_len, documents=documents, cost=seq.cost))
         if lost:
-            self.store.record_skipped(self.job_id, {r.key: _record_json(r) for r in lost})
+            self.store.record_skipped(self.job_id, {r.key: _record_json(r) for r in lost}, stop=self._closed)
         return out, lost
 
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
@@ -220,13 +234,14 @@ class SharedJob(Job):
         low = self.store.acknowledge(self.job_id, rank, next_step, self.config.dp_size)
         with self._lock:
             drop = range(self._dropped_through, low)
-            self._dropped_through = max(self._dropped_through, low)
             for step in drop:
                 self._cache.pop(step, None)
         try:
             self.store.drop_plans(self.job_id, drop)
         except ServiceUnavailableError:
-            pass  # the acknowledgement is recorded; a later one drops these plans too
+            return low  # the acknowledgement is recorded; the next one drops these plans too
+        with self._lock:
+            self._dropped_through = max(self._dropped_through, low)
         return low
 
     def report(self) -> dict:
@@ -254,7 +269,10 @@ class RankLease(StreamLease):
         self.stop = stop
         self.stream_id = uuid.uuid4().hex[:12]
         self.info = {"replica": job.replica_id, "stream": self.stream_id, "step": start_step}
-        self.fence = job.store.claim_rank(job.job_id, rank, self.info, job.rank_lease_ttl_s, stop=stop)
+        if stop.is_set():  # a request whose client left while it waited must not fence the live stream
+            raise ServiceUnavailableError("the client cancelled the stream before it started")
+        self.fence = job.store.claim_rank(job.job_id, rank, self.info, job.rank_lease_ttl_s, job.spec_bytes,
+                                          stop=stop)
 
     def step_sent(self, step: int, num_microbatches: int) -> None:
         job: SharedJob = self.job
@@ -288,8 +306,8 @@ class SharedJobRegistry(JobRegistry):
             job = self._jobs.get(job_id)
         if job is not None:
             return job
-        self.store.register_job(job_id, spec_from_config(config).SerializeToString())
         job = SharedJob(config, self.store, self.replica_id, **self.job_options)
+        self.store.register_job(job_id, job.spec_bytes)
         with self._lock:
             return self._jobs.setdefault(job_id, job)
 

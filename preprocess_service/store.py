@@ -41,7 +41,8 @@ from preprocess_service.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ReadOnlyError)
+"""Redis away, loading its AOF, or a replica not yet promoted: wait, it comes back."""
 
 # Commit step K if nobody has: plan, counters, skipped samples, epoch start; renew the planning
 # lease if the caller holds it. The frontier only moves over contiguous steps (K == frontier), so
@@ -58,6 +59,13 @@ local frontier = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[2]) == frontier then redis.call('SET', KEYS[2], frontier + 1) end
 if not fresh then return 0 end
 redis.call('HINCRBY', KEYS[3], 'planned_samples', ARGV[3])
+return 1
+"""
+
+# Planning reached the end: KEYS done, frontier; ARGV number of steps. Only once all are committed.
+_DONE = """
+if tonumber(redis.call('GET', KEYS[2]) or '0') ~= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
 return 1
 """
 
@@ -112,6 +120,7 @@ class RedisStore:
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._release = self._redis.register_script(_RELEASE)
         self._ack = self._redis.register_script(_ACK)
+        self._done = self._redis.register_script(_DONE)
         self._lock = threading.Lock()
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
@@ -177,16 +186,16 @@ class RedisStore:
         """(committed plan of ``step`` or None, frontier, number of steps or None while planning).
         ``want`` also tells the planner that a stream waits for ``step`` and wakes it."""
         def run(r):
-            pipe = r.pipeline(transaction=False)
-            pipe.get(self._key(job_id, "plan", step))
+            pipe = r.pipeline(transaction=False)  # frontier first: a commit landing in between is harmless
             pipe.get(self._key(job_id, "frontier"))
+            pipe.get(self._key(job_id, "plan", step))
             pipe.get(self._key(job_id, "done"))
             if want:
                 pipe.zadd(self._key(job_id, "wants"), {"max": step}, gt=True)
                 pipe.lpush(self._key(job_id, "wake"), 1)
                 pipe.ltrim(self._key(job_id, "wake"), 0, 0)
             return pipe.execute()
-        plan, frontier, done, *_ = self._call(run, commands=6 if want else 3, stop=stop)
+        frontier, plan, done, *_ = self._call(run, commands=6 if want else 3, stop=stop)
         return plan, int(frontier or 0), None if done is None else int(done)
 
     def planner_view(self, job_id: str, token: str, ttl_s: float, *,
@@ -232,8 +241,14 @@ class RedisStore:
             args += [key, record]
         return bool(self._call(lambda r: self._commit(keys=keys, args=args, client=r), commands=1, stop=stop))
 
-    def commit_done(self, job_id: str, num_steps: int, *, stop=None) -> None:
-        self._call(lambda r: r.set(self._key(job_id, "done"), num_steps, nx=True), commands=1, stop=stop)
+    def commit_done(self, job_id: str, num_steps: int, *, stop=None) -> bool:
+        """Records the number of steps, if every step is committed (a late write into a Redis that
+        lost its data must not end the job); returns whether it did."""
+        keys = [self._key(job_id, "done"), self._key(job_id, "frontier")]
+        return bool(self._call(lambda r: self._done(keys=keys, args=[num_steps], client=r), commands=1, stop=stop))
+
+    def committed_plan(self, job_id: str, step: int, *, stop=None) -> bytes | None:
+        return self._call(lambda r: r.get(self._key(job_id, "plan", step)), commands=1, stop=stop)
 
     def drop_plans(self, job_id: str, steps: range, *, deadline_s: float = 10.0) -> None:
         if steps:
@@ -254,14 +269,17 @@ class RedisStore:
         except ServiceUnavailableError:
             pass  # it expires on its own
 
-    def claim_rank(self, job_id: str, rank: int, lease: dict, ttl_s: float, *, stop=None) -> int:
-        """Starts a stream of ``rank``: returns its fence token (newer streams get larger ones)."""
+    def claim_rank(self, job_id: str, rank: int, lease: dict, ttl_s: float, spec: bytes, *, stop=None) -> int:
+        """Starts a stream of ``rank``: returns its fence token (newer streams get larger ones). Also
+        registers the job again, should Redis have lost it."""
         def run(r):
             pipe = r.pipeline(transaction=False)
             pipe.incr(self._key(job_id, "fence", rank))
             pipe.set(self._key(job_id, "rank", rank), json.dumps(lease), px=int(ttl_s * 1000))
+            pipe.set(self._key(job_id, "spec"), spec, nx=True)
+            pipe.sadd("disttrain:jobs", job_id)
             return pipe.execute()[0]
-        return int(self._call(run, commands=2, stop=stop))
+        return int(self._call(run, commands=4, stop=stop))
 
     def step_sent(self, job_id: str, rank: int, lease: dict, ttl_s: float, num_microbatches: int, *,
                   stop=None) -> int:

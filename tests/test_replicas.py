@@ -302,3 +302,21 @@ def test_chaos_random_replica_kills_lose_and_repeat_nothing(tmp_path):
     assert figures["samples_lost"] == 0
     assert figures["samples_duplicated"] == 0
     assert figures["samples_misplaced"] == 0
+
+
+def test_stream_and_acknowledgements_move_together_to_another_replica(dataset, redis_server):
+    servers = [create_server("127.0.0.1:0", decode_workers=0, redis_url=redis_server.url) for _ in range(2)]
+    addresses = [f"127.0.0.1:{port}" for _, port, _ in servers]
+    config = _config(dataset)
+    reference = _reference(config)
+    try:
+        with DataClient(addresses, config, 0, prefetch=1) as client:
+            got = [_received(next(client)) for _ in range(3)]
+            servers[0][0].stop(0).wait()  # replica A goes away under an open stream
+            assert client.acknowledge(1) == 0, "the acknowledgement goes to replica B"
+            got += [_received(mb) for mb in client]
+            assert client.num_reconnects >= 1 and client.address == addresses[1]
+        assert got == _planned(reference, 0)
+    finally:
+        for server, _, _ in servers:
+            server.stop(0).wait()

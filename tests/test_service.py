@@ -248,6 +248,10 @@ def _spec(config):
 def test_unreachable_service_gives_a_clear_error(dataset):
     with pytest.raises(ServiceUnavailableError, match="127.0.0.1:1"):
         DataClient("127.0.0.1:1", _config(dataset), 0, connect_timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="'127.0.0.1:1', '127.0.0.1:2' within 3 s"):
+        DataClient(["127.0.0.1:1", "127.0.0.1:2"], _config(dataset), 0, connect_timeout_s=3)
+    assert time.monotonic() - start >= 2.9, "it keeps trying every address until the timeout"
 
 
 def test_bad_requests_get_the_right_status_codes(dataset, service):

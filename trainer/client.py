@@ -104,6 +104,50 @@ def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
     return [chunk.view(*shape) for chunk, shape in zip(torch.split(flat, sizes), shapes)]
 
 
+class _Link:
+    """A channel to one of the addresses; connect() moves it to the next reachable one. Each link
+    has one owner (the stream thread, or the unary calls under a lock), so closing a channel never
+    cuts a call someone else has open on it."""
+
+    def __init__(self, addresses: list[str], start: int = -1):
+        self.addresses = addresses
+        self.index = start
+        self.channel = None
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.index]
+
+    def connect(self, timeout_s: float, cancelled=lambda: False) -> None:
+        """Connects to the first reachable address after the current one, trying them in turn."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for _ in range(len(self.addresses)):
+                self.index = (self.index + 1) % len(self.addresses)
+                self.close()
+                self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                wait = max(0.2, min(2.0, deadline - time.monotonic()) / len(self.addresses))
+                try:
+                    grpc.channel_ready_future(self.channel).result(timeout=wait)
+                except grpc.FutureTimeoutError:
+                    continue
+                self.stub = pb_grpc.PreprocessStub(self.channel)
+                self.stream = self.channel.unary_stream(
+                    f"/{SERVICE_NAME}/StreamMicrobatches", request_serializer=pb.StreamRequest.SerializeToString,
+                    response_deserializer=None)
+                return
+            if time.monotonic() >= deadline or cancelled():
+                self.close()
+                raise ServiceUnavailableError(
+                    f"cannot reach the preprocessing service at {', '.join(map(repr, self.addresses))} within "
+                    f"{timeout_s:g} s (is it running, and is the address right?)")
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
 class DataClient:
     """Iterates over ``dp_rank``'s microbatches of a job, from the saved position onwards.
 
@@ -128,59 +172,37 @@ class DataClient:
         self.num_reconnects = 0
         self.resumed_at: list[float] = []
         """time.monotonic() of the first microbatch received after each reconnect."""
-        self._channel = None
-        self._current = -1
-        self._connect(connect_timeout_s)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._call = None
+        self._stream_link: _Link | None = None
+        self._control = _Link(self.addresses)  # unary calls, under _control_lock
+        self._control_lock = threading.Lock()
+        self._control.connect(connect_timeout_s)
+        self._job = job
         self.info = self._unary(lambda stub: self._open(stub, job))
         self.job_id = self.info.job_id
         self.dp_size = self.info.spec.dp_size
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside the job's dp_size {self.dp_size}")
         self._next = (0, 0)  # (step, microbatch index) of the next microbatch to hand out
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self._call = None
 
     @property
     def address(self) -> str:
-        """The address in use now."""
-        return self.addresses[self._current]
-
-    def _connect(self, timeout_s: float) -> None:
-        """Connects to the first reachable address, starting after the current one."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for _ in range(len(self.addresses)):
-                self._current = (self._current + 1) % len(self.addresses)
-                if self._channel is not None:
-                    self._channel.close()
-                self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-                wait = max(0.2, min(2.0, deadline - time.monotonic()) / len(self.addresses))
-                try:
-                    grpc.channel_ready_future(self._channel).result(timeout=wait)
-                except grpc.FutureTimeoutError:
-                    continue
-                self._stub = pb_grpc.PreprocessStub(self._channel)
-                self._stream_raw = self._channel.unary_stream(
-                    f"/{SERVICE_NAME}/StreamMicrobatches", request_serializer=pb.StreamRequest.SerializeToString,
-                    response_deserializer=None)
-                return
-            if time.monotonic() >= deadline or (self._thread is not None and self._stop.is_set()):
-                self._channel.close()
-                raise ServiceUnavailableError(
-                    f"cannot reach the preprocessing service at {', '.join(map(repr, self.addresses))} within "
-                    f"{timeout_s:g} s (is it running, and is the address right?)")
+        """The address the stream uses now (before iterating: the one unary calls use)."""
+        return (self._stream_link or self._control).address
 
     def _unary(self, call):
         """A unary call, moved to the next address while the current one is unreachable."""
-        for attempt in range(2 * len(self.addresses)):
-            try:
-                return call(self._stub)
-            except grpc.RpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt + 1 == 2 * len(self.addresses):
-                    raise
-                self._connect(self.connect_timeout_s)
+        with self._control_lock:
+            for attempt in range(2 * len(self.addresses)):
+                try:
+                    return call(self._control.stub)
+                except grpc.RpcError as exc:
+                    if exc.code() not in _RETRYABLE or attempt + 1 == 2 * len(self.addresses):
+                        raise
+                    self._control.connect(self.connect_timeout_s)
 
     @staticmethod
     def _open(stub, job: JobConfig | str) -> pb.JobInfo:
@@ -245,6 +267,8 @@ class DataClient:
         position = self._next
         failing_since = None
         try:
+            self._stream_link = _Link(self.addresses, start=self._control.index - 1)
+            self._stream_link.connect(self.connect_timeout_s, cancelled=self._stop.is_set)
             while not self._stop.is_set():
                 try:
                     for raw in self._open_stream(position):
@@ -262,18 +286,25 @@ class DataClient:
                         return
                     now = time.monotonic()
                     failing_since = failing_since or now
-                    if exc.code() not in _RETRYABLE or now - failing_since > self.reconnect_timeout_s:
+                    # NOT_FOUND: a replica that never saw the job and a Redis that lost it; open it again
+                    reopen = exc.code() == grpc.StatusCode.NOT_FOUND and isinstance(self._job, JobConfig)
+                    if (exc.code() not in _RETRYABLE and not reopen) or now - failing_since > self.reconnect_timeout_s:
                         raise ServiceUnavailableError(
                             f"stream from {self.address!r} failed ({exc.code().name}: {exc.details()})") from exc
                     self.num_reconnects += 1
-                    self._connect(max(1.0, self.reconnect_timeout_s - (now - failing_since)))
+                    if reopen:
+                        self._unary(lambda stub: self._open(stub, self._job))
+                        time.sleep(0.2)
+                    else:
+                        self._stream_link.connect(max(1.0, self.reconnect_timeout_s - (now - failing_since)),
+                                                  cancelled=self._stop.is_set)
         except BaseException as exc:  # handed to the consumer
             self._put(exc)
 
     def _open_stream(self, position: tuple[int, int]):
         """The stream as serialized messages: parsed by wire.decode_microbatch without protobuf's copies."""
         step, index = position
-        self._call = self._stream_raw(pb.StreamRequest(
+        self._call = self._stream_link.stream(pb.StreamRequest(
             job_id=self.job_id, dp_rank=self.dp_rank, start_step=step, start_microbatch=index))
         return self._call
 
@@ -287,14 +318,16 @@ class DataClient:
         return False
 
     def close(self) -> None:
-        """Stops the background stream and closes the channel; frees the server's resources."""
+        """Stops the background stream and closes the channels; frees the server's resources."""
         self._stop.set()
         if self._call is not None:
             self._call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._channel is not None:
-            self._channel.close()
+        if self._stream_link is not None:
+            self._stream_link.close()
+        with self._control_lock:
+            self._control.close()
 
     def __enter__(self):
         return self

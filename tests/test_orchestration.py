@@ -1,0 +1,84 @@
+"""The orchestration planner: its iteration-time model, its search, and the paper-scale simulation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from trainer.orchestration import simulate
+from trainer.orchestration.planner import (TP_SIZES, Parallel, Problem, disaggregated, monolithic,
+                                           search_disaggregated, search_monolithic)
+from trainer.orchestration.profile import Accelerator, Content, MeasuredProfile
+
+ACC = Accelerator("test", peak_flops=1e12, efficiency=1.0, memory_bytes=1e12, tp_link_bytes_s=1e12,
+                  dp_link_bytes_s=1e30, max_tp=4)
+CONTENT = Content(tokens=1000, image_tokens=400, gen_images=1.0)
+
+
+def _problem(num_gpus=16, enc=(0, 0, 1e-3, 0), bb=(1e-3, 0, 0, 0), gen=(0, 0, 0, 0.2), memory=1e12, layers=8,
+             global_batch=32, max_tp=4) -> Problem:
+    acc = Accelerator("test", peak_flops=1e12, efficiency=1.0, memory_bytes=memory, tp_link_bytes_s=1e12,
+                      dp_link_bytes_s=1e30, max_tp=max_tp)
+    return Problem(encoder=MeasuredProfile("enc", 1e6, enc, accelerator=acc),
+                   backbone=MeasuredProfile("bb", 1e8, bb, accelerator=acc),
+                   generator=MeasuredProfile("gen", 1e6, gen, accelerator=acc),
+                   content=CONTENT, global_batch=global_batch, seqs_per_microbatch=1, num_gpus=num_gpus,
+                   accelerator=acc, backbone_layers=layers)
+
+
+def test_iteration_time_is_first_microbatch_plus_m_minus_one_slowest_stage():
+    problem = _problem()
+    plan = disaggregated(problem, Parallel(2, 1), Parallel(2, 1, 2), Parallel(1, 1))
+    # forward seconds: enc 0.4, bb 1.0 (0.5 per stage), gen 0.2; backward = 2x; enc and gen serve 2 bb ranks
+    enc, bb_stage, gen = 2 / 2 * 1.2, 1.5, 2 / 1 * 0.6
+    assert plan.stage_s == pytest.approx([enc, bb_stage, bb_stage, gen])
+    assert plan.num_microbatches == 16
+    assert plan.iteration_s == pytest.approx(enc + 2 * bb_stage + gen + 15 * bb_stage)
+    assert plan.gpus == 2 + 4 + 1
+
+
+def test_monolithic_puts_the_encoder_in_the_first_stage_and_the_generator_in_the_last():
+    plan = monolithic(_problem(), Parallel(2, 1, 4))
+    assert plan.stage_s == pytest.approx([0.75 + 1.2, 0.75, 0.75, 0.75 + 0.6])
+    assert plan.iteration_s == pytest.approx(sum(plan.stage_s) + 15 * (0.75 + 1.2))
+
+
+def test_layouts_over_budget_or_memory_are_rejected():
+    problem = _problem(num_gpus=6)
+    assert disaggregated(problem, Parallel(2, 1), Parallel(2, 1, 2), Parallel(1, 1)) is None  # 7 GPUs
+    assert monolithic(problem, Parallel(2, 2, 2)) is None
+    tight = _problem(memory=5e8)  # weights, grads and Adam states of the backbone: 1.6e9 bytes on one GPU
+    assert monolithic(tight, Parallel(1, 1, 1)) is None
+    assert monolithic(tight, Parallel(1, 1, 4)) is not None  # 4e8 per stage, plus the small encoder
+
+
+def test_search_finds_the_fastest_layout_of_a_brute_force_enumeration():
+    problem = _problem(num_gpus=12)
+    best = None
+    for bb_tp, pp, dp in itertools.product(TP_SIZES, (1, 2, 4, 8), (1, 2, 4, 8, 16, 32)):
+        for enc_tp, gen_tp, enc_dp, gen_dp in itertools.product(TP_SIZES, TP_SIZES, range(1, 12), range(1, 12)):
+            plan = disaggregated(problem, Parallel(enc_dp, enc_tp), Parallel(dp, bb_tp, pp), Parallel(gen_dp, gen_tp))
+            if plan and (best is None or plan.iteration_s < best.iteration_s - 1e-12):
+                best = plan
+    found = search_disaggregated(problem)
+    assert found.iteration_s == pytest.approx(best.iteration_s)
+    assert found.gpus <= 12
+
+
+def test_disaggregation_wins_when_the_encoder_makes_the_first_stage_a_straggler():
+    # no TP, and memory for a quarter of the backbone per GPU: the monolithic layout needs pipeline
+    # stages, and the encoder (as heavy as half the backbone) makes its first stage the straggler
+    problem = _problem(num_gpus=16, enc=(0, 0, 1.25e-3, 0), memory=2e8, layers=16, global_batch=64, max_tp=1)
+    dis, mono = search_disaggregated(problem), search_monolithic(problem)
+    assert mono.bb.pp > 1 and mono.gpus == dis.gpus == 16
+    assert max(mono.stage_s) == mono.stage_s[0]
+    assert dis.throughput > 1.3 * mono.throughput
+    assert max(dis.stage_s) < max(mono.stage_s)
+
+
+def test_paper_scale_simulation_prints_both_layouts_labelled_as_simulation(capsys):
+    assert simulate.main(["--gpus", "256", "--global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SIMULATION")
+    assert out.count("disaggregated / monolithic") == 3 and "MFU" in out

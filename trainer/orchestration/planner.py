@@ -1,0 +1,199 @@
+"""Orchestration planner: how many GPUs (or CPU processes) and which parallelism each module gets.
+
+Disaggregated layout: the encoder runs as its own group (DP_e replicas of TP_e), the backbone as
+DP_b x TP_b x PP stages, the generator as its own group (DP_g x TP_g). Every backbone DP rank
+streams M = global_batch / (DP_b * S) microbatches through the pipeline
+encoder -> backbone stage 1..PP -> generator; the encoder and generator groups serve all DP_b
+ranks, so each of their microbatch slots carries DP_b / DP_e (DP_b / DP_g) microbatches.
+
+Monolithic layout (Megatron-like): one DP x TP x PP grid; the encoder runs inside the first
+pipeline stage and the generator inside the last, at the backbone's TP, and the backbone's layers
+are split evenly over the stages.
+
+Iteration time (1F1B) = the first microbatch's forward and backward through every stage
++ (M - 1) x the slowest stage's forward + backward + the gradient all-reduce of the slowest group.
+Memory per GPU = weights, gradients, Adam states (sharded over DP) + activations of the
+microbatches in flight at that stage (min(M, stages - stage index) in 1F1B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trainer.orchestration.profile import Accelerator, Content, ModuleProfile
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    dp: int
+    tp: int
+    pp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(slots=True)
+class Plan:
+    """A layout and what the model predicts for it."""
+
+    kind: str
+    """"disaggregated" or "monolithic"."""
+    enc: Parallel
+    bb: Parallel
+    gen: Parallel
+    num_microbatches: int
+    stage_s: list[float]
+    """Forward + backward seconds of one microbatch slot per pipeline stage, first to last."""
+    iteration_s: float
+    gpus: int
+    peak_memory_bytes: float
+    throughput: float = 0.0
+    """Sequences per second."""
+    mfu: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.kind == "monolithic":
+            return f"DP{self.bb.dp} x TP{self.bb.tp} x PP{self.bb.pp} (enc in stage 1, gen in stage {self.bb.pp})"
+        return (f"enc DP{self.enc.dp} x TP{self.enc.tp} | bb DP{self.bb.dp} x TP{self.bb.tp} x PP{self.bb.pp} | "
+                f"gen DP{self.gen.dp} x TP{self.gen.tp}")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What to plan for."""
+
+    encoder: ModuleProfile
+    backbone: ModuleProfile
+    generator: ModuleProfile
+    content: Content
+    """One microbatch (S sequences) as it averages over the global batch."""
+    global_batch: int
+    """Sequences per step."""
+    seqs_per_microbatch: int
+    num_gpus: int
+    accelerator: Accelerator
+    backbone_layers: int
+    p2p_s: float = 0.0
+    """Latency of one pipeline send between stages."""
+
+
+def _grad_sync_s(problem: Problem, params_per_gpu: float, dp: int) -> float:
+    if dp == 1:
+        return 0.0
+    return 2 * (dp - 1) / dp * params_per_gpu * 2 / problem.accelerator.dp_link_bytes_s
+
+
+def _pipeline_s(stages: list[float], num_microbatches: int, p2p_s: float) -> float:
+    return sum(stages) + (num_microbatches - 1) * max(stages) + 2 * (len(stages) - 1) * p2p_s
+
+
+def _fb(profile: ModuleProfile, content: Content, tp: int, share: float = 1.0) -> float:
+    return profile.fwd_s(content, tp, share) + profile.bwd_s(content, tp, share)
+
+
+def _finish(problem: Problem, plan: Plan) -> Plan:
+    plan.throughput = problem.global_batch / plan.iteration_s
+    microbatches = problem.global_batch / problem.seqs_per_microbatch
+    flops = microbatches * sum(p.flops(problem.content) for p in (problem.encoder, problem.backbone, problem.generator))
+    plan.mfu = flops / (plan.iteration_s * plan.gpus * problem.accelerator.peak_flops)
+    return plan
+
+
+def disaggregated(problem: Problem, enc: Parallel, bb: Parallel, gen: Parallel) -> Plan | None:
+    """The plan of one disaggregated layout, or None if it does not fit (GPUs, batch, memory)."""
+    c, M = problem.content, problem.global_batch // (bb.dp * problem.seqs_per_microbatch)
+    if (enc.gpus + bb.gpus + gen.gpus > problem.num_gpus or problem.global_batch % (bb.dp * problem.seqs_per_microbatch)
+            or problem.backbone_layers % bb.pp or max(enc.tp, bb.tp, gen.tp) > problem.accelerator.max_tp):
+        return None
+    share = 1 / bb.pp
+    stages = [bb.dp / enc.dp * _fb(problem.encoder, c, enc.tp)]
+    stages += [_fb(problem.backbone, c, bb.tp, share)] * bb.pp
+    stages += [bb.dp / gen.dp * _fb(problem.generator, c, gen.tp)]
+    n = len(stages)
+    memory = [problem.encoder.memory_bytes(c, enc.tp, 1.0, math.ceil(min(M, n) * bb.dp / enc.dp), enc.dp)]
+    memory += [problem.backbone.memory_bytes(c, bb.tp, share, min(M, n - 1 - i), bb.dp) for i in range(bb.pp)]
+    memory += [problem.generator.memory_bytes(c, gen.tp, 1.0, math.ceil(bb.dp / gen.dp), gen.dp)]
+    if max(memory) > problem.accelerator.memory_bytes:
+        return None
+    sync = max(_grad_sync_s(problem, problem.encoder.params / enc.tp, enc.dp),
+               _grad_sync_s(problem, problem.backbone.params * share / bb.tp, bb.dp),
+               _grad_sync_s(problem, problem.generator.params / gen.tp, gen.dp))
+    iteration = _pipeline_s(stages, M, problem.p2p_s) + sync
+    return _finish(problem, Plan("disaggregated", enc, bb, gen, M, stages, iteration,
+                                 enc.gpus + bb.gpus + gen.gpus, max(memory)))
+
+
+def monolithic(problem: Problem, grid: Parallel) -> Plan | None:
+    """The Megatron-like layout on one DP x TP x PP grid, or None if it does not fit."""
+    c, tp, pp = problem.content, grid.tp, grid.pp
+    M = problem.global_batch // (grid.dp * problem.seqs_per_microbatch) if grid.dp else 0
+    if (grid.gpus > problem.num_gpus or not M or problem.global_batch % (grid.dp * problem.seqs_per_microbatch)
+            or problem.backbone_layers % pp or tp > problem.accelerator.max_tp):
+        return None
+    share = 1 / pp
+    stages = [_fb(problem.backbone, c, tp, share) for _ in range(pp)]
+    stages[0] += _fb(problem.encoder, c, tp)
+    stages[-1] += _fb(problem.generator, c, tp)
+    memory = []
+    for i in range(pp):
+        in_flight = min(M, pp - i)
+        m = problem.backbone.memory_bytes(c, tp, share, in_flight, grid.dp)
+        if i == 0:
+            m += problem.encoder.memory_bytes(c, tp, 1.0, in_flight, grid.dp)
+        if i == pp - 1:
+            m += problem.generator.memory_bytes(c, tp, 1.0, in_flight, grid.dp)
+        memory.append(m)
+    if max(memory) > problem.accelerator.memory_bytes:
+        return None
+    first_params = problem.backbone.params * share + problem.encoder.params
+    sync = _grad_sync_s(problem, first_params / tp, grid.dp)
+    iteration = _pipeline_s(stages, M, problem.p2p_s) + sync
+    return _finish(problem, Plan("monolithic", grid, grid, grid, M, stages, iteration, grid.gpus, max(memory)))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_monolithic(problem: Problem) -> Plan | None:
+    """The fastest monolithic grid."""
+    best = None
+    for tp in TP_SIZES:
+        for pp in _divisors(problem.backbone_layers):
+            for dp in _divisors(problem.global_batch // problem.seqs_per_microbatch):
+                plan = monolithic(problem, Parallel(dp, tp, pp))
+                if plan and (best is None or plan.iteration_s < best.iteration_s):
+                    best = plan
+    return best
+
+
+def search_disaggregated(problem: Problem) -> Plan | None:
+    """The fastest disaggregated layout: every backbone grid, every encoder/generator TP, and the
+    split of the remaining GPUs between encoder and generator that balances their stages."""
+    best = None
+    c = problem.content
+    for bb_tp in TP_SIZES:
+        for pp in _divisors(problem.backbone_layers):
+            for dp in _divisors(problem.global_batch // problem.seqs_per_microbatch):
+                bb = Parallel(dp, bb_tp, pp)
+                left = problem.num_gpus - bb.gpus
+                if left < 2:
+                    continue
+                for enc_tp in TP_SIZES:
+                    for gen_tp in TP_SIZES:
+                        a, b = dp * _fb(problem.encoder, c, enc_tp), dp * _fb(problem.generator, c, gen_tp)
+                        ideal = left * a / (a * enc_tp + b * gen_tp)  # enc replicas with a/x == b/y
+                        for enc_dp in {max(1, math.floor(ideal)), max(1, math.ceil(ideal))}:
+                            gen_dp = (left - enc_dp * enc_tp) // gen_tp
+                            if gen_dp < 1:
+                                continue
+                            plan = disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(gen_dp, gen_tp))
+                            if plan and (best is None or plan.iteration_s < best.iteration_s):
+                                best = plan
+    return best

@@ -1,0 +1,109 @@
+"""The small multimodal models on real microbatches from the service."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from preprocess_service import synth
+from preprocess_service.config import JobConfig
+from preprocess_service.server import create_server
+from trainer import DataClient
+from trainer.models.backbone import Backbone, lm_targets, spans_index, stage_layers
+from trainer.models.config import ModelConfig
+from trainer.models.mllm import MultimodalModel, step_loss
+
+CONFIG = ModelConfig(max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def microbatches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("model-shards")
+    synth.main(["--out", str(root / "synth"), "--num-shards", "1", "--samples-per-shard", "120", "--seed", "3"])
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=0)
+    job = JobConfig(shards=(str(root / "synth"),), seq_len=2048, num_microbatches=2)
+    try:
+        with DataClient(f"127.0.0.1:{port}", job, 0) as client:
+            yield list(client)
+    finally:
+        server.stop(0).wait()
+
+
+def test_encoders_produce_exactly_the_planned_media_tokens(microbatches):
+    model = MultimodalModel(CONFIG)
+    assert any(len(mb.images) for mb in microbatches) and any(len(mb.mels) for mb in microbatches)
+    assert any(mb.gen_spans.shape[0] for mb in microbatches)
+    for mb in microbatches:
+        spans = lambda s: int((s[:, 1] - s[:, 0]).sum()) if s.numel() else 0  # noqa: E731
+        assert model.image_encoder(mb.images).shape == (spans(mb.image_spans), CONFIG.dim)
+        assert model.audio_encoder(mb.mels).shape == (spans(mb.audio_spans), CONFIG.dim)
+
+
+def test_attention_is_causal_and_stays_inside_each_document(microbatches):
+    torch.manual_seed(0)
+    backbone = Backbone(CONFIG).eval()
+    mb = max(microbatches, key=lambda m: len(m.cu_seqlens))
+    cu = mb.cu_seqlens.tolist()
+    assert len(cu) >= 4, "several documents in one microbatch"
+    media = torch.zeros(0, CONFIG.dim)
+
+    def hidden(tokens):
+        x = backbone.embed_inputs(tokens, mb.position_ids, media, torch.zeros(0, dtype=torch.long))
+        return backbone.run_blocks(x, cu, 0, CONFIG.layers)[0]
+
+    base = hidden(mb.tokens)
+    b = cu[2]  # the second segment ends here: change its last token
+    changed = mb.tokens.clone().reshape(-1)
+    changed[b - 1] = (changed[b - 1] + 1) % 256
+    after = hidden(changed.reshape(mb.tokens.shape))
+    torch.testing.assert_close(after[:b - 1], base[:b - 1])  # earlier tokens, this document and others
+    torch.testing.assert_close(after[b:], base[b:])  # later documents never see it
+    assert not torch.allclose(after[b - 1], base[b - 1])
+
+
+def test_lm_targets_are_next_text_tokens_of_the_same_document(microbatches):
+    mb = microbatches[0]
+    targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens).reshape(-1)
+    tokens, modality = mb.tokens.reshape(-1), mb.modality.reshape(-1)
+    valid = (targets != -100).nonzero().flatten()
+    assert len(valid) > 0
+    assert torch.equal(targets[valid], tokens[valid + 1].long())
+    assert bool((modality[valid + 1] == 1).all())
+    for boundary in mb.cu_seqlens.tolist()[1:-1]:
+        assert targets[boundary - 1] == -100, "no target across a document boundary"
+
+
+def test_stage_layers_cut_the_blocks_evenly():
+    assert stage_layers(4, 2) == [(0, 2), (2, 4)]
+    assert stage_layers(5, 3) == [(0, 2), (2, 3), (3, 5)]
+    with pytest.raises(ValueError, match="cannot cut 2 blocks into 3 stages"):
+        stage_layers(2, 3)
+
+
+def test_generator_loss_is_seeded_and_trains_the_backbone_queries(microbatches):
+    torch.manual_seed(0)
+    model = MultimodalModel(CONFIG)
+    mb = next(m for m in microbatches if m.gen_spans.shape[0])
+    first = model(mb, torch.Generator().manual_seed(5))
+    again = model(mb, torch.Generator().manual_seed(5))
+    assert first.gen_count == mb.gen_spans.shape[0]
+    torch.testing.assert_close(first.gen_sum, again.gen_sum)
+    first.gen_sum.backward()
+    assert model.backbone.blocks[-1].mlp[0].weight.grad.abs().sum() > 0, "the condition reaches the backbone"
+    assert model.generator.inp.weight.grad.abs().sum() > 0
+
+
+def test_loss_decreases_when_training_on_a_few_microbatches(microbatches):
+    torch.manual_seed(0)
+    model = MultimodalModel(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    batch = microbatches[:2]
+    losses = []
+    for step in range(8):
+        loss = step_loss([model(mb, torch.Generator().manual_seed(i)) for i, mb in enumerate(batch)], 1.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert spans_index(torch.zeros(0, 2, dtype=torch.int32)).numel() == 0

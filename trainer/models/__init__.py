@@ -1,0 +1,1 @@
+"""Small multimodal models (image/audio encoders, LLM backbone, diffusion generator); no distributed code."""

@@ -1,0 +1,86 @@
+"""Decoder-only LLM backbone over packed sequences. No distributed code.
+
+Input: a microbatch's int32 tokens [S, L], position ids, and the encoders' outputs, which replace
+the embeddings at the image and audio token spans (flattened S*L positions, the service's
+image_spans / audio_spans). The microbatch runs flattened, [S*L, D]; attention is causal inside
+each document and never crosses one (segments from cu_seqlens, layers.Attention). The blocks can
+be cut into pipeline stages
+(``stage_layers``); the first stage embeds, the last one normalises and predicts the next text
+token (the LM loss is computed from the logits and the batch, see ``lm_loss``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.config import ModelConfig
+from trainer.models.layers import Block
+
+TEXT = 1
+
+
+def spans_index(spans: torch.Tensor) -> torch.Tensor:
+    """int64 positions covered by [start, end) spans, in order."""
+    if spans.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(int(s), int(e)) for s, e in spans.tolist()])
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.pos = nn.Embedding(config.max_positions, config.dim)
+        self.blocks = nn.ModuleList(Block(config.dim, config.heads) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def embed_inputs(self, tokens: torch.Tensor, position_ids: torch.Tensor, media: torch.Tensor,
+                     media_index: torch.Tensor) -> torch.Tensor:
+        """[1, S*L, D] input embeddings; ``media`` [K, D] replaces the K flattened positions ``media_index``."""
+        x = self.embed(tokens.reshape(-1).long()) + self.pos(position_ids.reshape(-1).long())
+        if media_index.numel():
+            x = x.index_copy(0, media_index, media.to(x.dtype))
+        return x[None]
+
+    def run_blocks(self, x: torch.Tensor, cu_seqlens: list[int], first: int, last: int) -> torch.Tensor:
+        for block in self.blocks[first:last]:
+            x = block(x, cu_seqlens)
+        return x
+
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [S*L, D], next-token logits [S*L, V])."""
+        h = self.norm(x[0])
+        return h, self.head(h)
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [first, last) block ranges of ``num_stages`` pipeline stages, as even as possible."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot cut {num_layers} blocks into {num_stages} stages")
+    bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def lm_targets(tokens: torch.Tensor, modality: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int64 [S, L] next-token targets: the next token where it is text in the same document, else
+    -100. Flatten it to match the logits."""
+    num_seqs, seq_len = tokens.shape
+    segment = torch.bucketize(torch.arange(num_seqs * seq_len), cu_seqlens[1:].long(), right=True)
+    segment = segment.reshape(num_seqs, seq_len)
+    targets = torch.full((num_seqs, seq_len), -100, dtype=torch.long)
+    ok = (modality[:, 1:] == TEXT) & (segment[:, 1:] == segment[:, :-1])
+    targets[:, :-1] = torch.where(ok, tokens[:, 1:].long(), torch.full_like(targets[:, :-1], -100))
+    return targets
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(summed cross-entropy over the target positions, their count): sums, so microbatches and
+    ranks add up to the mean over all the tokens of a step."""
+    count = int((targets != -100).sum())
+    loss = F.cross_entropy(logits.float(), targets.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, count

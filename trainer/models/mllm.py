@@ -1,0 +1,68 @@
+"""The whole multimodal model in one process: the single-process reference the disaggregated
+pipeline must match, and the definition of the loss. No distributed code.
+
+loss of a step = (sum of LM cross-entropy over every text target) / (number of text targets)
+               + gen_loss_weight * (sum of noise-prediction MSE over every image to generate) / (their number)
+Microbatches return sums and counts, so however a step is cut into microbatches, ranks and
+pipeline stages, the loss and its gradients are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.models.backbone import Backbone, lm_loss, lm_targets, spans_index
+from trainer.models.config import ModelConfig
+from trainer.models.encoder import AudioEncoder, ImageEncoder
+from trainer.models.generator import DiffusionGenerator
+
+
+@dataclass(slots=True)
+class LossParts:
+    lm_sum: torch.Tensor
+    lm_count: int
+    gen_sum: torch.Tensor
+    gen_count: int
+
+
+def microbatch_seed(seed: int, step: int, rank: int, index: int) -> int:
+    """Seed of the diffusion noise of one microbatch: the same wherever it is computed."""
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + index) % (2 ** 63)
+
+
+def media_index(mb) -> torch.Tensor:
+    """Flattened positions of the encoders' outputs: image spans, then audio spans."""
+    return torch.cat([spans_index(mb.image_spans), spans_index(mb.audio_spans)])
+
+
+def step_loss(parts: list[LossParts], gen_weight: float) -> torch.Tensor:
+    lm_count = max(sum(p.lm_count for p in parts), 1)
+    gen_count = max(sum(p.gen_count for p in parts), 1)
+    return (sum(p.lm_sum for p in parts) / lm_count + gen_weight * sum(p.gen_sum for p in parts) / gen_count)
+
+
+class MultimodalModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.image_encoder = ImageEncoder(config)
+        self.audio_encoder = AudioEncoder(config)
+        self.backbone = Backbone(config)
+        self.generator = DiffusionGenerator(config)
+
+    def encode(self, mb) -> torch.Tensor:
+        return torch.cat([self.image_encoder(mb.images), self.audio_encoder(mb.mels)])
+
+    def forward(self, mb, noise: torch.Generator) -> LossParts:
+        cu = mb.cu_seqlens.tolist()
+        x = self.backbone.embed_inputs(mb.tokens, mb.position_ids, self.encode(mb), media_index(mb))
+        x = self.backbone.run_blocks(x, cu, 0, self.config.layers)
+        hidden, logits = self.backbone.logits(x)
+        lm_sum, lm_count = lm_loss(logits, lm_targets(mb.tokens, mb.modality, mb.cu_seqlens))
+        num_gen = mb.gen_spans.shape[0]
+        queries = hidden[spans_index(mb.gen_spans)].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
+        gen_sum = self.generator.loss(queries, mb.gen_images, noise)
+        return LossParts(lm_sum, lm_count, gen_sum, int(mb.gen_spans.shape[0]))

@@ -1,0 +1,108 @@
+"""The disaggregated runtime under torchrun (gloo, CPU) against the single-process reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from preprocess_service import synth
+from preprocess_service.server import create_server
+from trainer import DataClient
+from trainer.models.config import ModelConfig
+from trainer.models.mllm import MultimodalModel, microbatch_seed, step_loss
+from trainer.runtime.layout import RuntimeLayout, one_f_one_b
+from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
+from trainer.train import fill_missing_grads, job_config, parse
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-shards")
+    synth.main(["--out", str(root), "--num-shards", "1", "--samples-per-shard", "160", "--seed", "4"])
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=0)
+    yield f"127.0.0.1:{port}", str(root)
+    server.stop(0).wait()
+
+
+def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "trainer.train", *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _args(address, shards, tmp_path, steps, layout=("2", "1", "1", "1"), extra=()):
+    return ["--address", address, "--shards", shards, "--enc-dp", layout[0], "--bb-dp", layout[1],
+            "--bb-pp", layout[2], "--gen-dp", layout[3], "--steps", str(steps), "--num-microbatches", "3",
+            "--seq-len", "2048", "--model-layers", "2", "--log-json", str(tmp_path / "log.jsonl"), *extra]
+
+
+def _reference(argv: list[str], steps: int):
+    """The same steps in one process: the whole model, every rank's microbatches, one optimizer."""
+    args = parse(argv)
+    torch.manual_seed(args.seed)
+    model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    clients = [DataClient(args.address, job_config(args), d, prefetch=args.num_microbatches)
+               for d in range(args.bb_dp)]
+    losses = []
+    for step in range(steps):
+        parts = []
+        for d, client in enumerate(clients):
+            for m in range(args.num_microbatches):
+                mb = next(client)
+                parts.append(model(mb, torch.Generator().manual_seed(microbatch_seed(args.seed, step, d, m))))
+        loss = step_loss(parts, model.config.gen_loss_weight)
+        loss.backward()
+        fill_missing_grads(list(model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    for client in clients:
+        client.close()
+    return model, losses, args
+
+
+def _worker_params(model, args, role):
+    layout = RuntimeLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp)
+    common = (model, layout, args.num_microbatches, args.seed)
+    if role[0] == "enc":
+        return EncoderWorker(*common, replica=role[1]).parameters()
+    if role[0] == "gen":
+        return GeneratorWorker(*common, replica=role[1], gen_weight=1.0).parameters()
+    return BackboneWorker(*common, dp=role[1], stage=role[2]).parameters()
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b(3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert one_f_one_b(3, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    layout = RuntimeLayout(enc_dp=1, bb_dp=2, bb_pp=1, gen_dp=1)
+    ops = layout.shared_ops("enc", 0, 2)
+    assert ops[:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]  # (op, chain, microbatch), slot by slot
+    assert [layout.role(r) for r in range(layout.world_size)] == [("enc", 0), ("bb", 0, 0), ("bb", 1, 0), ("gen", 0)]
+
+
+@pytest.mark.parametrize("layout", [("2", "1", "1", "1"), ("1", "2", "2", "1")], ids=["enc-dp2", "bb-dp2-pp2"])
+def test_disaggregated_run_matches_the_single_process_reference(service, tmp_path, layout):
+    address, shards = service
+    steps = 2
+    argv = _args(address, shards, tmp_path, steps, layout, ["--save-params", str(tmp_path / "params")])
+    nproc = int(layout[0]) + int(layout[1]) * int(layout[2]) + int(layout[3])
+    _torchrun(nproc, argv)
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    model, losses, args = _reference(argv, steps)
+    assert logged == pytest.approx(losses, rel=1e-5)
+    for path in sorted((tmp_path / "params").glob("rank*.pt")):
+        saved = torch.load(path, weights_only=False)
+        expected = _worker_params(model, args, tuple(saved["role"]))
+        assert len(saved["params"]) == len(expected)
+        for got, want in zip(saved["params"], expected):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,185 @@
+"""One worker per role of the disaggregated pipeline: it owns its module's parameters and runs
+its ops of one step (layout.py), exchanging activations and gradients point-to-point (p2p.py).
+
+Backbone stage 0 of chain d reads chain d's microbatches from the service (DataClient for DP rank
+d), sends each microbatch's images and audio to its encoder replica, receives the encoder's
+output tokens and embeds them at the media spans. The last backbone stage computes the LM loss
+and sends the hidden states at each image-to-generate's query tokens to the generator replica,
+which computes the diffusion loss and sends their gradient back. Losses are scaled by the step's
+global counts (text targets, images to generate), which stage 0 all-reduces over the backbone DP
+ranks at the start of the step and passes down the chain, so summed gradients equal those of
+the single-process reference (mllm.step_loss).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.models.backbone import lm_loss, lm_targets, spans_index, stage_layers
+from trainer.models.mllm import MultimodalModel, media_index, microbatch_seed
+from trainer.runtime.layout import RuntimeLayout, one_f_one_b
+from trainer.runtime.p2p import Outbox, recv
+
+
+class Worker:
+    def __init__(self, model: MultimodalModel, layout: RuntimeLayout, num_microbatches: int, seed: int):
+        self.model, self.layout, self.M, self.seed = model, layout, num_microbatches, seed
+        self.outbox = Outbox()
+        self.busy_s = 0.0
+        self.loss_parts = torch.zeros(2, dtype=torch.float64)
+        """This rank's share of the step loss: (LM part, generation part), already normalised."""
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def run_step(self, step: int) -> None:
+        raise NotImplementedError
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+
+class EncoderWorker(Worker):
+    def __init__(self, *args, replica: int):
+        super().__init__(*args)
+        self.replica = replica
+
+    def parameters(self):
+        return [*self.model.image_encoder.parameters(), *self.model.audio_encoder.parameters()]
+
+    def run_step(self, step: int) -> None:
+        saved = {}
+        for op, d, m in self.layout.shared_ops("enc", self.replica, self.M):
+            src = self.layout.bb_rank(d, 0)
+            if op == "F":
+                counts, *media = recv(src, "media")
+                images, mels = media[:int(counts[0])], media[int(counts[0]):]
+                out = self._timed(lambda: torch.cat([self.model.image_encoder(images), self.model.audio_encoder(mels)]))
+                if out.shape[0]:
+                    self.outbox.send([out], src, "embed")
+                    saved[(d, m)] = out
+            elif (d, m) in saved:
+                grad = recv(src, "embed_grad")[0]
+                self._timed(saved.pop((d, m)).backward, grad)
+
+
+class GeneratorWorker(Worker):
+    def __init__(self, *args, replica: int, gen_weight: float):
+        super().__init__(*args)
+        self.replica, self.gen_weight = replica, gen_weight
+
+    def parameters(self):
+        return list(self.model.generator.parameters())
+
+    def run_step(self, step: int) -> None:
+        for op, d, m in self.layout.shared_ops("gen", self.replica, self.M):
+            if op != "F":
+                continue  # the last stage: each backward runs right after its forward, below
+            src = self.layout.bb_rank(d, self.layout.bb_pp - 1)
+            queries, images, seed, total = recv(src, "gen")
+            if queries.shape[0] == 0:
+                continue
+            queries.requires_grad_()
+
+            def forward_backward():
+                loss = self.model.generator.loss(queries, images, torch.Generator().manual_seed(int(seed)))
+                scaled = self.gen_weight * loss / total.double().clamp(min=1).item()
+                scaled.backward()
+                return scaled
+            scaled = self._timed(forward_backward)
+            self.loss_parts[1] += scaled.item()
+            self.outbox.send([queries.grad], src, "gen_grad")
+
+
+class BackboneWorker(Worker):
+    def __init__(self, *args, dp: int, stage: int, client=None, stage0_group=None):
+        super().__init__(*args)
+        self.dp, self.stage, self.client, self.stage0_group = dp, stage, client, stage0_group
+        self.first, self.last = stage == 0, stage == self.layout.bb_pp - 1
+        self.blocks = stage_layers(self.model.config.layers, self.layout.bb_pp)[stage]
+
+    def parameters(self):
+        bb = self.model.backbone
+        params = [p for block in bb.blocks[self.blocks[0]:self.blocks[1]] for p in block.parameters()]
+        if self.first:
+            params += [*bb.embed.parameters(), *bb.pos.parameters()]
+        if self.last:
+            params += [*bb.norm.parameters(), *bb.head.parameters()]
+        return params
+
+    def _read_step(self, step: int) -> list[list[torch.Tensor]]:
+        """Stage 0: the step's microbatches from the service, media sent to the encoders, global
+        counts all-reduced; returns each microbatch's metadata as it travels down the chain."""
+        metas, counts = [], torch.zeros(2, dtype=torch.float64)
+        for m in range(self.M):
+            mb = next(self.client)
+            if (mb.step, mb.microbatch_index) != (step, m):
+                raise RuntimeError(f"rank {self.dp} expected step {step} microbatch {m}, the service sent "
+                                   f"step {mb.step} microbatch {mb.microbatch_index}")
+            targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens)
+            counts += torch.tensor([(targets != -100).sum().item(), mb.gen_spans.shape[0]], dtype=torch.float64)
+            self.outbox.send([torch.tensor([len(mb.images), len(mb.mels)]), *mb.images, *mb.mels],
+                             self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
+            seed = torch.tensor([microbatch_seed(self.seed, step, self.dp, m)])
+            metas.append([mb.tokens, mb.position_ids, mb.modality, mb.cu_seqlens, media_index(mb),
+                          mb.gen_spans, mb.gen_images, seed, counts])  # counts: filled in below, shared
+        dist.all_reduce(counts, group=self.stage0_group)
+        return metas
+
+    def run_step(self, step: int) -> None:
+        metas = self._read_step(step) if self.first else [None] * self.M
+        saved = {}
+        for op, m in one_f_one_b(self.layout.num_stages, self.stage + 1, self.M):
+            if op == "F":
+                saved[m] = self._forward(step, m, metas[m])
+            else:
+                self._backward(m, saved.pop(m))
+
+    def _forward(self, step: int, m: int, meta):
+        bb = self.model.backbone
+        media = None
+        if self.first:
+            tokens, positions, modality, cu, index, gen_spans, gen_images, seed, counts = meta
+            if index.numel():
+                media = recv(self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed")[0].requires_grad_()
+            x = self._timed(bb.embed_inputs, tokens, positions,
+                            media if media is not None else torch.zeros(0, bb.embed.embedding_dim), index)
+        else:
+            x, *meta = recv(self.layout.bb_rank(self.dp, self.stage - 1), "act")
+            x.requires_grad_()
+            tokens, positions, modality, cu, index, gen_spans, gen_images, seed, counts = meta
+        y = self._timed(bb.run_blocks, x, cu.tolist(), *self.blocks)
+        if not self.last:
+            self.outbox.send([y, *meta], self.layout.bb_rank(self.dp, self.stage + 1), "act")
+            return x, media, [y], None
+        hidden, logits = self._timed(bb.logits, y)
+        lm_sum, _ = self._timed(lm_loss, logits, lm_targets(tokens, modality, cu))
+        scaled = lm_sum / counts[0].clamp(min=1).item()
+        self.loss_parts[0] += scaled.item()
+        num_gen = gen_spans.shape[0]
+        queries = hidden[spans_index(gen_spans)].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
+        self.outbox.send([queries, gen_images, seed, counts[1:2]],
+                         self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
+        return x, media, [scaled], (queries if num_gen else None, m)
+
+    def _backward(self, m: int, saved) -> None:
+        x, media, outputs, gen = saved
+        if self.last:
+            grads = [torch.ones_like(outputs[0])]
+            if gen[0] is not None:
+                outputs = outputs + [gen[0]]
+                grads.append(recv(self.layout.gen_rank(self.layout.gen_of(self.dp, gen[1])), "gen_grad")[0])
+        else:
+            grads = recv(self.layout.bb_rank(self.dp, self.stage + 1), "act_grad")
+        self._timed(torch.autograd.backward, outputs, grads)
+        if not self.first:
+            self.outbox.send([x.grad], self.layout.bb_rank(self.dp, self.stage - 1), "act_grad")
+        elif media is not None:
+            self.outbox.send([media.grad], self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed_grad")

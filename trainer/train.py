@@ -1,0 +1,192 @@
+"""Disaggregated multimodal training, launched with torchrun:
+
+    torchrun --nproc-per-node 4 -m trainer.train --address HOST:PORT --shards DATA \\
+        --enc-dp 2 --bb-dp 1 --bb-pp 1 --gen-dp 1 --steps 20
+
+Builds one process group per module from the layout (runtime/layout.py), runs each step's 1F1B
+schedule with point-to-point activations and gradients, reduces each module's gradients inside
+its own DP group, takes one optimizer step per global batch, and logs per-step time, loss and
+each rank's busy/idle time (the bubble). With --checkpoint-dir every rank saves its module,
+optimizer and (backbone stage 0) the data client's state at step boundaries, and a restart
+continues from the newest complete checkpoint with exactly the data it would have had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from preprocess_service.config import JobConfig
+from trainer.models.config import ModelConfig
+from trainer.models.mllm import MultimodalModel
+from trainer.runtime.layout import RuntimeLayout
+from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", required=True, help="preprocessing service address(es), comma-separated")
+    p.add_argument("--shards", nargs="+", required=True)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--num-microbatches", type=int, default=4)
+    p.add_argument("--seqs-per-microbatch", type=int, default=1)
+    p.add_argument("--reorder", default="ours")
+    p.add_argument("--enc-dp", type=int, default=1)
+    p.add_argument("--bb-dp", type=int, default=1)
+    p.add_argument("--bb-pp", type=int, default=1)
+    p.add_argument("--gen-dp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-layers", type=int, default=4)
+    p.add_argument("--checkpoint-dir", type=Path)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--log-json", type=Path, help="rank 0 appends one JSON line per step here")
+    p.add_argument("--save-params", type=Path, help="every rank writes its module's final parameters here")
+    return p.parse_args(argv)
+
+
+def job_config(args) -> JobConfig:
+    return JobConfig(shards=tuple(args.shards), seq_len=args.seq_len, dp_size=args.bb_dp,
+                     num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
+                     seed=args.seed, reorder_algorithm=args.reorder, num_epochs=1000)
+
+
+def build_worker(args, layout: RuntimeLayout, rank: int, groups: dict):
+    torch.manual_seed(args.seed)  # the same initial weights on every rank; each keeps its module
+    model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len))
+    common = (model, layout, args.num_microbatches, args.seed)
+    role = layout.role(rank)
+    if role[0] == "enc":
+        return EncoderWorker(*common, replica=role[1]), "enc"
+    if role[0] == "gen":
+        return GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight), "gen"
+    _, dp, stage = role
+    client = None
+    if stage == 0:
+        from trainer import DataClient
+
+        client = DataClient(args.address, job_config(args), dp, prefetch=args.num_microbatches)
+    return BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0"]), f"bb{stage}"
+
+
+def fill_missing_grads(params) -> None:
+    """A parameter no microbatch used (no audio in the step, say) gets a zero gradient, so every
+    parameter takes an optimizer step every step, on every rank and in the reference alike."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def reduce_gradients(params, group, size: int) -> None:
+    fill_missing_grads(params)
+    if size == 1:
+        return
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
+
+
+def checkpoint_path(directory: Path, step: int, rank: int) -> Path:
+    return directory / f"step{step:06d}" / f"rank{rank}.pt"
+
+
+def latest_checkpoint(directory: Path | None, world: int) -> int:
+    """The newest step every rank saved (0: none)."""
+    if directory is None or not directory.exists():
+        return 0
+    steps = sorted((int(d.name[4:]) for d in directory.glob("step*")
+                    if all((d / f"rank{r}.pt").exists() for r in range(world))), reverse=True)
+    return steps[0] if steps else 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    layout = RuntimeLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp)
+    if layout.world_size != world:
+        raise SystemExit(f"the layout needs {layout.world_size} processes, torchrun started {world}")
+    groups = {name: dist.new_group(ranks) for name, ranks in layout.groups().items()}
+    sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
+    worker, group = build_worker(args, layout, rank, groups)
+    params = worker.parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    start = latest_checkpoint(args.checkpoint_dir, world)
+    if start:
+        state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False)
+        for p, saved in zip(params, state["params"]):
+            p.data.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        if getattr(worker, "client", None) is not None:
+            worker.client.load_state_dict(state["data"])
+    for step in range(start, args.steps):
+        worker.busy_s, worker.loss_parts = 0.0, torch.zeros(2, dtype=torch.float64)
+        began = time.perf_counter()
+        worker.run_step(step)
+        worker.outbox.wait()
+        reduce_gradients(params, groups[group], sizes[group])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - began
+        stats = torch.tensor([*worker.loss_parts.tolist(), elapsed, worker.busy_s], dtype=torch.float64)
+        gathered = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats)
+        if rank == 0:
+            _log(args, step, layout, gathered)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            _save(args, step + 1, rank, worker, params, optimizer)
+    if args.save_params:
+        args.save_params.mkdir(parents=True, exist_ok=True)
+        torch.save({"role": layout.role(rank), "params": [p.detach() for p in params]},
+                   args.save_params / f"rank{rank}.pt")
+    if getattr(worker, "client", None) is not None:
+        worker.client.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _save(args, step: int, rank: int, worker, params, optimizer) -> None:
+    path = checkpoint_path(args.checkpoint_dir, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"params": [p.detach() for p in params], "optimizer": optimizer.state_dict()}
+    if getattr(worker, "client", None) is not None:
+        state["data"] = worker.client.state_dict()
+    torch.save(state, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
+
+
+def _log(args, step: int, layout: RuntimeLayout, gathered: list[torch.Tensor]) -> None:
+    rows = torch.stack(gathered)
+    loss = float(rows[:, 0].sum() + rows[:, 1].sum())
+    step_s = float(rows[:, 2].max())
+    busy = {}
+    for r in range(layout.world_size):
+        role = layout.role(r)
+        name = role[0] if role[0] != "bb" else f"bb{role[2]}"
+        busy.setdefault(name, []).append(float(rows[r, 3]))
+    bubble = {name: 1 - sum(v) / len(v) / step_s for name, v in busy.items()}
+    record = {"step": step, "loss": loss, "step_s": step_s, "bubble": bubble,
+              "bubble_mean": 1 - float(rows[:, 3].sum()) / (step_s * layout.world_size)}
+    print(f"step {step:4d}  loss {loss:8.4f}  {step_s:6.2f} s  bubble " +
+          " ".join(f"{k} {v:4.0%}" for k, v in bubble.items()), flush=True)
+    if args.log_json:
+        with open(args.log_json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

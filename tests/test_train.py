@@ -57,9 +57,12 @@ def _reference(argv: list[str], steps: int):
     for step in range(steps):
         parts = []
         for d, client in enumerate(clients):
-            for m in range(args.num_microbatches):
+            while True:  # the last step of an epoch may have fewer microbatches
                 mb = next(client)
-                parts.append(model(mb, torch.Generator().manual_seed(microbatch_seed(args.seed, step, d, m))))
+                seed = microbatch_seed(args.seed, step, d, mb.microbatch_index)
+                parts.append(model(mb, torch.Generator().manual_seed(seed)))
+                if mb.microbatch_index + 1 == mb.num_microbatches:
+                    break
         loss = step_loss(parts, model.config.gen_loss_weight)
         loss.backward()
         fill_missing_grads(list(model.parameters()))
@@ -106,3 +109,61 @@ def test_disaggregated_run_matches_the_single_process_reference(service, tmp_pat
         assert len(saved["params"]) == len(expected)
         for got, want in zip(saved["params"], expected):
             torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
+    address, shards = service
+    _torchrun(4, _args(address, shards, tmp_path, 24, extra=["--lr", "3e-3"]), timeout=400)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < 0.85 * sum(losses[:4]) / 4, losses
+
+
+def _kill_all(marker: str) -> None:
+    """SIGKILL every process whose command line holds ``marker``, as a node failure would."""
+    import os
+    import signal
+
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(service, tmp_path):
+    import time
+
+    address, shards = service
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    _torchrun(4, _args(address, shards, whole, 12))
+    expected = {r["step"]: r["loss"] for r in map(json.loads, (whole / "log.jsonl").read_text().splitlines())}
+
+    run = tmp_path / "killed"
+    run.mkdir()
+    argv = _args(address, shards, run, 12, extra=["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", "3"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "trainer.train", *argv]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = run / "log.jsonl"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and len(log.read_text().splitlines()) >= 5):  # past the step-3 checkpoint
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before the kill"
+        time.sleep(0.05)
+    _kill_all(str(run / "ckpt"))  # torchrun and every worker (elastic starts them in their own sessions)
+    proc.wait()
+    killed_after = len(log.read_text().splitlines())
+    assert killed_after < 12, "killed before the end"
+    _torchrun(4, argv)  # restarts from the newest complete checkpoint
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    resumed = records[killed_after:]
+    first = resumed[0]["step"]
+    assert first % 3 == 0 and 3 <= first < killed_after, "resumed at a checkpoint before the kill"
+    assert [r["step"] for r in resumed] == list(range(first, 12))
+    assert [r["loss"] for r in resumed] == pytest.approx([expected[r["step"]] for r in resumed], rel=1e-6)

@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     worker, group = build_worker(args, layout, rank, groups)
     params = worker.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr)
+    source = layout.bb_rank(0, 0)  # reads the first microbatch of every step
     start = latest_checkpoint(args.checkpoint_dir, world)
     if start:
         state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False)
@@ -135,6 +136,10 @@ def main(argv=None) -> int:
     for step in range(start, args.steps):
         worker.busy_s, worker.loss_parts = 0.0, torch.zeros(2, dtype=torch.float64)
         began = time.perf_counter()
+        # every rank runs the step's 1F1B over the number of microbatches the service planned for it
+        num = torch.tensor([worker.peek_num_microbatches(step) if rank == source else 0])
+        dist.broadcast(num, src=source)
+        worker.M = int(num)
         worker.run_step(step)
         worker.outbox.wait()
         reduce_gradients(params, groups[group], sizes[group])

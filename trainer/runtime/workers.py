@@ -102,6 +102,7 @@ class BackboneWorker(Worker):
     def __init__(self, *args, dp: int, stage: int, client=None, stage0_group=None):
         super().__init__(*args)
         self.dp, self.stage, self.client, self.stage0_group = dp, stage, client, stage0_group
+        self._first = None
         self.first, self.last = stage == 0, stage == self.layout.bb_pp - 1
         self.blocks = stage_layers(self.model.config.layers, self.layout.bb_pp)[stage]
 
@@ -114,12 +115,20 @@ class BackboneWorker(Worker):
             params += [*bb.norm.parameters(), *bb.head.parameters()]
         return params
 
+    def peek_num_microbatches(self, step: int) -> int:
+        """Stage 0: reads the step's first microbatch; the step has this many (the last step of an
+        epoch may have fewer than the job's num_microbatches)."""
+        self._first = next(self.client)
+        if self._first.step != step:
+            raise RuntimeError(f"rank {self.dp} expected step {step}, the service sent step {self._first.step}")
+        return self._first.num_microbatches
+
     def _read_step(self, step: int) -> list[list[torch.Tensor]]:
         """Stage 0: the step's microbatches from the service, media sent to the encoders, global
         counts all-reduced; returns each microbatch's metadata as it travels down the chain."""
         metas, counts = [], torch.zeros(2, dtype=torch.float64)
         for m in range(self.M):
-            mb = next(self.client)
+            mb, self._first = (self._first, None) if m == 0 and self._first is not None else (next(self.client), None)
             if (mb.step, mb.microbatch_index) != (step, m):
                 raise RuntimeError(f"rank {self.dp} expected step {step} microbatch {m}, the service sent "
                                    f"step {mb.step} microbatch {mb.microbatch_index}")

@@ -87,7 +87,7 @@ class CostSpec(_message.Message):
     def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "audio", "generation")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "audio", "generation", "cost_feedback")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class JobSpec(_message.Message):
     GEN_SHARED_BY_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COST_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -124,7 +125,8 @@ class JobSpec(_message.Message):
     gen_shared_by: int
     audio: AudioSpec
     generation: GenerationSpec
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ...) -> None: ...
+    cost_feedback: bool
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ...) -> None: ...
 
 class OpenJobRequest(_message.Message):
     __slots__ = ("spec",)
@@ -287,3 +289,43 @@ class StepBalance(_message.Message):
     arrival_iteration_s: float
     lower_bound_s: float
     def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ..., iteration_s: _Optional[float] = ..., arrival_iteration_s: _Optional[float] = ..., lower_bound_s: _Optional[float] = ...) -> None: ...
+
+class MicrobatchTiming(_message.Message):
+    __slots__ = ("step", "dp_rank", "microbatch_index", "encoder_s", "backbone_s", "generator_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_S_FIELD_NUMBER: _ClassVar[int]
+    BACKBONE_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    dp_rank: int
+    microbatch_index: int
+    encoder_s: float
+    backbone_s: float
+    generator_s: float
+    def __init__(self, step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., encoder_s: _Optional[float] = ..., backbone_s: _Optional[float] = ..., generator_s: _Optional[float] = ...) -> None: ...
+
+class TimingReport(_message.Message):
+    __slots__ = ("job_id", "timings")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    timings: _containers.RepeatedCompositeFieldContainer[MicrobatchTiming]
+    def __init__(self, job_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[MicrobatchTiming, _Mapping]]] = ...) -> None: ...
+
+class TimingAck(_message.Message):
+    __slots__ = ("cost", "num_observations", "first_step_priced", "encoder_rel_error", "backbone_rel_error", "generator_rel_error")
+    COST_FIELD_NUMBER: _ClassVar[int]
+    NUM_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_PRICED_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BACKBONE_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    cost: CostSpec
+    num_observations: int
+    first_step_priced: int
+    encoder_rel_error: float
+    backbone_rel_error: float
+    generator_rel_error: float
+    def __init__(self, cost: _Optional[_Union[CostSpec, _Mapping]] = ..., num_observations: _Optional[int] = ..., first_step_priced: _Optional[int] = ..., encoder_rel_error: _Optional[float] = ..., backbone_rel_error: _Optional[float] = ..., generator_rel_error: _Optional[float] = ...) -> None: ...

@@ -59,6 +59,11 @@ class PreprocessStub:
                 request_serializer=disttrain__api_dot_preprocess__pb2.ReportRequest.SerializeToString,
                 response_deserializer=disttrain__api_dot_preprocess__pb2.JobReport.FromString,
                 _registered_method=True)
+        self.ReportTimings = channel.unary_unary(
+                '/disttrain.preprocess.v1.Preprocess/ReportTimings',
+                request_serializer=disttrain__api_dot_preprocess__pb2.TimingReport.SerializeToString,
+                response_deserializer=disttrain__api_dot_preprocess__pb2.TimingAck.FromString,
+                _registered_method=True)
 
 
 class PreprocessServicer:
@@ -112,6 +117,16 @@ class PreprocessServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTimings(self, request, context):
+        """Trainers report the measured forward + backward seconds of each microbatch per module. With
+        JobSpec.cost_feedback the service refits its cost model from them and prices the steps it
+        plans afterwards with the new coefficients. FAILED_PRECONDITION if the job did not ask for
+        feedback (or runs on replicas, not supported yet); NOT_FOUND for an unknown job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PreprocessServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +154,11 @@ def add_PreprocessServicer_to_server(servicer, server):
                     servicer.GetReport,
                     request_deserializer=disttrain__api_dot_preprocess__pb2.ReportRequest.FromString,
                     response_serializer=disttrain__api_dot_preprocess__pb2.JobReport.SerializeToString,
+            ),
+            'ReportTimings': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTimings,
+                    request_deserializer=disttrain__api_dot_preprocess__pb2.TimingReport.FromString,
+                    response_serializer=disttrain__api_dot_preprocess__pb2.TimingAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -276,6 +296,33 @@ class Preprocess:
             '/disttrain.preprocess.v1.Preprocess/GetReport',
             disttrain__api_dot_preprocess__pb2.ReportRequest.SerializeToString,
             disttrain__api_dot_preprocess__pb2.JobReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTimings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disttrain.preprocess.v1.Preprocess/ReportTimings',
+            disttrain__api_dot_preprocess__pb2.TimingReport.SerializeToString,
+            disttrain__api_dot_preprocess__pb2.TimingAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -164,6 +164,11 @@ class JobConfig:
     """Backbone DP ranks that one generator replica serves, as enc_shared_by."""
     pack_window: int = 8
     """Open sequences the best-fit packer fills at once (1 = sequential packing)."""
+    cost_feedback: bool = False
+    """Refit the cost model from the stage times trainers report (ReportTimings) and price the steps
+    planned afterwards with it. Plans then depend on those reports: a single-node service restarted
+    mid-job replans later steps with the configured coefficients (replicas on Redis do not: their
+    plans are committed)."""
     image: ImageConfig = field(default_factory=ImageConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

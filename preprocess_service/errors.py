@@ -39,3 +39,7 @@ class ServiceUnavailableError(DisttrainError, ConnectionError):
 
 class StreamSuperseded(DisttrainError):
     """A newer stream of the same rank started (on any replica); the older one stops (gRPC ABORTED)."""
+
+
+class FeedbackDisabled(DisttrainError):
+    """Timings reported for a job that did not ask for cost feedback (gRPC FAILED_PRECONDITION)."""

@@ -16,7 +16,8 @@ from preprocess_service import shards
 from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.decode import WORKER_DIED, Decoded
 from preprocess_service.config import JobConfig
-from preprocess_service.errors import ConfigError, NotFoundError, SampleError
+from preprocess_service.errors import ConfigError, FeedbackDisabled, NotFoundError, SampleError
+from preprocess_service.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.packing import PackedSequence
 from preprocess_service.planner import Planner, StepPlan
 from preprocess_service.tokenizer import ByteTokenizer, Tokenizer
@@ -54,7 +55,9 @@ class Job:
         self._lock = threading.Lock()
         self._skipped: dict[str, SkippedRecord] = {}
         self._plans: list[StepPlan] = []
-        self._planner = iter(Planner(config, self.shard_urls, self.tokenizer, self._record_skip))
+        self.planner = Planner(config, self.shard_urls, self.tokenizer, self._record_skip)
+        self._planner = iter(self.planner)
+        self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
         self._sent_through: dict[int, int] = defaultdict(lambda: -1)  # rank -> last step fully sent
         self._released_through = -1  # steps <= this hold no encoded bytes
@@ -189,6 +192,23 @@ class Job:
             self._released_through += 1
             for doc in self._plans[self._released_through].documents():
                 doc.media_bytes = None
+
+    # --- feedback ----------------------------------------------------------------------------
+    def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:
+        """Refits the cost model from measured (step, rank, microbatch, encoder_s, backbone_s,
+        generator_s); the steps planned from now on are priced with it (feedback.py)."""
+        if self.refitter is None:
+            raise FeedbackDisabled(f"job {self.job_id} was opened without cost_feedback; its plans do not "
+                                   "take measured timings")
+        with self._lock:
+            for step, rank, index, *seconds in timings:
+                if step < len(self._plans) and 0 <= rank < self.config.dp_size \
+                        and 0 <= index < self._plans[step].num_microbatches:
+                    features = microbatch_features(self._plans[step].microbatch(rank, index))
+                    self.refitter.add(Observation(features, tuple(seconds)))
+            self.planner.cost = self.refitter.refit()
+            return {"cost": self.planner.cost, "num_observations": self.refitter.num_observations,
+                    "first_step_priced": len(self._plans), "errors": dict(self.refitter.errors)}
 
     # --- acknowledgements and report -------------------------------------------------------
     def acknowledge(self, rank: int, next_step: int) -> int:

@@ -77,6 +77,8 @@ class Planner:
         self.shard_urls = shard_urls
         self.tokenizer = tokenizer
         self.on_skip = on_skip
+        self.cost = config.cost
+        """Coefficients the next sequences are priced with (feedback.py may replace them mid-job)."""
 
     def __iter__(self) -> Iterator[StepPlan]:
         return self.plans_from(0, 0)
@@ -98,7 +100,7 @@ class Planner:
         batch: list[PackedSequence] = []
         step = first_step
         for seq in pack_documents(documents, seq_len=cfg.seq_len, window=cfg.pack_window):
-            seq.cost = price(seq, cfg.cost)
+            seq.cost = price(seq, self.cost)
             batch.append(seq)
             if len(batch) == cfg.global_batch:
                 yield self._plan_batch(batch, step, epoch)

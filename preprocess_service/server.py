@@ -11,6 +11,7 @@ are serialized by wire.encode_microbatch straight from the decode buffer (one co
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,7 +26,8 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import wire
 from preprocess_service.decode import DecodePool, InlineDecoder
-from preprocess_service.errors import ConfigError, NotFoundError, ServiceUnavailableError, StreamSuperseded
+from preprocess_service.errors import (ConfigError, FeedbackDisabled, NotFoundError, ServiceUnavailableError,
+                                       StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
 from preprocess_service.spec import config_from_spec, spec_from_config
 
@@ -111,6 +113,21 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                    for r in report.pop("skipped")]
         balance = [pb.StepBalance(**b) for b in report.pop("step_balance")]
         return pb.JobReport(job_id=job.job_id, skipped=skipped, step_balance=balance, **report)
+
+    def ReportTimings(self, request, context):
+        job = self._job(request.job_id, context)
+        timings = [(t.step, t.dp_rank, t.microbatch_index, t.encoder_s, t.backbone_s, t.generator_s)
+                   for t in request.timings]
+        try:
+            result = job.report_timings(timings)
+        except FeedbackDisabled as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        errors = result["errors"]
+        return pb.TimingAck(cost=pb.CostSpec(**dataclasses.asdict(result["cost"])),
+                            num_observations=result["num_observations"],
+                            first_step_priced=result["first_step_priced"],
+                            encoder_rel_error=errors.get("encoder", 0.0), backbone_rel_error=errors.get("backbone", 0.0),
+                            generator_rel_error=errors.get("generator", 0.0))
 
     def StreamMicrobatches(self, request, context):
         job = self._job(request.job_id, context)
@@ -246,6 +263,8 @@ def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
             servicer.Acknowledge, pb.AckRequest.FromString, pb.AckResponse.SerializeToString),
         "GetReport": grpc.unary_unary_rpc_method_handler(
             servicer.GetReport, pb.ReportRequest.FromString, pb.JobReport.SerializeToString),
+        "ReportTimings": grpc.unary_unary_rpc_method_handler(
+            servicer.ReportTimings, pb.TimingReport.FromString, pb.TimingAck.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["Preprocess"].methods_by_name) - set(handlers)
     assert not missing, f"rpcs without a handler: {missing}"

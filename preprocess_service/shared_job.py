@@ -27,7 +27,8 @@ import uuid
 from disttrain_api import preprocess_pb2 as pb
 from preprocess_service import plan_record, shards
 from preprocess_service.config import JobConfig
-from preprocess_service.errors import NotFoundError, SampleError, ServiceUnavailableError, StreamSuperseded
+from preprocess_service.errors import (FeedbackDisabled, NotFoundError, SampleError, ServiceUnavailableError,
+                                       StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
 from preprocess_service.packing import PackedSequence
 from preprocess_service.planner import Planner, StepPlan
@@ -218,6 +219,10 @@ class SharedJob(Job):
             return (f"re-read from its shard, it has {doc.num_tokens} tokens where the plan has "
                     f"{ref.num_tokens} (did the shard change after planning?)"), None
         return "", doc
+
+    def report_timings(self, timings) -> dict:
+        raise FeedbackDisabled("cost feedback is not supported with replicas on Redis yet: the refit "
+                               "would have to reach the replica that holds the planning lease")
 
     def open_stream(self, rank: int, start_step: int, stop: threading.Event) -> StreamLease:
         return RankLease(self, rank, start_step, stop)

@@ -7,10 +7,11 @@ import dataclasses
 from disttrain_api import preprocess_pb2 as pb
 from preprocess_service.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
 
-# Scalar fields with the same name in JobSpec and JobConfig. The one boolean, no_shard_shuffle, is
-# negated by hand so that proto3's default false means our default (shuffle).
+# Scalar fields with the same name in JobSpec and JobConfig. The boolean no_shard_shuffle is negated
+# by hand so that proto3's default false means our default (shuffle).
 _JOB_FIELDS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
-               "shuffle_buffer", "reorder_algorithm", "pack_window", "enc_shared_by", "gen_shared_by")
+               "shuffle_buffer", "reorder_algorithm", "pack_window", "enc_shared_by", "gen_shared_by",
+               "cost_feedback")
 
 
 def _nonzero_fields(message, names) -> dict:

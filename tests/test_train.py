@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("train-shards")
     synth.main(["--out", str(root), "--num-shards", "1", "--samples-per-shard", "160", "--seed", "4"])
-    server, port, _ = create_server("127.0.0.1:0", decode_workers=0)
-    yield f"127.0.0.1:{port}", str(root)
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0)
+    yield f"127.0.0.1:{port}", str(root), servicer
     server.stop(0).wait()
 
 
@@ -95,7 +95,7 @@ def test_one_f_one_b_order():
 
 @pytest.mark.parametrize("layout", [("2", "1", "1", "1"), ("1", "2", "2", "1")], ids=["enc-dp2", "bb-dp2-pp2"])
 def test_disaggregated_run_matches_the_single_process_reference(service, tmp_path, layout):
-    address, shards = service
+    address, shards, servicer = service
     steps = 2
     argv = _args(address, shards, tmp_path, steps, layout, ["--save-params", str(tmp_path / "params")])
     nproc = int(layout[0]) + int(layout[1]) * int(layout[2]) + int(layout[3])
@@ -112,11 +112,16 @@ def test_disaggregated_run_matches_the_single_process_reference(service, tmp_pat
 
 
 def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
-    address, shards = service
-    _torchrun(4, _args(address, shards, tmp_path, 24, extra=["--lr", "3e-3"]), timeout=400)
+    address, shards, servicer = service
+    argv = _args(address, shards, tmp_path, 24, extra=["--lr", "3e-3", "--feedback"])
+    _torchrun(4, argv, timeout=400)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < 0.85 * sum(losses[:4]) / 4, losses
+    # --feedback: every microbatch's measured stage times reached the service, which refit its cost model
+    job = servicer.jobs.get(job_config(parse(argv)).job_id())
+    assert job.refitter.num_observations >= 24 * 2
+    assert job.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
 
 
 def _kill_all(marker: str) -> None:
@@ -139,7 +144,7 @@ def _kill_all(marker: str) -> None:
 def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(service, tmp_path):
     import time
 
-    address, shards = service
+    address, shards, servicer = service
     whole = tmp_path / "whole"
     whole.mkdir()
     _torchrun(4, _args(address, shards, whole, 12))

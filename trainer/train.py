@@ -50,13 +50,15 @@ def parse(argv):
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--log-json", type=Path, help="rank 0 appends one JSON line per step here")
     p.add_argument("--save-params", type=Path, help="every rank writes its module's final parameters here")
+    p.add_argument("--feedback", action="store_true",
+                   help="report each microbatch's measured stage times; the service refits its cost model")
     return p.parse_args(argv)
 
 
 def job_config(args) -> JobConfig:
     return JobConfig(shards=tuple(args.shards), seq_len=args.seq_len, dp_size=args.bb_dp,
                      num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
-                     seed=args.seed, reorder_algorithm=args.reorder, num_epochs=1000)
+                     seed=args.seed, reorder_algorithm=args.reorder, num_epochs=1000, cost_feedback=args.feedback)
 
 
 def build_worker(args, layout: RuntimeLayout, rank: int, groups: dict):
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         if getattr(worker, "client", None) is not None:
             worker.client.load_state_dict(state["data"])
     for step in range(start, args.steps):
-        worker.busy_s, worker.loss_parts = 0.0, torch.zeros(2, dtype=torch.float64)
+        worker.busy_s, worker.loss_parts, worker.per_microbatch = 0.0, torch.zeros(2, dtype=torch.float64), {}
         began = time.perf_counter()
         # every rank runs the step's 1F1B over the number of microbatches the service planned for it
         num = torch.tensor([worker.peek_num_microbatches(step) if rank == source else 0])
@@ -146,6 +148,8 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - began
+        if args.feedback:
+            _feed_back(worker, layout, step)
         stats = torch.tensor([*worker.loss_parts.tolist(), elapsed, worker.busy_s], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
@@ -162,6 +166,17 @@ def main(argv=None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _feed_back(worker, layout: RuntimeLayout, step: int) -> None:
+    """Gathers every rank's per-microbatch busy seconds into [bb_dp, M, module]; each chain's
+    stage 0 reports its row to the service, which refits its cost model."""
+    table = torch.zeros(layout.bb_dp, worker.M, 3, dtype=torch.float64)
+    for (d, m), seconds in worker.per_microbatch.items():
+        table[d, m, worker.module_index] += seconds
+    dist.all_reduce(table)
+    if getattr(worker, "client", None) is not None:
+        worker.client.report_timings([(step, m, *table[worker.dp, m].tolist()) for m in range(worker.M)])
 
 
 def _save(args, step: int, rank: int, worker, params, optimizer) -> None:

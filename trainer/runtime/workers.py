@@ -29,6 +29,9 @@ class Worker:
         self.model, self.layout, self.M, self.seed = model, layout, num_microbatches, seed
         self.outbox = Outbox()
         self.busy_s = 0.0
+        self.per_microbatch: dict[tuple[int, int], float] = {}
+        """Busy seconds per (chain dp, microbatch) this step: the timings fed back to the service."""
+        self._current = (0, 0)
         self.loss_parts = torch.zeros(2, dtype=torch.float64)
         """This rank's share of the step loss: (LM part, generation part), already normalised."""
 
@@ -38,12 +41,17 @@ class Worker:
     def run_step(self, step: int) -> None:
         raise NotImplementedError
 
+    module_index = 0
+    """0 encoder, 1 backbone, 2 generator: the column of this worker's timings."""
+
     def _timed(self, fn, *args):
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            self.busy_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.busy_s += elapsed
+            self.per_microbatch[self._current] = self.per_microbatch.get(self._current, 0.0) + elapsed
 
 
 class EncoderWorker(Worker):
@@ -57,7 +65,7 @@ class EncoderWorker(Worker):
     def run_step(self, step: int) -> None:
         saved = {}
         for op, d, m in self.layout.shared_ops("enc", self.replica, self.M):
-            src = self.layout.bb_rank(d, 0)
+            src, self._current = self.layout.bb_rank(d, 0), (d, m)
             if op == "F":
                 counts, *media = recv(src, "media")
                 images, mels = media[:int(counts[0])], media[int(counts[0]):]
@@ -71,6 +79,8 @@ class EncoderWorker(Worker):
 
 
 class GeneratorWorker(Worker):
+    module_index = 2
+
     def __init__(self, *args, replica: int, gen_weight: float):
         super().__init__(*args)
         self.replica, self.gen_weight = replica, gen_weight
@@ -82,7 +92,7 @@ class GeneratorWorker(Worker):
         for op, d, m in self.layout.shared_ops("gen", self.replica, self.M):
             if op != "F":
                 continue  # the last stage: each backward runs right after its forward, below
-            src = self.layout.bb_rank(d, self.layout.bb_pp - 1)
+            src, self._current = self.layout.bb_rank(d, self.layout.bb_pp - 1), (d, m)
             queries, images, seed, total = recv(src, "gen")
             if queries.shape[0] == 0:
                 continue
@@ -99,6 +109,8 @@ class GeneratorWorker(Worker):
 
 
 class BackboneWorker(Worker):
+    module_index = 1
+
     def __init__(self, *args, dp: int, stage: int, client=None, stage0_group=None):
         super().__init__(*args)
         self.dp, self.stage, self.client, self.stage0_group = dp, stage, client, stage0_group
@@ -146,6 +158,7 @@ class BackboneWorker(Worker):
         metas = self._read_step(step) if self.first else [None] * self.M
         saved = {}
         for op, m in one_f_one_b(self.layout.num_stages, self.stage + 1, self.M):
+            self._current = (self.dp, m)
             if op == "F":
                 saved[m] = self._forward(step, m, metas[m])
             else:

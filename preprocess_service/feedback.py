@@ -1,0 +1,74 @@
+"""Online refit of the cost model from the stage times trainers measure (opt-in: JobSpec.cost_feedback).
+
+An observation is one microbatch: the forward + backward seconds a trainer measured for each
+module, and the features the cost model prices it by (cost.py): for the encoder the sums of t and
+t^2 over its images and clips (t their tokens), for the backbone the sums of n and n^2 over its
+documents, for the generator the number of images to generate. Over the last ``window``
+observations each module is refit by non-negative least squares (calibrate.fit_nonnegative) as
+forward seconds = measured / (1 + backward factor); the backward factors stay as configured. A
+module is refit once ``min_observations`` of them have non-zero features; until then its
+coefficients stay as they were. Steps planned after a refit are priced with the new coefficients.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from preprocess_service.calibrate import fit_nonnegative
+from preprocess_service.config import CostConfig
+
+MODULES = ("encoder", "backbone", "generator")
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    features: tuple[tuple[float, float], tuple[float, float], tuple[float]]
+    """(encoder sum t, sum t^2), (backbone sum n, sum n^2), (images to generate,)."""
+    seconds: tuple[float, float, float]
+    """Measured forward + backward seconds of encoder, backbone, generator."""
+
+
+def microbatch_features(sequences) -> tuple:
+    """The cost-model features of a microbatch's packed sequences (Documents)."""
+    enc = [t for seq in sequences for doc in seq.documents for t in doc.encoder_tokens]
+    lengths = [doc.num_tokens for seq in sequences for doc in seq.documents]
+    gen = sum(len(doc.generated) for seq in sequences for doc in seq.documents)
+    return ((float(sum(enc)), float(sum(t * t for t in enc))),
+            (float(sum(lengths)), float(sum(n * n for n in lengths))), (float(gen),))
+
+
+class CostRefitter:
+    def __init__(self, base: CostConfig, *, window: int = 256, min_observations: int = 8):
+        self.cost = base
+        self.window = window
+        self.min_observations = min_observations
+        self._observations: collections.deque[Observation] = collections.deque(maxlen=window)
+        self.num_observations = 0
+        self.errors: dict[str, float] = {}
+        """Mean relative error of each module's last fit on its observations."""
+
+    def add(self, observation: Observation) -> None:
+        self._observations.append(observation)
+        self.num_observations += 1
+
+    def refit(self) -> CostConfig:
+        """The coefficients after fitting the window (unchanged for modules without enough data)."""
+        cost = self.cost
+        backward = (0.0 if cost.enc_frozen else cost.enc_backward_factor, cost.bb_backward_factor,
+                    cost.gen_backward_factor)
+        names = (("enc_linear_s", "enc_quadratic_s"), ("bb_linear_s", "bb_quadratic_s"), ("gen_per_image_s",))
+        updates = {}
+        for module, (label, fields) in enumerate(zip(MODULES, names)):
+            rows = [(o.features[module], o.seconds[module] / (1 + backward[module])) for o in self._observations
+                    if any(o.features[module]) and o.seconds[module] > 0]
+            if len(rows) < self.min_observations:
+                continue
+            fit = fit_nonnegative(np.array([f for f, _ in rows]), np.array([s for _, s in rows]))
+            updates.update(dict(zip(fields, (float(c) for c in fit.coef))))
+            self.errors[label] = fit.mean_rel_error
+        self.cost = dataclasses.replace(cost, **updates)
+        return self.cost

@@ -93,7 +93,8 @@ def test_one_f_one_b_order():
     assert [layout.role(r) for r in range(layout.world_size)] == [("enc", 0), ("bb", 0, 0), ("bb", 1, 0), ("gen", 0)]
 
 
-@pytest.mark.parametrize("layout", [("2", "1", "1", "1"), ("1", "2", "2", "1")], ids=["enc-dp2", "bb-dp2-pp2"])
+@pytest.mark.parametrize("layout", [("2", "1", "1", "1"), ("1", "2", "2", "1"), ("0", "1", "2", "0")],
+                         ids=["enc-dp2", "bb-dp2-pp2", "monolithic-pp2"])
 def test_disaggregated_run_matches_the_single_process_reference(service, tmp_path, layout):
     address, shards, servicer = service
     steps = 2

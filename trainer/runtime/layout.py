@@ -1,7 +1,9 @@
 """Which rank runs what in the disaggregated pipeline, and in which order (1F1B).
 
 Ranks, in order: ``enc_dp`` encoder replicas, then the backbone grid stage-major
-(``bb_pp`` stages x ``bb_dp`` DP ranks), then ``gen_dp`` generator replicas. Backbone DP rank d
+(``bb_pp`` stages x ``bb_dp`` DP ranks), then ``gen_dp`` generator replicas. ``enc_dp = 0`` runs
+the encoder inside the backbone's first stage and ``gen_dp = 0`` the generator inside its last:
+both 0 is the monolithic (Megatron-like) layout. Backbone DP rank d
 is one chain encoder -> stage 0 .. stage P-1 -> generator; the encoder and generator replicas are
 shared by the chains: microbatch m of chain d goes to replica (m * bb_dp + d) % replicas.
 Every chain runs a non-interleaved 1F1B schedule over its P + 2 stages; a shared replica runs the
@@ -32,18 +34,30 @@ class RuntimeLayout:
     gen_dp: int
 
     def __post_init__(self) -> None:
-        for name in ("enc_dp", "bb_dp", "bb_pp", "gen_dp"):
+        for name in ("bb_dp", "bb_pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("enc_dp", "gen_dp"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: run it inside the backbone's first/last stage)")
 
     @property
     def world_size(self) -> int:
         return self.enc_dp + self.bb_dp * self.bb_pp + self.gen_dp
 
     @property
+    def monolithic(self) -> bool:
+        return self.enc_dp == 0 and self.gen_dp == 0
+
+    @property
     def num_stages(self) -> int:
-        """Stages of one chain: encoder, the backbone's, generator."""
-        return self.bb_pp + 2
+        """Stages of one chain: encoder (unless inside stage 0), the backbone's, generator (unless
+        inside the last stage)."""
+        return self.bb_pp + (self.enc_dp > 0) + (self.gen_dp > 0)
+
+    def chain_stage(self, bb_stage: int) -> int:
+        """Position of backbone stage ``bb_stage`` in its chain."""
+        return bb_stage + (self.enc_dp > 0)
 
     def enc_rank(self, replica: int) -> int:
         return replica
@@ -78,9 +92,13 @@ class RuntimeLayout:
                 for d in range(self.bb_dp) if owner(d, m) == replica]
 
     def groups(self) -> dict[str, list[int]]:
-        """The ranks that hold the same parameters and reduce gradients together."""
-        out = {"enc": [self.enc_rank(e) for e in range(self.enc_dp)],
-               "gen": [self.gen_rank(g) for g in range(self.gen_dp)]}
+        """The ranks that hold the same parameters and reduce gradients together (a module run inside
+        a backbone stage reduces with that stage)."""
+        out = {}
+        if self.enc_dp:
+            out["enc"] = [self.enc_rank(e) for e in range(self.enc_dp)]
+        if self.gen_dp:
+            out["gen"] = [self.gen_rank(g) for g in range(self.gen_dp)]
         for s in range(self.bb_pp):
             out[f"bb{s}"] = [self.bb_rank(d, s) for d in range(self.bb_dp)]
         return out

@@ -117,6 +117,9 @@ class BackboneWorker(Worker):
         self._first = None
         self.first, self.last = stage == 0, stage == self.layout.bb_pp - 1
         self.blocks = stage_layers(self.model.config.layers, self.layout.bb_pp)[stage]
+        self.local_encoder = self.first and self.layout.enc_dp == 0
+        self.local_generator = self.last and self.layout.gen_dp == 0
+        self._media: dict[int, tuple] = {}
 
     def parameters(self):
         bb = self.model.backbone
@@ -125,6 +128,10 @@ class BackboneWorker(Worker):
             params += [*bb.embed.parameters(), *bb.pos.parameters()]
         if self.last:
             params += [*bb.norm.parameters(), *bb.head.parameters()]
+        if self.local_encoder:
+            params += [*self.model.image_encoder.parameters(), *self.model.audio_encoder.parameters()]
+        if self.local_generator:
+            params += list(self.model.generator.parameters())
         return params
 
     def peek_num_microbatches(self, step: int) -> int:
@@ -146,8 +153,11 @@ class BackboneWorker(Worker):
                                    f"step {mb.step} microbatch {mb.microbatch_index}")
             targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens)
             counts += torch.tensor([(targets != -100).sum().item(), mb.gen_spans.shape[0]], dtype=torch.float64)
-            self.outbox.send([torch.tensor([len(mb.images), len(mb.mels)]), *mb.images, *mb.mels],
-                             self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
+            if self.local_encoder:
+                self._media[m] = (mb.images, mb.mels)
+            else:
+                self.outbox.send([torch.tensor([len(mb.images), len(mb.mels)]), *mb.images, *mb.mels],
+                                 self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
             seed = torch.tensor([microbatch_seed(self.seed, step, self.dp, m)])
             metas.append([mb.tokens, mb.position_ids, mb.modality, mb.cu_seqlens, media_index(mb),
                           mb.gen_spans, mb.gen_images, seed, counts])  # counts: filled in below, shared
@@ -157,7 +167,7 @@ class BackboneWorker(Worker):
     def run_step(self, step: int) -> None:
         metas = self._read_step(step) if self.first else [None] * self.M
         saved = {}
-        for op, m in one_f_one_b(self.layout.num_stages, self.stage + 1, self.M):
+        for op, m in one_f_one_b(self.layout.num_stages, self.layout.chain_stage(self.stage), self.M):
             self._current = (self.dp, m)
             if op == "F":
                 saved[m] = self._forward(step, m, metas[m])
@@ -169,7 +179,11 @@ class BackboneWorker(Worker):
         media = None
         if self.first:
             tokens, positions, modality, cu, index, gen_spans, gen_images, seed, counts = meta
-            if index.numel():
+            if index.numel() and self.local_encoder:
+                images, mels = self._media.pop(m)
+                media = self._timed(lambda: torch.cat([self.model.image_encoder(images),
+                                                       self.model.audio_encoder(mels)]))
+            elif index.numel():
                 media = recv(self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed")[0].requires_grad_()
             x = self._timed(bb.embed_inputs, tokens, positions,
                             media if media is not None else torch.zeros(0, bb.embed.embedding_dim), index)
@@ -187,6 +201,15 @@ class BackboneWorker(Worker):
         self.loss_parts[0] += scaled.item()
         num_gen = gen_spans.shape[0]
         queries = hidden[spans_index(gen_spans)].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
+        if self.local_generator:
+            outputs = [scaled]
+            if num_gen:
+                gen = self._timed(self.model.generator.loss, queries, gen_images,
+                                  torch.Generator().manual_seed(int(seed)))
+                gen_scaled = self.model.config.gen_loss_weight * gen / counts[1].clamp(min=1).item()
+                self.loss_parts[1] += gen_scaled.item()
+                outputs.append(gen_scaled)
+            return x, media, outputs, (None, m)
         self.outbox.send([queries, gen_images, seed, counts[1:2]],
                          self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
         return x, media, [scaled], (queries if num_gen else None, m)
@@ -194,7 +217,7 @@ class BackboneWorker(Worker):
     def _backward(self, m: int, saved) -> None:
         x, media, outputs, gen = saved
         if self.last:
-            grads = [torch.ones_like(outputs[0])]
+            grads = [torch.ones_like(o) for o in outputs]
             if gen[0] is not None:
                 outputs = outputs + [gen[0]]
                 grads.append(recv(self.layout.gen_rank(self.layout.gen_of(self.dp, gen[1])), "gen_grad")[0])
@@ -203,5 +226,5 @@ class BackboneWorker(Worker):
         self._timed(torch.autograd.backward, outputs, grads)
         if not self.first:
             self.outbox.send([x.grad], self.layout.bb_rank(self.dp, self.stage - 1), "act_grad")
-        elif media is not None:
+        elif media is not None and not self.local_encoder:
             self.outbox.send([media.grad], self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed_grad")

@@ -37,6 +37,7 @@ from functools import lru_cache
 import numpy as np
 
 from preprocess_service import simkernels
+from preprocess_service.schedule import stage_order  # noqa: F401  (re-exported: the order simulated)
 
 MODULES = ("enc", "bb", "gen")
 
@@ -116,16 +117,6 @@ class Timeline:
     @property
     def makespan(self) -> float:
         return float(max(self.f_end.max(initial=0.0), self.b_end.max(initial=0.0)))
-
-
-def stage_order(P: int, M: int, stage: int) -> list[tuple[str, int]]:
-    """The op sequence of one stage: ('F' | 'B', microbatch)."""
-    warmup = min(P - stage - 1, M)
-    ops = [("F", m) for m in range(warmup)]
-    for i in range(M - warmup):
-        ops += [("F", warmup + i), ("B", i)]
-    ops += [("B", m) for m in range(M - warmup, M)]
-    return ops
 
 
 def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) -> Timeline:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from preprocess_service.schedule import stage_order
+
 
 def one_f_one_b(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The op order of ``stage``: warm-up forwards, then one forward one backward, then cool-down."""
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    ops = [("F", m) for m in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        ops += [("F", warmup + i), ("B", i)]
-    ops += [("B", m) for m in range(num_microbatches - warmup, num_microbatches)]
-    return ops
+    """The op order of ``stage``: the service simulator's (schedule.stage_order), so the plans it
+    judges are run in the order it judged them."""
+    return stage_order(num_stages, num_microbatches, stage)
 
 
 @dataclass(frozen=True, slots=True)

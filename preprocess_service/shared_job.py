@@ -103,12 +103,6 @@ class SharedJob(Job):
         with self._lock:
             return -1 if self._num_steps is None else self._num_steps
 
-    def plan_all(self) -> int:
-        step = 0
-        while self.step_plan(step) is not None:
-            step += 1
-        return step
-
     # --- the planner thread -----------------------------------------------------------------
     def _ensure_planner(self) -> None:
         with self._lock:

@@ -292,15 +292,6 @@ class RedisStore:
             return pipe.execute()[0]
         return int(self._call(run, commands=3, stop=stop) or 0)
 
-    def rank_leases(self, job_id: str, dp_size: int) -> list[dict | None]:
-        """The live step lease of every rank (None where no stream holds one)."""
-        def run(r):
-            pipe = r.pipeline(transaction=False)
-            for rank in range(dp_size):
-                pipe.get(self._key(job_id, "rank", rank))
-            return pipe.execute()
-        return [json.loads(v) if v else None for v in self._call(run, commands=dp_size, deadline_s=10.0)]
-
     # --- acknowledgements and report ------------------------------------------------------------
     def acknowledge(self, job_id: str, rank: int, next_step: int, dp_size: int, *, deadline_s: float = 30.0) -> int:
         key = self._key(job_id, "acks")

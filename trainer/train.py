@@ -3,6 +3,9 @@
     torchrun --nproc-per-node 4 -m trainer.train --address HOST:PORT --shards DATA \\
         --enc-dp 2 --bb-dp 1 --bb-pp 1 --gen-dp 1 --steps 20
 
+Each module has its own DP and TP (--enc-tp, --bb-tp, --gen-tp; Megatron-style tensor
+parallelism, runtime/tensor_parallel.py); --enc-dp 0 --gen-dp 0 is the monolithic layout.
+
 Builds one process group per module from the layout (runtime/layout.py), runs each step's 1F1B
 schedule with point-to-point activations and gradients, reduces each module's gradients inside
 its own DP group, takes one optimizer step per global batch, and logs per-step time, loss and
@@ -27,6 +30,7 @@ from preprocess_service.config import JobConfig
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel
 from trainer.runtime.layout import RuntimeLayout
+from trainer.runtime.tensor_parallel import TPGroup
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 
 
@@ -42,6 +46,9 @@ def parse(argv):
     p.add_argument("--bb-dp", type=int, default=1)
     p.add_argument("--bb-pp", type=int, default=1)
     p.add_argument("--gen-dp", type=int, default=1)
+    p.add_argument("--enc-tp", type=int, default=1)
+    p.add_argument("--bb-tp", type=int, default=1)
+    p.add_argument("--gen-tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -61,22 +68,32 @@ def job_config(args) -> JobConfig:
                      seed=args.seed, reorder_algorithm=args.reorder, num_epochs=1000, cost_feedback=args.feedback)
 
 
+def runtime_layout(args) -> RuntimeLayout:
+    if args.enc_dp == 0 and args.enc_tp != 1 or args.gen_dp == 0 and args.gen_tp != 1:
+        raise SystemExit("an encoder or generator run inside a backbone stage (--enc-dp 0 / --gen-dp 0) "
+                         "uses the backbone's TP: leave --enc-tp / --gen-tp at 1")
+    return RuntimeLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp, args.enc_tp, args.bb_tp, args.gen_tp)
+
+
 def build_worker(args, layout: RuntimeLayout, rank: int, groups: dict):
+    """This rank's worker, its module sharded for its TP rank."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank; each keeps its module
     model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len))
+    ranks = layout.tp_ranks(rank)
+    tp = TPGroup(layout.tp_rank(rank), len(ranks), groups.get(tuple(ranks)), tuple(ranks))
     common = (model, layout, args.num_microbatches, args.seed)
     role = layout.role(rank)
     if role[0] == "enc":
-        return EncoderWorker(*common, replica=role[1]), "enc"
+        return EncoderWorker(*common, replica=role[1], tp=tp)
     if role[0] == "gen":
-        return GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight), "gen"
+        return GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight, tp=tp)
     _, dp, stage = role
     client = None
-    if stage == 0:
+    if stage == 0 and tp.leader:  # the other TP ranks get the microbatches from their leader
         from trainer import DataClient
 
         client = DataClient(args.address, job_config(args), dp, prefetch=args.num_microbatches)
-    return BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0"]), f"bb{stage}"
+    return BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0.tp0"], tp=tp)
 
 
 def fill_missing_grads(params) -> None:
@@ -118,12 +135,15 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    layout = RuntimeLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp)
+    layout = runtime_layout(args)
     if layout.world_size != world:
         raise SystemExit(f"the layout needs {layout.world_size} processes, torchrun started {world}")
+    # every rank creates every group, in the same order
     groups = {name: dist.new_group(ranks) for name, ranks in layout.groups().items()}
+    groups.update({tuple(ranks): dist.new_group(ranks) for ranks in layout.tp_groups()})
     sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
-    worker, group = build_worker(args, layout, rank, groups)
+    worker = build_worker(args, layout, rank, groups)
+    group = layout.group_of(rank)
     params = worker.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     source = layout.bb_rank(0, 0)  # reads the first microbatch of every step
@@ -159,8 +179,8 @@ def main(argv=None) -> int:
             _save(args, step + 1, rank, worker, params, optimizer)
     if args.save_params:
         args.save_params.mkdir(parents=True, exist_ok=True)
-        torch.save({"role": layout.role(rank), "params": [p.detach() for p in params]},
-                   args.save_params / f"rank{rank}.pt")
+        torch.save({"role": layout.role(rank), "params": [p.detach() for p in params],
+                    "shards": [getattr(p, "tp_shard", None) for p in params]}, args.save_params / f"rank{rank}.pt")
     if getattr(worker, "client", None) is not None:
         worker.client.close()
     dist.barrier()
@@ -170,10 +190,12 @@ def main(argv=None) -> int:
 
 def _feed_back(worker, layout: RuntimeLayout, step: int) -> None:
     """Gathers every rank's per-microbatch busy seconds into [bb_dp, M, module]; each chain's
-    stage 0 reports its row to the service, which refits its cost model."""
+    stage 0 reports its row to the service, which refits its cost model. A TP group counts
+    once (its leader's time)."""
     table = torch.zeros(layout.bb_dp, worker.M, 3, dtype=torch.float64)
     for (d, m), seconds in worker.per_microbatch.items():
-        table[d, m, worker.module_index] += seconds
+        if worker.tp.leader:
+            table[d, m, worker.module_index] += seconds
     dist.all_reduce(table)
     if getattr(worker, "client", None) is not None:
         worker.client.report_timings([(step, m, *table[worker.dp, m].tolist()) for m in range(worker.M)])

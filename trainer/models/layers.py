@@ -12,7 +12,7 @@ class Attention(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"width {dim} is not divisible by {heads} heads")
-        self.heads = heads
+        self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
 
@@ -21,14 +21,14 @@ class Attention(nn.Module):
         causal inside each segment [cu[i], cu[i+1]) and never crosses one; computed per segment, so
         it costs the sum of squared document lengths, not the squared sequence length. Without it,
         full attention over each of the B rows (an image's patches)."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         if cu_seqlens is None:
             y = F.scaled_dot_product_attention(q, k, v)
         else:
             y = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)
                            for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) if e > s], dim=2)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):

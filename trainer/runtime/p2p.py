@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-TAGS = {"media": 1, "embed": 2, "embed_grad": 3, "act": 4, "act_grad": 5, "gen": 6, "gen_grad": 7}
+TAGS = {"media": 1, "embed": 2, "embed_grad": 3, "act": 4, "act_grad": 5, "gen": 6, "gen_grad": 7, "tp": 8}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8, torch.float64]
 _HEADER = 512
 

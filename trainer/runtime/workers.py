@@ -9,6 +9,10 @@ which computes the diffusion loss and sends their gradient back. Losses are scal
 global counts (text targets, images to generate), which stage 0 all-reduces over the backbone DP
 ranks at the start of the step and passes down the chain, so summed gradients equal those of
 the single-process reference (mllm.step_loss).
+
+With TP > 1 every rank of a TP group runs the same ops on its shard of the module
+(tensor_parallel.py); only the group's leader (TP rank 0) exchanges tensors with other modules
+and stages, and forwards what it receives to the others, which therefore need no data client.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from trainer.models.backbone import lm_loss, lm_targets, spans_index, stage_laye
 from trainer.models.mllm import MultimodalModel, media_index, microbatch_seed
 from trainer.runtime.layout import RuntimeLayout, one_f_one_b
 from trainer.runtime.p2p import Outbox, recv
+from trainer.runtime.tensor_parallel import SOLO, TPGroup, shard
 
 
 class Worker:
-    def __init__(self, model: MultimodalModel, layout: RuntimeLayout, num_microbatches: int, seed: int):
-        self.model, self.layout, self.M, self.seed = model, layout, num_microbatches, seed
+    def __init__(self, model: MultimodalModel, layout: RuntimeLayout, num_microbatches: int, seed: int,
+                 tp: TPGroup = SOLO):
+        self.model, self.layout, self.M, self.seed, self.tp = model, layout, num_microbatches, seed, tp
         self.outbox = Outbox()
         self.busy_s = 0.0
         self.per_microbatch: dict[tuple[int, int], float] = {}
@@ -44,6 +50,28 @@ class Worker:
     module_index = 0
     """0 encoder, 1 backbone, 2 generator: the column of this worker's timings."""
 
+    def _recv(self, src: int, kind: str) -> list[torch.Tensor]:
+        """A message from another module or stage: the TP leader receives it from ``src`` and
+        forwards it to the other TP ranks, which take it from the leader."""
+        if not self.tp.leader:
+            return recv(self.tp.ranks[0], "tp")
+        tensors = recv(src, kind)
+        self._to_peers(tensors)
+        return tensors
+
+    def _to_peers(self, tensors: list[torch.Tensor]) -> None:
+        for peer in self.tp.ranks[1:]:
+            self.outbox.send(tensors, peer, "tp")
+
+    def _send(self, tensors: list[torch.Tensor], dst: int, kind: str) -> None:
+        """To another module or stage: the TP leader sends (every TP rank holds the same tensors)."""
+        if self.tp.leader:
+            self.outbox.send(tensors, dst, kind)
+
+    def _add_loss(self, part: int, value: float) -> None:
+        if self.tp.leader:  # each TP rank computes the same loss; it counts once
+            self.loss_parts[part] += value
+
     def _timed(self, fn, *args):
         start = time.perf_counter()
         try:
@@ -55,9 +83,11 @@ class Worker:
 
 
 class EncoderWorker(Worker):
-    def __init__(self, *args, replica: int):
-        super().__init__(*args)
+    def __init__(self, *args, replica: int, **kw):
+        super().__init__(*args, **kw)
         self.replica = replica
+        shard(self.model.image_encoder, self.tp)
+        shard(self.model.audio_encoder, self.tp)
 
     def parameters(self):
         return [*self.model.image_encoder.parameters(), *self.model.audio_encoder.parameters()]
@@ -67,23 +97,24 @@ class EncoderWorker(Worker):
         for op, d, m in self.layout.shared_ops("enc", self.replica, self.M):
             src, self._current = self.layout.bb_rank(d, 0), (d, m)
             if op == "F":
-                counts, *media = recv(src, "media")
+                counts, *media = self._recv(src, "media")
                 images, mels = media[:int(counts[0])], media[int(counts[0]):]
                 out = self._timed(lambda: torch.cat([self.model.image_encoder(images), self.model.audio_encoder(mels)]))
                 if out.shape[0]:
-                    self.outbox.send([out], src, "embed")
+                    self._send([out], src, "embed")
                     saved[(d, m)] = out
             elif (d, m) in saved:
-                grad = recv(src, "embed_grad")[0]
+                grad = self._recv(src, "embed_grad")[0]
                 self._timed(saved.pop((d, m)).backward, grad)
 
 
 class GeneratorWorker(Worker):
     module_index = 2
 
-    def __init__(self, *args, replica: int, gen_weight: float):
-        super().__init__(*args)
+    def __init__(self, *args, replica: int, gen_weight: float, **kw):
+        super().__init__(*args, **kw)
         self.replica, self.gen_weight = replica, gen_weight
+        shard(self.model.generator, self.tp)
 
     def parameters(self):
         return list(self.model.generator.parameters())
@@ -93,7 +124,7 @@ class GeneratorWorker(Worker):
             if op != "F":
                 continue  # the last stage: each backward runs right after its forward, below
             src, self._current = self.layout.bb_rank(d, self.layout.bb_pp - 1), (d, m)
-            queries, images, seed, total = recv(src, "gen")
+            queries, images, seed, total = self._recv(src, "gen")
             if queries.shape[0] == 0:
                 continue
             queries.requires_grad_()
@@ -104,15 +135,15 @@ class GeneratorWorker(Worker):
                 scaled.backward()
                 return scaled
             scaled = self._timed(forward_backward)
-            self.loss_parts[1] += scaled.item()
-            self.outbox.send([queries.grad], src, "gen_grad")
+            self._add_loss(1, scaled.item())
+            self._send([queries.grad], src, "gen_grad")
 
 
 class BackboneWorker(Worker):
     module_index = 1
 
-    def __init__(self, *args, dp: int, stage: int, client=None, stage0_group=None):
-        super().__init__(*args)
+    def __init__(self, *args, dp: int, stage: int, client=None, stage0_group=None, **kw):
+        super().__init__(*args, **kw)
         self.dp, self.stage, self.client, self.stage0_group = dp, stage, client, stage0_group
         self._first = None
         self.first, self.last = stage == 0, stage == self.layout.bb_pp - 1
@@ -120,6 +151,13 @@ class BackboneWorker(Worker):
         self.local_encoder = self.first and self.layout.enc_dp == 0
         self.local_generator = self.last and self.layout.gen_dp == 0
         self._media: dict[int, tuple] = {}
+        for block in self.model.backbone.blocks[self.blocks[0]:self.blocks[1]]:
+            shard(block, self.tp)
+        if self.local_encoder:
+            shard(self.model.image_encoder, self.tp)
+            shard(self.model.audio_encoder, self.tp)
+        if self.local_generator:
+            shard(self.model.generator, self.tp)
 
     def parameters(self):
         bb = self.model.backbone
@@ -144,7 +182,10 @@ class BackboneWorker(Worker):
 
     def _read_step(self, step: int) -> list[list[torch.Tensor]]:
         """Stage 0: the step's microbatches from the service, media sent to the encoders, global
-        counts all-reduced; returns each microbatch's metadata as it travels down the chain."""
+        counts all-reduced; returns each microbatch's metadata as it travels down the chain. The
+        other TP ranks of the stage get the same from their leader."""
+        if not self.tp.leader:
+            return [self._peer_meta(m, recv(self.tp.ranks[0], "tp")) for m in range(self.M)]
         metas, counts = [], torch.zeros(2, dtype=torch.float64)
         for m in range(self.M):
             mb, self._first = (self._first, None) if m == 0 and self._first is not None else (next(self.client), None)
@@ -156,13 +197,22 @@ class BackboneWorker(Worker):
             if self.local_encoder:
                 self._media[m] = (mb.images, mb.mels)
             else:
-                self.outbox.send([torch.tensor([len(mb.images), len(mb.mels)]), *mb.images, *mb.mels],
-                                 self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
+                self._send([torch.tensor([len(mb.images), len(mb.mels)]), *mb.images, *mb.mels],
+                           self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
             seed = torch.tensor([microbatch_seed(self.seed, step, self.dp, m)])
             metas.append([mb.tokens, mb.position_ids, mb.modality, mb.cu_seqlens, media_index(mb),
                           mb.gen_spans, mb.gen_images, seed, counts])  # counts: filled in below, shared
         dist.all_reduce(counts, group=self.stage0_group)
+        for m, meta in enumerate(metas):
+            images, mels = self._media.get(m, ([], []))
+            self._to_peers([*meta, torch.tensor([len(images), len(mels)]), *images, *mels])
         return metas
+
+    def _peer_meta(self, m: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        meta, (num_images, _), media = tensors[:9], tensors[9].tolist(), tensors[10:]
+        if self.local_encoder:
+            self._media[m] = (media[:num_images], media[num_images:])
+        return meta
 
     def run_step(self, step: int) -> None:
         metas = self._read_step(step) if self.first else [None] * self.M
@@ -184,21 +234,21 @@ class BackboneWorker(Worker):
                 media = self._timed(lambda: torch.cat([self.model.image_encoder(images),
                                                        self.model.audio_encoder(mels)]))
             elif index.numel():
-                media = recv(self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed")[0].requires_grad_()
+                media = self._recv(self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed")[0].requires_grad_()
             x = self._timed(bb.embed_inputs, tokens, positions,
                             media if media is not None else torch.zeros(0, bb.embed.embedding_dim), index)
         else:
-            x, *meta = recv(self.layout.bb_rank(self.dp, self.stage - 1), "act")
+            x, *meta = self._recv(self.layout.bb_rank(self.dp, self.stage - 1), "act")
             x.requires_grad_()
             tokens, positions, modality, cu, index, gen_spans, gen_images, seed, counts = meta
         y = self._timed(bb.run_blocks, x, cu.tolist(), *self.blocks)
         if not self.last:
-            self.outbox.send([y, *meta], self.layout.bb_rank(self.dp, self.stage + 1), "act")
+            self._send([y, *meta], self.layout.bb_rank(self.dp, self.stage + 1), "act")
             return x, media, [y], None
         hidden, logits = self._timed(bb.logits, y)
         lm_sum, _ = self._timed(lm_loss, logits, lm_targets(tokens, modality, cu))
         scaled = lm_sum / counts[0].clamp(min=1).item()
-        self.loss_parts[0] += scaled.item()
+        self._add_loss(0, scaled.item())
         num_gen = gen_spans.shape[0]
         queries = hidden[spans_index(gen_spans)].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
         if self.local_generator:
@@ -207,11 +257,10 @@ class BackboneWorker(Worker):
                 gen = self._timed(self.model.generator.loss, queries, gen_images,
                                   torch.Generator().manual_seed(int(seed)))
                 gen_scaled = self.model.config.gen_loss_weight * gen / counts[1].clamp(min=1).item()
-                self.loss_parts[1] += gen_scaled.item()
+                self._add_loss(1, gen_scaled.item())
                 outputs.append(gen_scaled)
             return x, media, outputs, (None, m)
-        self.outbox.send([queries, gen_images, seed, counts[1:2]],
-                         self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
+        self._send([queries, gen_images, seed, counts[1:2]], self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
         return x, media, [scaled], (queries if num_gen else None, m)
 
     def _backward(self, m: int, saved) -> None:
@@ -220,11 +269,11 @@ class BackboneWorker(Worker):
             grads = [torch.ones_like(o) for o in outputs]
             if gen[0] is not None:
                 outputs = outputs + [gen[0]]
-                grads.append(recv(self.layout.gen_rank(self.layout.gen_of(self.dp, gen[1])), "gen_grad")[0])
+                grads.append(self._recv(self.layout.gen_rank(self.layout.gen_of(self.dp, gen[1])), "gen_grad")[0])
         else:
-            grads = recv(self.layout.bb_rank(self.dp, self.stage + 1), "act_grad")
+            grads = self._recv(self.layout.bb_rank(self.dp, self.stage + 1), "act_grad")
         self._timed(torch.autograd.backward, outputs, grads)
         if not self.first:
-            self.outbox.send([x.grad], self.layout.bb_rank(self.dp, self.stage - 1), "act_grad")
+            self._send([x.grad], self.layout.bb_rank(self.dp, self.stage - 1), "act_grad")
         elif media is not None and not self.local_encoder:
-            self.outbox.send([media.grad], self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed_grad")
+            self._send([media.grad], self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed_grad")

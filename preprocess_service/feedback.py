@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,25 @@ def microbatch_features(sequences) -> tuple:
             (float(sum(lengths)), float(sum(n * n for n in lengths))), (float(gen),))
 
 
+REFIT_FIELDS = ("enc_linear_s", "enc_quadratic_s", "bb_linear_s", "bb_quadratic_s", "gen_per_image_s")
+"""The coefficients a refit changes."""
+
+
+def sum_features(rows) -> tuple:
+    """Features of several sequences (each as microbatch_features gives them, or its JSON lists) summed."""
+    rows = list(rows)
+    return tuple(tuple(float(sum(r[m][i] for r in rows)) for i in range(width)) for m, width in enumerate((2, 2, 1)))
+
+
+def observation_json(observation: Observation) -> str:
+    return json.dumps({"f": observation.features, "s": observation.seconds})
+
+
+def observation_from_json(data: bytes | str) -> Observation:
+    row = json.loads(data)
+    return Observation(tuple(tuple(f) for f in row["f"]), tuple(row["s"]))
+
+
 class CostRefitter:
     def __init__(self, base: CostConfig, *, window: int = 256, min_observations: int = 8):
         self.cost = base
@@ -60,7 +80,7 @@ class CostRefitter:
         cost = self.cost
         backward = (0.0 if cost.enc_frozen else cost.enc_backward_factor, cost.bb_backward_factor,
                     cost.gen_backward_factor)
-        names = (("enc_linear_s", "enc_quadratic_s"), ("bb_linear_s", "bb_quadratic_s"), ("gen_per_image_s",))
+        names = (REFIT_FIELDS[0:2], REFIT_FIELDS[2:4], REFIT_FIELDS[4:])
         updates = {}
         for module, (label, fields) in enumerate(zip(MODULES, names)):
             rows = [(o.features[module], o.seconds[module] / (1 + backward[module])) for o in self._observations

@@ -32,7 +32,11 @@ class DocRef:
     """Tokens the plan gave it: the re-parsed document must have exactly as many."""
 
 
-def encode(plan: StepPlan) -> bytes:
+def encode(plan: StepPlan, *, cost_model: dict | None = None, features: list | None = None) -> bytes:
+    """``cost_model`` (the coefficients the step was priced with) and ``features`` (each sequence's
+    cost-model features, feedback.microbatch_features) are kept for jobs with cost feedback: a
+    replaying planner prices the step as it was, and any replica turns reported timings into
+    observations without re-reading samples."""
     shard_urls: dict[str, int] = {}
     sequences = []
     for seq in plan.sequences:
@@ -46,6 +50,10 @@ def encode(plan: StepPlan) -> bytes:
         "assignment": plan.assignment.tolist(), "baseline": plan.baseline_assignment.tolist(),
         "simulation": plan.simulation,
     }
+    if cost_model is not None:
+        record["cost_model"] = cost_model
+    if features is not None:
+        record["features"] = features
     return zlib.compress(json.dumps(record, sort_keys=True, separators=(",", ":")).encode(), 6)
 
 
@@ -63,3 +71,9 @@ def decode(data: bytes) -> StepPlan:
                     assignment=np.array(record["assignment"], dtype=np.int64),
                     baseline_assignment=np.array(record["baseline"], dtype=np.int64),
                     simulation=record["simulation"])
+
+
+def feedback_fields(data: bytes) -> tuple[dict | None, list | None]:
+    """(cost_model, features) of a record (None where the job has no cost feedback)."""
+    record = json.loads(zlib.decompress(data))
+    return record.get("cost_model"), record.get("features")

@@ -122,6 +122,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             result = job.report_timings(timings)
         except FeedbackDisabled as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ServiceUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         errors = result["errors"]
         return pb.TimingAck(cost=pb.CostSpec(**dataclasses.asdict(result["cost"])),
                             num_observations=result["num_observations"],

@@ -1,11 +1,11 @@
 """A job served by several replicas through Redis (store.py): any replica streams any rank.
 
 How a step travels:
-1. A stream that needs step k asks Redis for its committed plan. If it is not there yet, the
-   stream records that it wants k and wakes the planner, then polls.
+1. A stream that needs step k asks Redis for its committed plan and, in the same round trip,
+   records that it reads k and wakes the planner; if the plan is not there yet, it polls.
 2. Exactly one replica holds the job's planning lease (it expires unless renewed, so a dead
-   replica's lease passes to another within ``lease_ttl_s``). Its planner thread plans the steps
-   wanted, ``lookahead`` steps beyond, and commits each plan (SET NX) before anyone streams it.
+   replica's lease passes to another within ``lease_ttl_s``). Its planner thread plans up to
+   ``lookahead`` steps beyond the furthest step read, and commits each plan (SET NX) before anyone streams it.
    A replica that takes the lease over resumes its own planner at the start of the epoch of
    the last committed step and replays (planning is deterministic) without committing again.
 3. Every replica streams from the committed plans only, re-reading the microbatch's samples
@@ -14,11 +14,17 @@ How a step travels:
    (the client reconnected elsewhere) makes the older one stop at its next step boundary.
 5. Trainers acknowledge steps once a checkpoint holding the client state is durable; plans of
    steps every rank has acknowledged are dropped.
+6. Cost feedback (JobSpec.cost_feedback): whichever replica a trainer reports its timings to
+   turns them into observations with the features the committed plan keeps, and appends them to
+   a bounded list in Redis; the planning replica refits from that list before each step it
+   commits and records the coefficients in the plan, so a planner that takes over replays every
+   step with the prices it was planned with.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import threading
@@ -29,6 +35,8 @@ from preprocess_service import plan_record, shards
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import (FeedbackDisabled, NotFoundError, SampleError, ServiceUnavailableError,
                                        StreamSuperseded)
+from preprocess_service.feedback import (REFIT_FIELDS, CostRefitter, Observation, microbatch_features,
+                                         observation_from_json, observation_json, sum_features)
 from preprocess_service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
 from preprocess_service.packing import PackedSequence
 from preprocess_service.planner import Planner, StepPlan
@@ -73,7 +81,7 @@ class SharedJob(Job):
                 if plan is not None:
                     self._cache.move_to_end(step)
                     return plan
-            data, frontier, done = self.store.read_plan(self.job_id, step, want=polls > 0, stop=stop)
+            data, frontier, done = self.store.read_plan(self.job_id, step, want=True, stop=stop)
             if data is not None:
                 return self._remember(plan_record.decode(data))
             if done is not None:
@@ -136,9 +144,11 @@ class SharedJob(Job):
                     plans, previous_epoch = planner.plans_from(epoch, next_step), None
                     log.info("job %s: planning from epoch %d (step %d), %d steps committed",
                              self.job_id, epoch, next_step, frontier)
-                if next_step >= max(frontier, want + 1) + self.lookahead:
+                if next_step >= max(frontier, want + 1 + self.lookahead):  # replay, else stay lookahead ahead
                     self.store.wait_for_want(self.job_id, timeout_s=min(self.lease_ttl_s / 3, 5.0), stop=stop)
                     continue
+                if self.refitter is not None:
+                    planner.cost = self._cost_for(next_step, frontier, stop)
                 plan = next(plans, None)
                 if plan is None:
                     if not self.store.commit_done(self.job_id, next_step, stop=stop):
@@ -147,7 +157,7 @@ class SharedJob(Job):
                     return
                 first_of_epoch, previous_epoch = plan.epoch != previous_epoch, plan.epoch
                 skips, self._planning_skips = self._planning_skips, {}
-                record = plan_record.encode(plan)
+                record = plan_record.encode(plan, **self._feedback_fields(plan, planner))
                 if plan.step < frontier:  # a replay: it must match what was committed
                     committed = self.store.committed_plan(self.job_id, plan.step, stop=stop)
                     if committed is not None and committed != record:
@@ -170,6 +180,29 @@ class SharedJob(Job):
             self._planner_error = exc
         finally:
             self.store.release(self.job_id, "planner", self._token)
+
+    def _feedback_fields(self, plan: StepPlan, planner: Planner) -> dict:
+        if self.refitter is None:
+            return {}
+        return {"cost_model": {name: getattr(planner.cost, name) for name in REFIT_FIELDS},
+                "features": [microbatch_features([seq]) for seq in plan.sequences]}
+
+    def _cost_for(self, step: int, frontier: int, stop: threading.Event):
+        """The coefficients to price ``step`` with: a committed step's own (a replay must plan it
+        as it was), else a refit on the observations in Redis."""
+        if step < frontier:
+            committed = self.store.committed_plan(self.job_id, step, stop=stop)
+            cost_model = plan_record.feedback_fields(committed)[0] if committed is not None else None
+            if cost_model:
+                return dataclasses.replace(self.config.cost, **cost_model)
+        return self._refit(stop)[0]
+
+    def _refit(self, stop: threading.Event | None):
+        refitter = CostRefitter(self.config.cost, window=self.refitter.window,
+                                min_observations=self.refitter.min_observations)
+        for row in self.store.timings(self.job_id, stop=stop):
+            refitter.add(observation_from_json(row))
+        return refitter.refit(), dict(refitter.errors)
 
     def _planning_skip(self, exc: SampleError) -> None:
         key = exc.key or f"<shard {exc.shard}>"
@@ -215,8 +248,28 @@ class SharedJob(Job):
         return "", doc
 
     def report_timings(self, timings) -> dict:
-        raise FeedbackDisabled("cost feedback is not supported with replicas on Redis yet: the refit "
-                               "would have to reach the replica that holds the planning lease")
+        """Measured (step, rank, microbatch, encoder_s, backbone_s, generator_s) -> observations
+        in Redis, priced by the features the committed plans keep; returns this replica's refit
+        (the planning replica refits the same way before each step it commits)."""
+        if self.refitter is None:
+            raise FeedbackDisabled(f"job {self.job_id} was opened without cost_feedback; its plans do not "
+                                   "take measured timings")
+        plans, rows = {}, []
+        for step, rank, index, *seconds in timings:
+            if step not in plans:
+                data = self.store.committed_plan(self.job_id, step, stop=self._closed) if step >= 0 else None
+                features = plan_record.feedback_fields(data)[1] if data is not None else None
+                plans[step] = (plan_record.decode(data), features) if features is not None else None
+            if plans[step] is None or not 0 <= rank < self.config.dp_size \
+                    or not 0 <= index < plans[step][0].num_microbatches:
+                continue  # a step never planned, or dropped after every rank acknowledged it
+            plan, features = plans[step]
+            observed = sum_features(features[i] for i in plan.assignment[rank, index])
+            rows.append(observation_json(Observation(observed, tuple(seconds))))
+        total, frontier = self.store.add_timings(self.job_id, rows, self.refitter.window)
+        cost, errors = self._refit(self._closed)
+        # the planner may be pricing step ``frontier`` with what it read before these rows landed
+        return {"cost": cost, "num_observations": total, "first_step_priced": frontier + 1, "errors": errors}
 
     def open_stream(self, rank: int, start_step: int, stop: threading.Event) -> StreamLease:
         return RankLease(self, rank, start_step, stop)

@@ -184,7 +184,8 @@ class RedisStore:
     def read_plan(self, job_id: str, step: int, *, want: bool = False,
                   stop=None) -> tuple[bytes | None, int, int | None]:
         """(committed plan of ``step`` or None, frontier, number of steps or None while planning).
-        ``want`` also tells the planner that a stream waits for ``step`` and wakes it."""
+        ``want`` also tells the planner that a stream reads ``step`` (it keeps its lookahead beyond
+        the furthest step read) and wakes it."""
         def run(r):
             pipe = r.pipeline(transaction=False)  # frontier first: a commit landing in between is harmless
             pipe.get(self._key(job_id, "frontier"))
@@ -307,6 +308,28 @@ class RedisStore:
             pipe.execute()
         if records:
             self._call(run, commands=len(records), stop=stop)
+
+    def add_timings(self, job_id: str, rows: list[str], window: int, *, deadline_s: float = 10.0) -> tuple[int, int]:
+        """Appends measured-timing observations (JSON), keeps the newest ``window``; returns (the
+        number ever added, the frontier: the first step a refit can still price). A retry after a
+        lost reply may add a batch twice: observations are samples of a fit, not data."""
+        def run(r):
+            pipe = r.pipeline(transaction=True)
+            pipe.rpush(self._key(job_id, "timings"), *rows)
+            pipe.ltrim(self._key(job_id, "timings"), -window, -1)
+            pipe.hincrby(self._key(job_id, "counters"), "timing_observations", len(rows))
+            pipe.get(self._key(job_id, "frontier"))
+            return pipe.execute()
+        if not rows:
+            return self._call(lambda r: (int(r.hget(self._key(job_id, "counters"), "timing_observations") or 0),
+                                         int(r.get(self._key(job_id, "frontier")) or 0)), commands=2,
+                              deadline_s=deadline_s)
+        *_, total, frontier = self._call(run, commands=4, deadline_s=deadline_s)
+        return int(total), int(frontier or 0)
+
+    def timings(self, job_id: str, *, stop=None) -> list[bytes]:
+        """The newest observations add_timings kept, oldest first."""
+        return self._call(lambda r: r.lrange(self._key(job_id, "timings"), 0, -1), commands=1, stop=stop)
 
     def report(self, job_id: str, *, deadline_s: float = 30.0) -> dict:
         def run(r):

@@ -99,3 +99,108 @@ def test_timings_for_a_job_without_feedback_are_refused(tmp_path):
         assert "without cost_feedback" in info.value.details()
     finally:
         server.stop(0).wait()
+
+
+def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the_same_prices(tmp_path, caplog):
+    """Timings go to both replicas; the planning replica prices the steps it commits afterwards
+    with the refit and records it in each plan. A second report moves the fit again; after the
+    planning replica stops, the other one replays the epoch with each step's recorded prices
+    (byte-identical plans, not today's refit) and finishes the job."""
+    import logging
+    import threading
+
+    import redis
+
+    from preprocess_service import plan_record
+    from preprocess_service.localcluster import LocalRedis
+
+    caplog.set_level(logging.INFO, logger="preprocess_service.shared_job")
+    # a stream reads about 8 one-microbatch steps ahead of its trainer (gRPC buffers) and the
+    # planner plans 2 beyond: 500 samples leave steps to plan after two reports
+    dataset = tmp_path / "shards"
+    synth.main(["--out", str(dataset), "--num-shards", "1", "--samples-per-shard", "500", "--seed", "9"])
+    config = JobConfig(shards=(str(dataset),), seq_len=2048, dp_size=2, num_microbatches=1, cost_feedback=True)
+    reference = Job(config)  # single node: the plans before any refit, for their features
+    num_steps = reference.plan_all()
+    assert num_steps >= 50
+
+    def report(client, rank, steps, scale=1.0):
+        rows = []
+        for step in steps:
+            plan = reference.step_plan(step)
+            for index in range(plan.num_microbatches):
+                seconds = _measured(microbatch_features(plan.microbatch(rank, index)))
+                rows.append((step, index, *(scale * x for x in seconds)))
+        return client.report_timings(rows)
+
+    def read_through(client, received, step):
+        while received[-1] < step:
+            received.append(next(client).step)
+
+    with LocalRedis(tmp_path / "redis") as rds:
+        servers = {name: create_server("127.0.0.1:0", decode_workers=0, redis_url=rds.url, replica_id=name,
+                                       job_options={"lease_ttl_s": 1.0}) for name in ("a", "b")}
+        address = {name: f"127.0.0.1:{port}" for name, (_, port, _) in servers.items()}
+        try:
+            clients = {0: DataClient(address["a"], config, 0, prefetch=1), 1: DataClient(address["b"], config, 1, prefetch=1)}
+            received = {rank: [next(c).step for _ in range(4)] for rank, c in clients.items()}  # steps 0-3
+            acks = [report(clients[rank], rank, range(4)) for rank in (0, 1)]  # each rank to its own replica
+            assert [a.num_observations for a in acks] == [4, 8], "observations of both replicas add up in Redis"
+            ack = acks[-1]
+            assert ack.cost.bb_linear_s == pytest.approx(TRUE.bb_linear_s, rel=1e-4)
+            first = ack.first_step_priced
+            for rank, client in clients.items():
+                read_through(client, received[rank], first + 1)
+            # the same microbatches measured 3x slower: the fit moves again
+            second = report(clients[0], 0, range(4), scale=3.0)
+            assert second.num_observations == 12
+            assert second.cost.bb_linear_s > 1.2 * TRUE.bb_linear_s
+            assert first + 3 <= second.first_step_priced < num_steps - 5
+            for rank, client in clients.items():
+                read_through(client, received[rank], second.first_step_priced + 1)
+            states = {rank: c.state_dict() for rank, c in clients.items()}
+            for client in clients.values():
+                client.close()
+
+            key = f"disttrain:{{{config.job_id()}}}"
+            r = redis.Redis.from_url(rds.url)
+
+            def cost_model(step):
+                return plan_record.feedback_fields(r.get(f"{key}:plan:{step}"))[0]
+
+            for step in range(first - 1):  # committed before the report: the configured prices
+                assert cost_model(step)["bb_linear_s"] == config.cost.bb_linear_s
+            refit = CostConfig(**{f.name: getattr(ack.cost, f.name) for f in dataclasses.fields(CostConfig)})
+            check = Job(config)  # single node, repriced at the same step: the sequence costs must agree
+            check.step_plan(first - 1)
+            check.planner.cost = refit
+            for step in (first, first + 1):
+                assert cost_model(step)["bb_linear_s"] == pytest.approx(TRUE.bb_linear_s, rel=1e-4)
+                assert [s.cost for s in plan_record.decode(r.get(f"{key}:plan:{step}")).sequences] == \
+                    [s.cost for s in check.step_plan(step).sequences]
+            assert cost_model(second.first_step_priced)["bb_linear_s"] == pytest.approx(second.cost.bb_linear_s)
+
+            holder = r.get(f"{key}:planner").decode().split("/")[0]
+            survivor = "b" if holder == "a" else "a"
+            servers[holder][0].stop(0).wait()  # the planning replica goes away: the other takes over
+            tail = {}
+
+            def consume(rank):
+                with DataClient(address[survivor], config, rank, prefetch=1) as client:
+                    client.load_state_dict(states[rank])
+                    tail[rank] = [mb.step for mb in client]
+            threads = [threading.Thread(target=consume, args=(rank,)) for rank in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            for rank in (0, 1):
+                assert received[rank] + tail[rank] == list(range(num_steps)), "every step once, through the takeover"
+            messages = [rec.getMessage() for rec in caplog.records]
+            assert sum("planning from epoch 0" in m for m in messages) == 2, "the survivor replayed the epoch"
+            assert not any("different plan" in m for m in messages), "the replay reproduced every committed plan"
+            assert cost_model(num_steps - 1)["bb_linear_s"] == pytest.approx(second.cost.bb_linear_s), \
+                "the survivor refits from the same observations"
+        finally:
+            for server, _, _ in servers.values():
+                server.stop(0).wait()

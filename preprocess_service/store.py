@@ -97,6 +97,16 @@ for _, v in ipairs(values) do local n = tonumber(v); if low == nil or n < low th
 return low
 """
 
+# Want: KEYS wants, wake, ARGV step. Raises the furthest step read; only a new furthest step wakes
+# the planner (ranks reading the same step wake it once).
+_WANT = """
+if redis.call('ZADD', KEYS[1], 'GT', 'CH', ARGV[1], 'max') == 1 then
+  redis.call('LPUSH', KEYS[2], 1)
+  redis.call('LTRIM', KEYS[2], 0, 0)
+end
+return 0
+"""
+
 
 def describe(url: str) -> str:
     """The Redis address of ``url`` without a password, for messages."""
@@ -121,6 +131,7 @@ class RedisStore:
         self._release = self._redis.register_script(_RELEASE)
         self._ack = self._redis.register_script(_ACK)
         self._done = self._redis.register_script(_DONE)
+        self._want = self._redis.register_script(_WANT)
         self._lock = threading.Lock()
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
@@ -192,11 +203,9 @@ class RedisStore:
             pipe.get(self._key(job_id, "plan", step))
             pipe.get(self._key(job_id, "done"))
             if want:
-                pipe.zadd(self._key(job_id, "wants"), {"max": step}, gt=True)
-                pipe.lpush(self._key(job_id, "wake"), 1)
-                pipe.ltrim(self._key(job_id, "wake"), 0, 0)
+                self._want(keys=[self._key(job_id, "wants"), self._key(job_id, "wake")], args=[step], client=pipe)
             return pipe.execute()
-        frontier, plan, done, *_ = self._call(run, commands=6 if want else 3, stop=stop)
+        frontier, plan, done, *_ = self._call(run, commands=4 if want else 3, stop=stop)
         return plan, int(frontier or 0), None if done is None else int(done)
 
     def planner_view(self, job_id: str, token: str, ttl_s: float, *,

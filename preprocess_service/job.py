@@ -266,6 +266,14 @@ class JobRegistry:
                 self._jobs[job_id] = Job(config)
             return self._jobs[job_id]
 
+    def num_open(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def is_open(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._jobs
+
     def get(self, job_id: str) -> Job:
         with self._lock:
             job = self._jobs.get(job_id)

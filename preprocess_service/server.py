@@ -29,6 +29,8 @@ from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import (ConfigError, FeedbackDisabled, NotFoundError, ServiceUnavailableError,
                                        StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
+from preprocess_service.security import (PermissionDenied, ResourceExhausted, StreamLimiter, TlsFiles, TokenAuth,
+                                         check_shard_prefixes, client_identity, server_credentials)
 from preprocess_service.spec import config_from_spec, spec_from_config
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,20 @@ CHANNEL_OPTIONS = [
 _END = object()
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client may ask of a server (security.py)."""
+
+    max_request_bytes: int = 4 << 20
+    """Largest request message; requests are job specs and timing reports, never data."""
+    max_streams_per_client: int = 64
+    """Concurrent microbatch streams per client (its token, else its address); 0: no limit."""
+    max_open_jobs: int = 64
+    """Jobs open on this server at once; OpenJob of one more gets RESOURCE_EXHAUSTED. 0: no limit."""
+    allowed_shard_prefixes: tuple[str, ...] = ()
+    """Paths or URL prefixes a job's shards must start with; empty: any."""
+
+
 @dataclass(slots=True)
 class StreamCounters:
     """Live numbers the tests and metrics read."""
@@ -55,6 +71,8 @@ class StreamCounters:
 
 
 _STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, grpc.StatusCode.ABORTED),
+              (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+              (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
               (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
               # storage away (a network file system, an object store): the client tries again, maybe elsewhere
               (OSError, grpc.StatusCode.UNAVAILABLE))
@@ -65,8 +83,10 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
 
 
 class PreprocessServicer(pb_grpc.PreprocessServicer):
-    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None):
+    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None, limits: Limits = Limits()):
         self.jobs = jobs or JobRegistry()
+        self.limits = limits
+        self.streams = StreamLimiter(limits.max_streams_per_client)
         self.prefetch = prefetch
         self.decoder = decoder
         """Shared by all streams: one stream alone can use every worker, many streams share them."""
@@ -88,8 +108,14 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
 
     def OpenJob(self, request, context):
         try:
-            job = self.jobs.open(config_from_spec(request.spec))
-        except (ConfigError, ServiceUnavailableError) as exc:
+            config = config_from_spec(request.spec)
+            check_shard_prefixes(config.shards, self.limits.allowed_shard_prefixes)
+            limit = self.limits.max_open_jobs
+            if limit and not self.jobs.is_open(config.job_id()) and self.jobs.num_open() >= limit:
+                raise ResourceExhausted(f"{self.jobs.num_open()} jobs are open on this server, the most it "
+                                        f"allows (max_open_jobs); finish or reuse one")
+            job = self.jobs.open(config)
+        except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted) as exc:
             context.abort(_status_of(exc), str(exc))
         return self._info(job)
 
@@ -137,6 +163,17 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             job.check_rank(request.dp_rank)
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        client = client_identity(context)
+        try:
+            self.streams.acquire(client)
+        except ResourceExhausted as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        try:
+            yield from self._stream(job, request, context)
+        finally:
+            self.streams.release(client)
+
+    def _stream(self, job: Job, request, context):
         stop = threading.Event()
         context.add_callback(stop.set)
         try:
@@ -285,7 +322,8 @@ def create_decoder(decode_workers: int | None):
 
 def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
                   decode_workers: int | None = None, redis_url: str | None = None,
-                  replica_id: str | None = None, job_options: dict | None = None):
+                  replica_id: str | None = None, job_options: dict | None = None, tls: TlsFiles | None = None,
+                  auth_tokens: tuple[str, ...] = (), limits: Limits = Limits()):
     """Builds and starts a server; returns (server, bound port, servicer). ``decode_workers``
     defaults to one decode process per core (0: decode on threads in this process). The decode
     workers and the planner's compiled kernels are loaded first, so health checks report SERVING
@@ -295,7 +333,10 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     With ``redis_url`` the server is one replica of a deployment: jobs, plans, leases and
     acknowledgements live in that Redis (shared_job.py), ``replica_id`` names this replica in
     leases (default host:port:pid), and ``job_options`` go to every SharedJob (lease_ttl_s,
-    lookahead, ...). Raises ServiceUnavailableError, naming the address, if Redis cannot be reached."""
+    lookahead, ...). Raises ServiceUnavailableError, naming the address, if Redis cannot be reached.
+
+    ``tls`` serves TLS (mutual TLS with a client CA), ``auth_tokens`` requires one of them as a
+    bearer token on every call but health checks, ``limits`` bounds what one client may ask."""
     from preprocess_service.reorder import ours
 
     jobs = JobRegistry()
@@ -312,8 +353,11 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     ours.warm_up()
     wire.tune_malloc()
     decoder = create_decoder(decode_workers)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs)
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", limits.max_request_bytes)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
+    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits)
     _add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -322,7 +366,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
     if port == 0:
         raise ConfigError(f"cannot bind the service to {address!r}")
     server.start()

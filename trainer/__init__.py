@@ -1,5 +1,5 @@
 """Trainer-side library: receive this rank's microbatches from the preprocessing service."""
 
-from trainer.client import DataClient, Microbatch
+from trainer.client import Credentials, DataClient, Microbatch
 
-__all__ = ["DataClient", "Microbatch"]
+__all__ = ["Credentials", "DataClient", "Microbatch"]

@@ -17,6 +17,7 @@ several replicas: gRPC then picks a live one), a comma-separated list of them, o
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -104,15 +105,65 @@ def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
     return [chunk.view(*shape) for chunk, shape in zip(torch.split(flat, sizes), shapes)]
 
 
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call."""
+
+    def __init__(self, token: str):
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """How a client proves itself and checks the server. Each field defaults to its environment
+    variable, the names the service's deployment files use."""
+
+    token: str | None = None
+    """Bearer token (DISTTRAIN_AUTH_TOKEN)."""
+    tls_ca: str | None = None
+    """PEM CA that signed the server's certificate; setting it (or tls=True) turns TLS on (DISTTRAIN_TLS_CA)."""
+    tls_cert: str | None = None
+    """PEM client certificate, for mutual TLS (DISTTRAIN_TLS_CERT)."""
+    tls_key: str | None = None
+    """PEM key of tls_cert (DISTTRAIN_TLS_KEY)."""
+    tls: bool = False
+    """TLS with the system's trusted roots."""
+
+    @classmethod
+    def from_env(cls) -> "Credentials":
+        env = os.environ.get
+        return cls(token=env("DISTTRAIN_AUTH_TOKEN") or None, tls_ca=env("DISTTRAIN_TLS_CA") or None,
+                   tls_cert=env("DISTTRAIN_TLS_CERT") or None, tls_key=env("DISTTRAIN_TLS_KEY") or None)
+
+    def channel(self, address: str):
+        if self.tls or self.tls_ca or self.tls_cert:
+            from preprocess_service.security import channel_credentials
+
+            creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+            channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else:
+            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.intercept_channel(channel, _BearerToken(self.token)) if self.token else channel
+
+
 class _Link:
     """A channel to one of the addresses; connect() moves it to the next reachable one. Each link
     has one owner (the stream thread, or the unary calls under a lock), so closing a channel never
     cuts a call someone else has open on it."""
 
-    def __init__(self, addresses: list[str], start: int = -1):
+    def __init__(self, addresses: list[str], start: int = -1, credentials: Credentials = Credentials()):
         self.addresses = addresses
         self.index = start
         self.channel = None
+        self.credentials = credentials
 
     @property
     def address(self) -> str:
@@ -125,7 +176,7 @@ class _Link:
             for _ in range(len(self.addresses)):
                 self.index = (self.index + 1) % len(self.addresses)
                 self.close()
-                self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                self.channel = self.credentials.channel(self.address)
                 wait = max(0.2, min(2.0, deadline - time.monotonic()) / len(self.addresses))
                 try:
                     grpc.channel_ready_future(self.channel).result(timeout=wait)
@@ -157,7 +208,8 @@ class DataClient:
     """
 
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
-                 connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0):
+                 connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0,
+                 credentials: Credentials | None = None):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
@@ -177,7 +229,8 @@ class DataClient:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._call = None
         self._stream_link: _Link | None = None
-        self._control = _Link(self.addresses)  # unary calls, under _control_lock
+        self.credentials = credentials if credentials is not None else Credentials.from_env()
+        self._control = _Link(self.addresses, credentials=self.credentials)  # unary calls, under _control_lock
         self._control_lock = threading.Lock()
         self._control.connect(connect_timeout_s)
         self._job = job
@@ -275,7 +328,7 @@ class DataClient:
         position = self._next
         failing_since = None
         try:
-            self._stream_link = _Link(self.addresses, start=self._control.index - 1)
+            self._stream_link = _Link(self.addresses, start=self._control.index - 1, credentials=self.credentials)
             self._stream_link.connect(self.connect_timeout_s, cancelled=self._stop.is_set)
             while not self._stop.is_set():
                 try:

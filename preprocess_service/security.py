@@ -1,0 +1,149 @@
+"""What keeps a bad or greedy client from taking the service down: TLS / mutual TLS, bearer-token
+authentication, per-client stream limits, and shard-URL prefixes.
+
+- TLS: ``server_credentials`` loads a certificate and key; with a client CA every client must
+  present a certificate that CA signed (mutual TLS).
+- Tokens: ``TokenAuth`` (a server interceptor) lets a call through only with metadata
+  ``authorization: Bearer <token>`` naming one of the configured tokens (compared in constant
+  time), else UNAUTHENTICATED. The gRPC health service stays open: load balancers and
+  Kubernetes probes send no credentials.
+- ``StreamLimiter``: at most N concurrent streams per client (its token, else its address),
+  else RESOURCE_EXHAUSTED.
+- ``check_shard_prefixes``: every shard a job names must start with a configured prefix (paths
+  compared after resolving ``..`` and symlinks), else PERMISSION_DENIED, so a client cannot make
+  the service read arbitrary files or URLs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from preprocess_service.errors import DisttrainError
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class PermissionDenied(DisttrainError, PermissionError):
+    """A request names something this service is not configured to serve (a shard outside the allowed prefixes)."""
+
+
+class ResourceExhausted(DisttrainError):
+    """A client asks for more than its share (streams, open jobs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: Path
+    """PEM certificate chain the server presents."""
+    key: Path
+    """PEM private key of ``cert``."""
+    client_ca: Path | None = None
+    """PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."""
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise DisttrainError(f"cannot read the TLS {what} {path}: {exc.strerror}") from None
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    client_ca = _read(tls.client_ca, "client CA") if tls.client_ca else None
+    return grpc.ssl_server_credentials([(_read(tls.key, "key"), _read(tls.cert, "certificate"))],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def channel_credentials(ca: Path | None = None, cert: Path | None = None, key: Path | None = None):
+    """Client side: trust ``ca`` (default: the system roots); present ``cert``/``key`` for mutual TLS."""
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA") if ca else None,
+                                        private_key=_read(key, "client key") if key else None,
+                                        certificate_chain=_read(cert, "client certificate") if cert else None)
+
+
+def client_identity(context) -> str:
+    """Who a call comes from: its token if it sent one, else its address without the port."""
+    for key, value in context.invocation_metadata():
+        if key == "authorization":
+            return "token:" + value.removeprefix("Bearer ")[-8:]  # the tail names it in logs, not the secret
+    peer = context.peer()  # "ipv4:127.0.0.1:5555", "ipv6:[::1]:5555", "unix:..."
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    def __init__(self, tokens: Sequence[str]):
+        if not tokens or any(not t for t in tokens):
+            raise ValueError("token authentication needs at least one non-empty token")
+        self._expected = [f"Bearer {t}".encode() for t in tokens]
+
+    def _allowed(self, metadata) -> bool:
+        sent = next((v for k, v in metadata or () if k == "authorization"), None)
+        if sent is None:
+            return False
+        sent = sent.encode() if isinstance(sent, str) else sent
+        return any(hmac.compare_digest(sent, expected) for expected in self._expected)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX) or self._allowed(details.invocation_metadata):
+            return handler
+        message = ("missing or unknown bearer token: send metadata 'authorization: Bearer <token>' "
+                   "(DataClient(token=...) or DISTTRAIN_AUTH_TOKEN)")
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+class StreamLimiter:
+    """Counts open streams per client; ``acquire`` raises ResourceExhausted past the limit (0: none)."""
+
+    def __init__(self, max_per_client: int):
+        self.max_per_client = max_per_client
+        self._lock = threading.Lock()
+        self._open: dict[str, int] = defaultdict(int)
+
+    def acquire(self, client: str) -> None:
+        with self._lock:
+            if self.max_per_client and self._open[client] >= self.max_per_client:
+                raise ResourceExhausted(f"client {client} already has {self._open[client]} open streams, the "
+                                        f"most this service allows one client (max_streams_per_client)")
+            self._open[client] += 1
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            self._open[client] -= 1
+            if self._open[client] <= 0:
+                del self._open[client]
+
+
+def _normalise(spec: str) -> str:
+    if "://" in spec:
+        return spec
+    return os.path.realpath(spec.removeprefix("file:"))
+
+
+def check_shard_prefixes(shards: Sequence[str], prefixes: Sequence[str]) -> None:
+    """Raises PermissionDenied naming the first shard outside ``prefixes`` (empty: all allowed)."""
+    if not prefixes:
+        return
+    allowed = [_normalise(p) for p in prefixes]
+    for spec in shards:
+        path = _normalise(spec)
+        if not any(path == p or path.startswith(p.rstrip("/") + "/") or ("://" in p and path.startswith(p))
+                   for p in allowed):
+            raise PermissionDenied(f"shard {spec!r} is outside the prefixes this service may read "
+                                   f"({', '.join(prefixes)}; allowed_shard_prefixes)")

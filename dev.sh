@@ -47,11 +47,23 @@ ensure_redis() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >&2
 }
 
+ensure_compose() {
+    # docker-compose 1.29.2 validates docker/compose.yaml offline (no Docker engine here). It pins
+    # jsonschema < 4 and needs PyYAML 5.4.1 built without isolation, so it gets its own venv.
+    local venv=.venv-compose
+    [[ -x "$venv/bin/docker-compose" ]] && return 0
+    echo "[setup] installing docker-compose 1.29.2 into $venv (to validate docker/compose.yaml)" >&2
+    "$PY" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q "cython<3" wheel setuptools >&2
+    "$venv/bin/python" -m pip install -q --no-build-isolation pyyaml==5.4.1 >&2
+    "$venv/bin/python" -m pip install -q docker-compose==1.29.2 >&2
+}
+
 cmd=${1:-run}
 [[ $# -gt 0 ]] && shift
 setup
 case "$cmd" in
-    setup) ensure_redis ;;
-    test) ensure_redis; exec "$VENV/bin/python" -m pytest "$@" ;;
+    setup) ensure_redis; ensure_compose ;;
+    test) ensure_redis; ensure_compose; exec "$VENV/bin/python" -m pytest "$@" ;;
     *) exec "$VENV/bin/python" -m preprocess_service "$cmd" "$@" ;;
 esac

@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. end to end: the service as deployed, decoding included.
     if not args.no_end_to_end:
-        proc, port = start_process(["-m", "preprocess_service", "serve", "--host", "127.0.0.1", "--port", "0"])
+        proc, port = start_process(["-m", "preprocess_service", "serve", "--host", "127.0.0.1", "--port", "0",
+                                      "--metrics-port", "0"])
         try:
             result = run_job(config, address=f"127.0.0.1:{port}", progress=False)
         finally:

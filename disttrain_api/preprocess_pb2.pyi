@@ -269,7 +269,7 @@ class JobReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ...) -> None: ...
 
 class StepBalance(_message.Message):
-    __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples", "iteration_s", "arrival_iteration_s", "lower_bound_s")
+    __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples", "iteration_s", "arrival_iteration_s", "lower_bound_s", "bubble_fraction")
     STEP_FIELD_NUMBER: _ClassVar[int]
     IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,7 @@ class StepBalance(_message.Message):
     ITERATION_S_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_ITERATION_S_FIELD_NUMBER: _ClassVar[int]
     LOWER_BOUND_S_FIELD_NUMBER: _ClassVar[int]
+    BUBBLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     step: int
     imbalance: float
     arrival_imbalance: float
@@ -288,7 +289,8 @@ class StepBalance(_message.Message):
     iteration_s: float
     arrival_iteration_s: float
     lower_bound_s: float
-    def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ..., iteration_s: _Optional[float] = ..., arrival_iteration_s: _Optional[float] = ..., lower_bound_s: _Optional[float] = ...) -> None: ...
+    bubble_fraction: float
+    def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ..., iteration_s: _Optional[float] = ..., arrival_iteration_s: _Optional[float] = ..., lower_bound_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ...) -> None: ...
 
 class MicrobatchTiming(_message.Message):
     __slots__ = ("step", "dp_rank", "microbatch_index", "encoder_s", "backbone_s", "generator_s")
@@ -307,12 +309,18 @@ class MicrobatchTiming(_message.Message):
     def __init__(self, step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., encoder_s: _Optional[float] = ..., backbone_s: _Optional[float] = ..., generator_s: _Optional[float] = ...) -> None: ...
 
 class TimingReport(_message.Message):
-    __slots__ = ("job_id", "timings")
+    __slots__ = ("job_id", "timings", "bubble_step", "bubble_fraction", "has_bubble")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BUBBLE_STEP_FIELD_NUMBER: _ClassVar[int]
+    BUBBLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    HAS_BUBBLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     timings: _containers.RepeatedCompositeFieldContainer[MicrobatchTiming]
-    def __init__(self, job_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[MicrobatchTiming, _Mapping]]] = ...) -> None: ...
+    bubble_step: int
+    bubble_fraction: float
+    has_bubble: bool
+    def __init__(self, job_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[MicrobatchTiming, _Mapping]]] = ..., bubble_step: _Optional[int] = ..., bubble_fraction: _Optional[float] = ..., has_bubble: _Optional[bool] = ...) -> None: ...
 
 class TimingAck(_message.Message):
     __slots__ = ("cost", "num_observations", "first_step_priced", "encoder_rel_error", "backbone_rel_error", "generator_rel_error")

@@ -2,7 +2,9 @@
 
 run    one epoch through the service to dp_size client ranks, with measurements and the
        exactly-once check (default: a synthetic LAION-style dataset, embedded service)
-serve  the service alone on a port, until SIGINT/SIGTERM
+serve  the service alone on a port, until SIGINT/SIGTERM (settings: flags, DISTTRAIN_* or a TOML file)
+status a running job's progress: steps planned and sent, balance, skipped samples
+health exit 0 if the service at --address answers SERVING (container health checks)
 synth  write synthetic LAION-style shards
 calibrate  fit the cost model from timings of torch modules; prints the fit and its error
 """
@@ -92,21 +94,89 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from preprocess_service.server import create_server
+    from preprocess_service import logs, metrics, settings
+    from preprocess_service.security import TlsFiles
+    from preprocess_service.server import Limits, create_server
     from preprocess_service.store import describe
 
-    server, port, _ = create_server(f"{args.host}:{args.port}", prefetch=args.prefetch,
-                                    decode_workers=args.decode_workers, redis_url=args.redis,
-                                    replica_id=args.replica_id, job_options={"lease_ttl_s": args.lease_ttl})
-    mode = f"replica of the deployment on Redis {describe(args.redis)}" if args.redis else "single node, no Redis"
-    print(f"disttrain preprocessing service listening on {args.host}:{port}", flush=True)
-    print(f"mode: {mode}", flush=True)
+    cfg = settings.from_args(args)
+    logs.configure(cfg.log_format, cfg.log_level)
+    tls = TlsFiles(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_client_ca) if cfg.tls_client_ca else None) \
+        if cfg.tls_cert else None
+    limits = Limits(max_request_bytes=cfg.max_request_bytes, max_streams_per_client=cfg.max_streams_per_client,
+                    max_open_jobs=cfg.max_open_jobs, allowed_shard_prefixes=cfg.allowed_shard_prefixes)
+    server, port, _ = create_server(f"{cfg.host}:{cfg.port}", prefetch=cfg.prefetch, max_workers=cfg.max_workers,
+                                    decode_workers=cfg.decode_workers, redis_url=cfg.redis_url,
+                                    replica_id=cfg.replica_id, job_options={"lease_ttl_s": cfg.lease_ttl_s},
+                                    tls=tls, auth_tokens=cfg.tokens(), limits=limits)
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port, cfg.host)
+    mode = f"replica of the deployment on Redis {describe(cfg.redis_url)}" if cfg.redis_url else "single node, no Redis"
+    security = ", ".join(filter(None, ["mutual TLS" if cfg.tls_client_ca else "TLS" if tls else "plaintext",
+                                       "token auth" if cfg.tokens() else "no auth"]))
+    print(f"disttrain preprocessing service listening on {cfg.host}:{port}", flush=True)
+    print(f"mode: {mode}; {security}; metrics: "
+          f"{f'http://{cfg.host}:{cfg.metrics_port}/metrics' if cfg.metrics_port else 'off'}", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
     stopped.wait()
     server.stop(grace=5).wait()
     return 0
+
+
+def cmd_status(args) -> int:
+    """Prints a job's progress from GetReport, once or every --watch seconds."""
+    import time
+
+    from disttrain_api import preprocess_pb2 as pb
+    from disttrain_api import preprocess_pb2_grpc as pb_grpc
+    from trainer.client import Credentials
+
+    with Credentials.from_env().channel(args.address) as channel:
+        stub = pb_grpc.PreprocessStub(channel)
+        while True:
+            info = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job_id), timeout=args.timeout)
+            report = stub.GetReport(pb.ReportRequest(job_id=args.job_id), timeout=args.timeout)
+            print(_status_text(info, report), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+
+
+def cmd_health(args) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from trainer.client import Credentials
+
+    with Credentials.from_env().channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"not serving: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _status_text(info, report) -> str:
+    from collections import Counter
+
+    total = f"of {info.num_steps}" if report.planning_done else "(planning goes on)"
+    sent_steps = report.num_sent_microbatches / max(1, info.spec.dp_size * info.spec.num_microbatches)
+    lines = [f"job {info.job_id}: {info.spec.dp_size} ranks x {info.spec.num_microbatches} microbatches x "
+             f"{info.spec.seqs_per_microbatch} sequences of {info.spec.seq_len} tokens, {len(info.shard_urls)} shards",
+             f"  planned  {report.num_planned_steps} steps {total}, {report.num_planned_samples} samples",
+             f"  sent     {report.num_sent_microbatches} microbatches (~{sent_steps:.1f} steps)",
+             f"  skipped  {len(report.skipped)} samples"
+             + (": " + ", ".join(f"{n} x {k}" for k, n in Counter(s.kind for s in report.skipped).most_common())
+                if report.skipped else "")]
+    if report.step_balance:
+        last = report.step_balance[-1]
+        lines.append(f"  step {last.step}: imbalance {last.imbalance:.3f} (arrival order {last.arrival_imbalance:.3f}), "
+                     f"simulated {last.iteration_s:.3f} s vs {last.arrival_iteration_s:.3f} s unordered, "
+                     f"bound {last.lower_bound_s:.3f} s")
+    return "\n".join(lines)
 
 
 def cmd_calibrate(args) -> int:
@@ -132,17 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--decode-workers", type=int, default=None,
                      help="decode processes of the embedded service (default: one per core; 0: threads in-process)")
     serve = sub.add_parser("serve", help="run the service alone")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=50051, help="port (0 = any free port)")
-    serve.add_argument("--prefetch", type=int, default=2, help="microbatches prepared ahead per stream")
-    serve.add_argument("--decode-workers", type=int, default=None,
-                       help="decode processes (default: one per core; 0: decode on threads in the server process)")
-    serve.add_argument("--redis", default=os.environ.get("DISTTRAIN_REDIS_URL"), metavar="URL",
-                       help="Redis of a multi-replica deployment, e.g. redis://redis:6379/0 (default: "
-                            "$DISTTRAIN_REDIS_URL; unset: single node, state in this process)")
-    serve.add_argument("--replica-id", default=None, help="this replica's name in leases (default host:port:pid)")
-    serve.add_argument("--lease-ttl", type=float, default=5.0,
-                       help="seconds before a dead replica's planning lease passes to another (default 5)")
+    from preprocess_service import settings
+
+    settings.add_arguments(serve)
+    status = sub.add_parser("status", help="a running job's progress")
+    status.add_argument("--address", default=os.environ.get("DISTTRAIN_ADDRESS", "127.0.0.1:50051"),
+                        help="service address ($DISTTRAIN_ADDRESS; TLS and token from DISTTRAIN_TLS_* / "
+                             "DISTTRAIN_AUTH_TOKEN)")
+    status.add_argument("--job-id", required=True)
+    status.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="print again every SECONDS")
+    status.add_argument("--timeout", type=float, default=10.0)
+    health = sub.add_parser("health", help="exit 0 if the service answers SERVING")
+    health.add_argument("--address", default=f"127.0.0.1:{os.environ.get('DISTTRAIN_PORT', '50051')}")
+    health.add_argument("--timeout", type=float, default=3.0)
     sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
     cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
     cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")
@@ -156,13 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return {"run": cmd_run, "serve": cmd_serve, "calibrate": cmd_calibrate}.get(args.command or "run", cmd_run)(
+        return {"run": cmd_run, "serve": cmd_serve, "calibrate": cmd_calibrate, "status": cmd_status,
+                "health": cmd_health}.get(args.command or "run", cmd_run)(
             args if args.command else parser.parse_args(["run"]))
     except (ConfigError, DisttrainError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
             raise
         print(f"error: {exc.details()}", file=sys.stderr)
         return 2

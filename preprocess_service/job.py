@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocess_service import shards
+from preprocess_service import metrics, shards
 from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.decode import WORKER_DIED, Decoded
 from preprocess_service.config import JobConfig
@@ -97,6 +97,8 @@ class Job:
 
     def _record_skip(self, exc: SampleError) -> None:
         key = exc.key or f"<shard {exc.shard}>"
+        if key not in self._skipped:
+            metrics.DECODE_ERRORS.labels(exc.kind, "plan").inc()
         self._skipped.setdefault(key, SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind))
 
     # --- streaming ------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class Replica:
 
         args = [sys.executable, "-m", "preprocess_service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--redis", self.redis_url, "--decode-workers", str(self.decode_workers),
-                "--replica-id", f"replica-{self.port}", *self.extra_args]
+                "--replica-id", f"replica-{self.port}", "--metrics-port", "0", *self.extra_args]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         self.starts += 1

@@ -42,7 +42,8 @@ class StepPlan:
     """The same batch with no reordering, for reporting what reordering bought."""
     simulation: dict
     """iteration_s, arrival_iteration_s, lower_bound_s: the exact 1F1B simulator's verdict on the
-    plan and on the arrival order, and the batch's lower bound (cost-model seconds)."""
+    plan and on the arrival order, and the batch's lower bound (cost-model seconds);
+    bubble_fraction: the predicted idle share of the ranks' stages."""
 
     @property
     def num_microbatches(self) -> int:
@@ -130,9 +131,18 @@ class Planner:
         baseline = PLANNERS["arrival"](instance, rng)
         planned = evaluate(instance, assignment)
         simulation = {"iteration_s": planned["iteration_s"], "lower_bound_s": planned["lower_bound_s"],
-                      "arrival_iteration_s": evaluate(instance, baseline)["iteration_s"]}
+                      "arrival_iteration_s": evaluate(instance, baseline)["iteration_s"],
+                      "bubble_fraction": _bubble(instance, assignment, planned["iteration_s"])}
         return StepPlan(step=step, epoch=epoch, sequences=batch, assignment=assignment,
                         baseline_assignment=baseline, simulation=simulation)
+
+
+def _bubble(instance: Instance, assignment: np.ndarray, iteration_s: float) -> float:
+    """Predicted idle share of the D x P stage slots over the simulated iteration."""
+    fwd, bwd = instance.model.stage_times(instance.costs)
+    busy = float((fwd + bwd)[:, assignment].sum())
+    capacity = instance.D * fwd.shape[0] * iteration_s
+    return max(0.0, 1.0 - busy / capacity) if capacity > 0 else 0.0
 
 
 def batch_instance(batch: list[PackedSequence], config: JobConfig, num_microbatches: int) -> Instance:

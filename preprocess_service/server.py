@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service import wire
+from preprocess_service import metrics, wire
 from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import (ConfigError, FeedbackDisabled, NotFoundError, ServiceUnavailableError,
                                        StreamSuperseded)
@@ -87,6 +87,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         self.jobs = jobs or JobRegistry()
         self.limits = limits
         self.streams = StreamLimiter(limits.max_streams_per_client)
+        self.lag = metrics.StreamLag()
         self.prefetch = prefetch
         self.decoder = decoder
         """Shared by all streams: one stream alone can use every worker, many streams share them."""
@@ -150,6 +151,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ServiceUnavailableError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if request.has_bubble:
+            metrics.bubble_measured(job.job_id, request.bubble_fraction)
         errors = result["errors"]
         return pb.TimingAck(cost=pb.CostSpec(**dataclasses.asdict(result["cost"])),
                             num_observations=result["num_observations"],
@@ -168,10 +171,14 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             self.streams.acquire(client)
         except ResourceExhausted as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        context_fields = {"job": job.job_id, "rank": request.dp_rank, "step": request.start_step}
+        log.info("stream opened by %s at step %d microbatch %d", client, request.start_step,
+                 request.start_microbatch, extra=context_fields)
         try:
             yield from self._stream(job, request, context)
         finally:
             self.streams.release(client)
+            log.info("stream closed", extra=context_fields)
 
     def _stream(self, job: Job, request, context):
         stop = threading.Event()
@@ -188,6 +195,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         producer = threading.Thread(target=self._produce, args=(job, request, items, stop),
                                     name=f"stream-{job.job_id}-r{request.dp_rank}", daemon=True)
         self._count(active_streams=1)
+        metrics.ACTIVE_STREAMS.inc()
         producer.start()
         try:
             while True:
@@ -199,6 +207,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                     continue
                 if item is _END:
                     return
+                if not isinstance(item, BaseException):
+                    metrics.QUEUE_DEPTH.labels("send").dec()
                 if isinstance(item, BaseException):
                     code = _status_of(item)
                     if code == grpc.StatusCode.INTERNAL:
@@ -210,6 +220,13 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         finally:
             stop.set()
             self._count(active_streams=-1)
+            metrics.ACTIVE_STREAMS.dec()
+            while True:  # prepared messages the client will never read
+                try:
+                    if not isinstance(items.get_nowait(), BaseException):
+                        metrics.QUEUE_DEPTH.labels("send").dec()
+                except queue.Empty:
+                    break
 
     def _produce(self, job: Job, request, items: queue.Queue, stop: threading.Event) -> None:
         """Keeps up to two microbatches decoding ahead of the one being serialized."""
@@ -219,6 +236,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             lease = job.open_stream(request.dp_rank, request.start_step, stop)
             for plan, index, last in self._positions(job, request, stop):
                 in_decode.append((plan, index, last, job.start_microbatch(plan, request.dp_rank, index, self.decoder)))
+                metrics.QUEUE_DEPTH.labels("decode").inc()
                 if len(in_decode) == 2 and not self._emit(job, request, lease, in_decode.popleft(), items, stop):
                     return
             while in_decode and not stop.is_set():
@@ -233,6 +251,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 lease.close()
             for *_, pending in in_decode:  # abandoned by a cancelled stream: free the buffers
                 pending.future.add_done_callback(lambda f: f.exception() or f.result().release())
+            metrics.QUEUE_DEPTH.labels("decode").dec(len(in_decode))
 
     @staticmethod
     def _positions(job: Job, request, stop: threading.Event):
@@ -249,6 +268,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
 
     def _emit(self, job: Job, request, lease, entry, items: queue.Queue, stop: threading.Event) -> bool:
         plan, index, last, pending = entry
+        metrics.QUEUE_DEPTH.labels("decode").dec()
         arrays, release = job.finish_microbatch(pending)
         try:
             message = self._message(job, plan, request.dp_rank, index, arrays)
@@ -256,9 +276,18 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             release()
         if stop.is_set() or not self._put(items, message, stop):
             return False
+        metrics.QUEUE_DEPTH.labels("send").inc()
+        metrics.microbatch_sent(arrays, len(message))
+        if index == 0:
+            metrics.step_planned(job.job_id, plan)
         if last:
             first = request.start_microbatch if plan.step == request.start_step else 0
             lease.step_sent(plan.step, plan.num_microbatches - first)
+            self.lag.step_sent(job.job_id, request.dp_rank, plan.step)
+            log.debug("step sent", extra={"job": job.job_id, "rank": request.dp_rank, "step": plan.step})
+        for record in arrays.skipped:
+            log.warning("skipped sample %s of %s: %s", record.key, record.shard, record.reason,
+                        extra={"job": job.job_id, "rank": request.dp_rank, "step": plan.step})
         return True
 
     def _put(self, items: queue.Queue, item, stop: threading.Event) -> bool:

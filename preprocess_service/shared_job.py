@@ -31,7 +31,7 @@ import threading
 import uuid
 
 from disttrain_api import preprocess_pb2 as pb
-from preprocess_service import plan_record, shards
+from preprocess_service import metrics, plan_record, shards
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import (FeedbackDisabled, NotFoundError, SampleError, ServiceUnavailableError,
                                        StreamSuperseded)
@@ -206,6 +206,7 @@ class SharedJob(Job):
 
     def _planning_skip(self, exc: SampleError) -> None:
         key = exc.key or f"<shard {exc.shard}>"
+        metrics.DECODE_ERRORS.labels(exc.kind, "plan").inc()  # a replay after a takeover counts again
         self._planning_skips.setdefault(key, _record_json(SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind)))
 
     # --- serving ----------------------------------------------------------------------------

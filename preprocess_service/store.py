@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 import redis
 
 from preprocess_service.errors import ServiceUnavailableError
+from preprocess_service.metrics import REDIS_LATENCY
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,9 @@ class RedisStore:
         start, delay = time.monotonic(), 0.05
         while True:
             try:
+                began = time.perf_counter()
                 result = fn(self._redis)
+                REDIS_LATENCY.observe(time.perf_counter() - began)
             except _RETRYABLE as exc:
                 with self._lock:
                     self._stats["retries"] += 1

@@ -639,14 +639,19 @@ def write_corrupt_shard(path: Path, *, seed: int = 0) -> dict[str, str]:
     return expected
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m preprocess_service.synth", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     parser.add_argument("--num-shards", type=int, default=4)
     parser.add_argument("--samples-per-shard", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corrupt", action="store_true", help="also write OUT/corrupt.tar with known-bad samples")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = SynthConfig(num_shards=args.num_shards, samples_per_shard=args.samples_per_shard, seed=args.seed)

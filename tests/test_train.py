@@ -134,6 +134,10 @@ def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
     job = servicer.jobs.get(job_config(parse(argv)).job_id())
     assert job.refitter.num_observations >= 24 * 2
     assert job.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
+    # and its measured bubble reached the service's metrics, beside the simulator's prediction
+    from preprocess_service.metrics import BUBBLE
+
+    assert 0 < BUBBLE.labels(job.job_id, "measured")._value.get() < 1
 
 
 def _kill_all(marker: str) -> None:

@@ -313,12 +313,16 @@ class DataClient:
                                 next_step=self._next[0] if next_step is None else next_step)
         return self._unary(lambda stub: stub.Acknowledge(request)).min_next_step
 
-    def report_timings(self, timings: list[tuple[int, int, float, float, float]]) -> pb.TimingAck:
+    def report_timings(self, timings: list[tuple[int, int, float, float, float]],
+                       bubble: tuple[int, float] | None = None) -> pb.TimingAck:
         """Sends measured (step, microbatch_index, encoder_s, backbone_s, generator_s) of this rank's
-        microbatches (forward + backward seconds); the job must have cost_feedback on."""
+        microbatches (forward + backward seconds), and optionally (step, measured bubble fraction)
+        for the service's metrics; the job must have cost_feedback on."""
         request = pb.TimingReport(job_id=self.job_id, timings=[
             pb.MicrobatchTiming(step=step, dp_rank=self.dp_rank, microbatch_index=index, encoder_s=enc,
                                 backbone_s=bb, generator_s=gen) for step, index, enc, bb, gen in timings])
+        if bubble is not None:
+            request.bubble_step, request.bubble_fraction, request.has_bubble = bubble[0], bubble[1], True
         return self._unary(lambda stub: stub.ReportTimings(request))
 
     def report(self) -> pb.JobReport:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,8 +36,14 @@ from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWork
 
 
 def parse(argv):
+    """Flags, after those in $DISTTRAIN_TRAIN_ARGS (a Kubernetes ConfigMap sets the job there);
+    --address defaults to $DISTTRAIN_ADDRESS."""
+    argv = shlex.split(os.environ.get("DISTTRAIN_TRAIN_ARGS", "")) + list(sys.argv[1:] if argv is None else argv)
+    address = os.environ.get("DISTTRAIN_ADDRESS")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True, help="preprocessing service address(es), comma-separated")
+    p.add_argument("--address", required=address is None, default=address,
+                   help="preprocessing service address(es), comma-separated, or dns:///NAME:PORT "
+                        "($DISTTRAIN_ADDRESS)")
     p.add_argument("--shards", nargs="+", required=True)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--num-microbatches", type=int, default=4)
@@ -168,13 +175,14 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - began
-        if args.feedback:
-            _feed_back(worker, layout, step)
         stats = torch.tensor([*worker.loss_parts.tolist(), elapsed, worker.busy_s], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
+        record = _record(step, layout, gathered)
         if rank == 0:
-            _log(args, step, layout, gathered)
+            _log(args, record)
+        if args.feedback:
+            _feed_back(worker, layout, step, record["bubble_mean"])
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             _save(args, step + 1, rank, worker, params, optimizer)
     if args.save_params:
@@ -188,7 +196,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _feed_back(worker, layout: RuntimeLayout, step: int) -> None:
+def _feed_back(worker, layout: RuntimeLayout, step: int, bubble: float) -> None:
     """Gathers every rank's per-microbatch busy seconds into [bb_dp, M, module]; each chain's
     stage 0 reports its row to the service, which refits its cost model. A TP group counts
     once (its leader's time)."""
@@ -198,7 +206,8 @@ def _feed_back(worker, layout: RuntimeLayout, step: int) -> None:
             table[d, m, worker.module_index] += seconds
     dist.all_reduce(table)
     if getattr(worker, "client", None) is not None:
-        worker.client.report_timings([(step, m, *table[worker.dp, m].tolist()) for m in range(worker.M)])
+        worker.client.report_timings([(step, m, *table[worker.dp, m].tolist()) for m in range(worker.M)],
+                                     bubble=(step, bubble))
 
 
 def _save(args, step: int, rank: int, worker, params, optimizer) -> None:
@@ -211,7 +220,8 @@ def _save(args, step: int, rank: int, worker, params, optimizer) -> None:
     os.replace(str(path) + ".tmp", path)
 
 
-def _log(args, step: int, layout: RuntimeLayout, gathered: list[torch.Tensor]) -> None:
+def _record(step: int, layout: RuntimeLayout, gathered: list[torch.Tensor]) -> dict:
+    """The step's loss, time and per-module bubble from every rank's (loss parts, seconds, busy seconds)."""
     rows = torch.stack(gathered)
     loss = float(rows[:, 0].sum() + rows[:, 1].sum())
     step_s = float(rows[:, 2].max())
@@ -221,8 +231,12 @@ def _log(args, step: int, layout: RuntimeLayout, gathered: list[torch.Tensor]) -
         name = role[0] if role[0] != "bb" else f"bb{role[2]}"
         busy.setdefault(name, []).append(float(rows[r, 3]))
     bubble = {name: 1 - sum(v) / len(v) / step_s for name, v in busy.items()}
-    record = {"step": step, "loss": loss, "step_s": step_s, "bubble": bubble,
-              "bubble_mean": 1 - float(rows[:, 3].sum()) / (step_s * layout.world_size)}
+    return {"step": step, "loss": loss, "step_s": step_s, "bubble": bubble,
+            "bubble_mean": 1 - float(rows[:, 3].sum()) / (step_s * layout.world_size)}
+
+
+def _log(args, record: dict) -> None:
+    step, loss, step_s, bubble = record["step"], record["loss"], record["step_s"], record["bubble"]
     print(f"step {step:4d}  loss {loss:8.4f}  {step_s:6.2f} s  bubble " +
           " ".join(f"{k} {v:4.0%}" for k, v in bubble.items()), flush=True)
     if args.log_json:

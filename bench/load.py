@@ -1,0 +1,161 @@
+"""Load test: many concurrent client streams against 2 replicas on loopback, for a bounded time.
+
+    python bench/load.py [--streams 32] [--duration 60] [--json FILE]
+
+One job with --streams data-parallel ranks (2048-token sequences, 1 per microbatch, 2
+microbatches per step, the demo data set repeated) is served by 2 replica processes (one decode
+worker each) on a real redis-server; rank r reads from replica r % 2 in one of 4 client
+processes (threads per rank). Reported: microbatches and samples per second over all streams,
+the time between consecutive microbatches of a stream (median, p99, max), and the service's
+memory: the resident set of each replica with its decode workers, sampled every second; the
+peak in the first and the last third of the run show whether memory stays bounded (it should:
+every queue is bounded). Machines here are noisy and have 2 cores shared by everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
+from preprocess_service.config import JobConfig  # noqa: E402
+from preprocess_service.localcluster import LocalRedis, Replica  # noqa: E402
+
+CLIENT_PROCESSES = 4
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        stack += children.get(p, [])
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline: float, out) -> None:
+    """One client process: a thread per rank, each iterating its stream until the deadline."""
+    from trainer import DataClient
+
+    results = {}
+
+    def rank_loop(rank: int) -> None:
+        gaps, samples, count, errors = [], 0, 0, []
+        try:
+            with DataClient(addresses[rank % 2], config, rank, prefetch=2) as client:
+                last = time.monotonic()
+                for mb in client:
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+                    count += 1
+                    samples += len(mb.sample_keys)
+                    if now >= deadline:
+                        break
+        except Exception as exc:  # reported, not hidden
+            errors.append(repr(exc))
+        results[rank] = {"gaps": gaps[1:], "microbatches": count, "samples": samples, "errors": errors}
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    shards = str(ensure_demo_dataset(REPO / "data" / "laion-demo")[0].parent)
+    config = JobConfig(shards=(shards,), seq_len=2048, dp_size=args.streams, num_microbatches=2,
+                       seqs_per_microbatch=1, num_epochs=1000)
+    work = Path(tempfile.mkdtemp(prefix="disttrain-load-"))
+    with LocalRedis(work / "redis") as redis_server:
+        replicas = [Replica(redis_server.url, log_path=work / f"replica{i}.log").start() for i in range(2)]
+        addresses = [r.address for r in replicas]
+        samples_rss: list[tuple[float, int]] = []
+        stop = threading.Event()
+
+        def sample_memory() -> None:
+            while not stop.is_set():
+                samples_rss.append((time.monotonic(), sum(_tree_rss_bytes(r.process.pid) for r in replicas)))
+                stop.wait(1.0)
+
+        idle_rss = sum(_tree_rss_bytes(r.process.pid) for r in replicas)
+        sampler = threading.Thread(target=sample_memory, daemon=True)
+        start = time.monotonic()
+        sampler.start()
+        out = mp.Queue()
+        groups = [list(range(i, args.streams, CLIENT_PROCESSES)) for i in range(CLIENT_PROCESSES)]
+        procs = [mp.Process(target=_clients, args=(g, addresses, config, time.monotonic() + args.duration, out))
+                 for g in groups]
+        for p in procs:
+            p.start()
+        results = {}
+        for _ in procs:
+            results.update(out.get(timeout=args.duration + 300))
+        for p in procs:
+            p.join()
+        elapsed = time.monotonic() - start
+        stop.set()
+        sampler.join()
+        for r in replicas:
+            r.kill()
+    gaps = sorted(g for r in results.values() for g in r["gaps"])
+    microbatches = sum(r["microbatches"] for r in results.values())
+    samples = sum(r["samples"] for r in results.values())
+    errors = [e for r in results.values() for e in r["errors"]]
+    third = args.duration / 3
+    first = max((m for t, m in samples_rss if t - start <= third), default=0)
+    last = max((m for t, m in samples_rss if t - start >= 2 * third), default=0)
+    figures = {
+        "streams": args.streams, "duration_s": round(elapsed, 1), "microbatches": microbatches, "samples": samples,
+        "microbatches_per_s": round(microbatches / elapsed, 1), "samples_per_s": round(samples / elapsed, 1),
+        "gap_median_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
+        "gap_p99_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1) if gaps else None,
+        "gap_max_ms": round(1000 * gaps[-1], 1) if gaps else None,
+        "streams_served": sum(1 for r in results.values() if r["microbatches"]),
+        "errors": errors,
+        "rss_idle_mib": round(idle_rss / 2**20), "rss_peak_mib": round(max(m for _, m in samples_rss) / 2**20),
+        "rss_peak_first_third_mib": round(first / 2**20), "rss_peak_last_third_mib": round(last / 2**20),
+        "memory_bounded": last <= 1.1 * first,
+    }
+    print(f"{args.streams} streams on 2 replicas for {elapsed:.0f} s (2 cores shared by replicas, Redis and clients)")
+    for key, value in figures.items():
+        print(f"  {key:28s} {value}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0 if not errors and figures["streams_served"] == args.streams else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

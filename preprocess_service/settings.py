@@ -1,0 +1,148 @@
+"""The service's settings, with one name each in every place they can be given.
+
+A setting ``redis_url`` is ``redis_url = "..."`` in the TOML file (``--config`` or
+$DISTTRAIN_CONFIG), ``DISTTRAIN_REDIS_URL`` in the environment, and ``--redis-url`` on the command
+line; later ones win (file < environment < flag). docker/compose.yaml and the Kubernetes
+ConfigMap use these names, and a test checks that every DISTTRAIN_* variable they set is one of
+them. Lists (auth_tokens, allowed_shard_prefixes) are comma-separated in the environment and on
+the command line, arrays in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from preprocess_service.errors import ConfigError
+
+ENV_PREFIX = "DISTTRAIN_"
+
+
+def _doc(text: str, default=None, **kw):
+    return field(default=default, metadata={"help": text}, **kw)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ServiceSettings:
+    host: str = _doc("address to listen on", "0.0.0.0")
+    port: int = _doc("gRPC port (0: any free port)", 50051)
+    metrics_port: int = _doc("Prometheus /metrics port (0: no metrics endpoint)", 9400)
+    prefetch: int = _doc("microbatches prepared ahead per stream", 2)
+    decode_workers: int | None = _doc("decode processes (unset: one per core; 0: threads in the server)")
+    max_workers: int = _doc("gRPC handler threads: the most concurrent calls (each stream holds one)", 256)
+    redis_url: str | None = _doc("Redis of a multi-replica deployment, e.g. redis://redis:6379/0 (unset: single node)")
+    replica_id: str | None = _doc("this replica's name in leases (default host:port:pid)")
+    lease_ttl_s: float = _doc("seconds before a dead replica's planning lease passes to another", 5.0)
+    log_format: str = _doc("text or json (one JSON object per line, with job, step and rank where known)", "text")
+    log_level: str = _doc("DEBUG, INFO, WARNING or ERROR", "INFO")
+    tls_cert: str | None = _doc("PEM certificate chain to serve TLS with (needs tls_key)")
+    tls_key: str | None = _doc("PEM private key of tls_cert")
+    tls_client_ca: str | None = _doc("PEM CA: clients must present a certificate it signed (mutual TLS)")
+    auth_tokens: tuple[str, ...] = _doc("bearer tokens a call may present; empty: no token needed", ())
+    auth_tokens_file: str | None = _doc("file with one bearer token per line (a mounted Secret), added to auth_tokens")
+    max_request_bytes: int = _doc("largest request message in bytes", 4 << 20)
+    max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
+    max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
+    allowed_shard_prefixes: tuple[str, ...] = _doc("path or URL prefixes a job's shards must start with; empty: any", ())
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
+        for name in ("prefetch", "max_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def tokens(self) -> tuple[str, ...]:
+        """auth_tokens plus those of auth_tokens_file."""
+        extra = ()
+        if self.auth_tokens_file:
+            try:
+                extra = tuple(t.strip() for t in Path(self.auth_tokens_file).read_text().splitlines() if t.strip())
+            except OSError as exc:
+                raise ConfigError(f"auth_tokens_file {self.auth_tokens_file}: {exc.strerror}") from None
+            if not extra:
+                raise ConfigError(f"auth_tokens_file {self.auth_tokens_file} holds no token")
+        return self.auth_tokens + extra
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServiceSettings)}
+ENV_NAMES = {ENV_PREFIX + name.upper(): name for name in FIELDS} | {ENV_PREFIX + "CONFIG": None}
+"""Every environment variable the service reads (DISTTRAIN_CONFIG names the file)."""
+
+
+def _convert(name: str, value):
+    kind = FIELDS[name].type
+    try:
+        if "tuple" in kind:
+            items = value.split(",") if isinstance(value, str) else value
+            return tuple(str(v).strip() for v in items if str(v).strip())
+        if value is None or value == "":
+            return None if "None" in kind else FIELDS[name].default
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting {name} = {value!r} is not a valid {kind}") from None
+
+
+def load(config_file: str | Path | None = None, environ=None, overrides: dict | None = None) -> ServiceSettings:
+    """Defaults < TOML ``config_file`` (or $DISTTRAIN_CONFIG) < DISTTRAIN_* variables < ``overrides``."""
+    environ = os.environ if environ is None else environ
+    values: dict = {}
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        try:
+            data = tomllib.loads(Path(config_file).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the settings file {config_file}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"settings file {config_file} is not valid TOML: {exc}") from None
+        unknown = sorted(set(data) - set(FIELDS))
+        if unknown:
+            raise ConfigError(f"settings file {config_file} has unknown settings {unknown}; known: {sorted(FIELDS)}")
+        values.update({k: _convert(k, v) for k, v in data.items()})
+    for env, name in ENV_NAMES.items():
+        if name and env in environ:
+            values[name] = _convert(name, environ[env])
+    unknown_env = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in ENV_NAMES
+                         and k not in CLIENT_ENV_NAMES and k not in TOOL_ENV_NAMES)
+    if unknown_env:
+        logging.getLogger(__name__).warning("ignoring unknown settings in the environment: %s (a typo?)",
+                                            ", ".join(unknown_env))
+    values.update({k: _convert(k, v) for k, v in (overrides or {}).items() if v is not None})
+    return ServiceSettings(**values)
+
+
+CLIENT_ENV_NAMES = {"DISTTRAIN_AUTH_TOKEN", "DISTTRAIN_TLS_CA", "DISTTRAIN_ADDRESS", "DISTTRAIN_TRAIN_ARGS"}
+"""Variables the client library and trainer read (trainer.client.Credentials, trainer.train);
+DISTTRAIN_TLS_CERT / DISTTRAIN_TLS_KEY are shared with the server's names."""
+TOOL_ENV_NAMES = {"DISTTRAIN_VENV", "DISTTRAIN_STREAM_PROFILE"}
+"""Read by dev.sh and bench/stream.py, not by the service."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per setting, unset by default so the file and environment show through."""
+    parser.add_argument("--config", metavar="FILE", help="TOML settings file ($DISTTRAIN_CONFIG)")
+    for name, f in FIELDS.items():
+        flags = ["--" + name.replace("_", "-")]
+        flags += {"redis_url": ["--redis"], "lease_ttl_s": ["--lease-ttl"]}.get(name, [])
+        parser.add_argument(*flags, dest=name, default=None, metavar=name.upper().removesuffix("_S"),
+                            help=f"{f.metadata['help']} (${ENV_PREFIX}{name.upper()}; default {f.default!r})")
+
+
+def from_args(args: argparse.Namespace) -> ServiceSettings:
+    return load(args.config, overrides={name: getattr(args, name) for name in FIELDS})

@@ -1,0 +1,166 @@
+"""The deployment files, checked offline: docker-compose validates compose.yaml, the Kubernetes
+manifests (rendered by kustomize) validate strictly against the 1.32 API schemas, and every
+DISTTRAIN_* variable, port, module and flag they name exists in the code."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from preprocess_service import settings
+from preprocess_service.__main__ import main as service_cli
+from trainer.train import parse as trainer_parse
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+K8S = DOCKER / "k8s"
+COMPOSE_BIN = REPO / ".venv-compose" / "bin" / "docker-compose"
+KNOWN_ENV = set(settings.ENV_NAMES) | settings.CLIENT_ENV_NAMES
+DEFAULTS = settings.ServiceSettings()
+PORTS = {"grpc": DEFAULTS.port, "metrics": DEFAULTS.metrics_port, "redis": 6379, "rendezvous": 29500}
+
+
+def _compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def _k8s_documents() -> list[dict]:
+    """The manifests as kustomize renders them (kubectl's built-in kustomize)."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl (with its built-in kustomize) renders docker/k8s; install it to run this test"
+    rendered = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def test_compose_file_is_valid_for_docker_compose():
+    assert COMPOSE_BIN.exists(), "./dev.sh setup installs docker-compose into .venv-compose"
+    done = subprocess.run([str(COMPOSE_BIN), "-f", str(DOCKER / "compose.yaml"), "config", "-q"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    broken = DOCKER / "compose.broken.yaml"
+    try:  # the validator does catch a mistake
+        broken.write_text((DOCKER / "compose.yaml").read_text().replace("    image: redis:7.4-bookworm",
+                                                                         "    image: redis:7.4-bookworm\n    imgae: x"))
+        done = subprocess.run([str(COMPOSE_BIN), "-f", str(broken), "config", "-q"], capture_output=True, text=True)
+        assert done.returncode != 0 and "imgae" in done.stderr
+    finally:
+        broken.unlink()
+
+
+def test_compose_runs_redis_with_aof_two_replicas_and_a_trainer():
+    services = _compose()["services"]
+    redis_conf = (DOCKER / "redis.conf").read_text()
+    assert "appendonly yes" in redis_conf and "appendfsync always" in redis_conf
+    assert "./redis.conf:/usr/local/etc/redis/redis.conf:ro" in services["redis"]["volumes"]
+    replicas = [name for name, s in services.items() if "serve" in (s.get("command") or ["serve"])
+                and s.get("image", "").startswith("disttrain-service") and "entrypoint" not in s]
+    assert replicas == ["replica-a", "replica-b"]
+    for name in replicas:
+        assert services[name]["environment"]["DISTTRAIN_REDIS_URL"] == "redis://redis:6379/0"
+    trainer = services["trainer"]["command"]
+    args = trainer_parse(trainer[trainer.index("trainer.train") + 1:])  # the flags exist and parse
+    assert args.address == "replica-a:50051,replica-b:50051"
+    assert args.enc_dp + args.bb_dp * args.bb_pp + args.gen_dp == int(trainer[trainer.index("--nproc-per-node") + 1])
+
+
+def test_kubernetes_manifests_validate_strictly():
+    import kubernetes_validate
+
+    documents = _k8s_documents()
+    kinds = sorted(d["kind"] for d in documents)
+    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "Service", "Service",
+                     "Service", "StatefulSet"]
+    for doc in documents:
+        kubernetes_validate.validate(doc, "1.32.0", strict=True)
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["readinessProbe"]["grpc"]["prot"] = 1  # the validator does catch a mistake
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.32.0", strict=True)
+
+
+def test_kubernetes_service_probes_grpc_health_and_the_job_uses_torchrun(tmp_path):
+    documents = _k8s_documents()
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == DEFAULTS.port
+    assert next(d for d in documents if d["kind"] == "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    job = next(d for d in documents if d["kind"] == "Job")
+    assert job["spec"]["completionMode"] == "Indexed"
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    config = next(d for d in documents if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-job"))
+    args = trainer_parse(shlex.split(config["data"]["DISTTRAIN_TRAIN_ARGS"]) + ["--address", "x:1"])
+    nodes, per_node = (int(trainer["args"][trainer["args"].index(f) + 1]) for f in ("--nnodes", "--nproc-per-node"))
+    assert args.enc_dp + args.bb_dp * args.bb_pp + args.gen_dp == nodes * per_node == job["spec"]["completions"] * per_node
+    assert "trainer.train" in trainer["args"]
+    settings_map = next(d for d in documents if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-settings"))
+    path = tmp_path / "disttrain.toml"
+    path.write_text(settings_map["data"]["disttrain.toml"])
+    loaded = settings.load(path, environ={})  # the service reads it without an error
+    assert (loaded.port, loaded.metrics_port) == (DEFAULTS.port, DEFAULTS.metrics_port)
+    assert loaded.allowed_shard_prefixes == ("/data/shards",)
+
+
+def _env_names() -> set[str]:
+    names = set()
+    for service in _compose()["services"].values():
+        names |= set(service.get("environment") or {})
+    for doc in _k8s_documents():
+        if doc["kind"] == "ConfigMap":
+            names |= {k for k in doc.get("data", {}) if k.startswith("DISTTRAIN_")}
+        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            names |= {e["name"] for e in container.get("env", [])}
+    for dockerfile in DOCKER.glob("*.Dockerfile"):
+        names |= set(re.findall(r"\bDISTTRAIN_[A-Z_]+", dockerfile.read_text()))
+    return {n for n in names if n.startswith("DISTTRAIN_")}
+
+
+def test_every_variable_and_port_named_in_the_deployment_exists_in_the_code():
+    names = _env_names()
+    assert {"DISTTRAIN_REDIS_URL", "DISTTRAIN_CONFIG", "DISTTRAIN_ADDRESS", "DISTTRAIN_TRAIN_ARGS"} <= names
+    assert names <= KNOWN_ENV, f"unknown to the code: {sorted(names - KNOWN_ENV)}"
+    source = "".join(p.read_text() for p in [*REPO.glob("preprocess_service/*.py"), *REPO.glob("trainer/*.py")])
+    for name in names:
+        assert name in source or name.removeprefix("DISTTRAIN_").lower() in settings.FIELDS, name
+    # ports: compose's container ports, Kubernetes' containerPorts and the Dockerfiles' EXPOSE
+    for service in _compose()["services"].values():
+        for mapping in service.get("ports", []):
+            assert int(str(mapping).split(":")[-1]) in PORTS.values(), mapping
+        env = service.get("environment") or {}
+        if "DISTTRAIN_PORT" in env:
+            assert int(env["DISTTRAIN_PORT"]) == DEFAULTS.port
+    for doc in _k8s_documents():
+        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for port in container.get("ports", []):
+                assert PORTS[port["name"]] == port["containerPort"], port
+        if doc["kind"] == "Service":
+            for port in doc["spec"]["ports"]:
+                assert PORTS[port["name"]] == port["port"], port
+    for dockerfile in DOCKER.glob("*.Dockerfile"):
+        for line in re.findall(r"^EXPOSE (.+)$", dockerfile.read_text(), re.M):
+            assert {int(p) for p in line.split()} <= set(PORTS.values()), (dockerfile.name, line)
+
+
+def test_images_install_the_right_torch_and_run_commands_that_exist():
+    service = (DOCKER / "service.Dockerfile").read_text()
+    trainer = (DOCKER / "trainer.Dockerfile").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in service  # before `pip install .`
+    assert service.index("whl/cpu") < service.index("pip install .")
+    assert "pip install torch==2.13.0" in trainer and "whl/cpu" not in trainer and "torch.version.cuda" in trainer
+    # the commands the images and compose run exist: `serve`, `health`, `synth` with its flags
+    with pytest.raises(SystemExit) as done:
+        service_cli(["health", "--help"])
+    assert done.value.code == 0
+    demo = _compose()["services"]["demo-data"]
+    assert demo["entrypoint"][-1] == "synth"
+    from preprocess_service import synth
+
+    flags = synth.build_parser().parse_args(demo["command"])
+    assert flags.num_shards == 4 and flags.corrupt

@@ -67,7 +67,7 @@ def load_documents(urls: list[str], config: JobConfig) -> list:
     as failures in one path and not the other)."""
     docs = []
     for url in urls:
-        for sample in shards.iter_shard(url, lambda u, r: None):
+        for sample in shards.iter_shard(url, lambda problem: None):
             try:
                 doc = parse_document(sample, image_config=config.image, tokenizer=TOKENIZER,
                                      seq_len=config.seq_len, audio_config=config.audio, generation=config.generation)

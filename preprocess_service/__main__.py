@@ -12,6 +12,7 @@ calibrate  fit the cost model from timings of torch modules; prints the fit and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -84,8 +85,12 @@ def cmd_run(args) -> int:
     print(f"[run] {len(config.shards)} shard spec(s); service "
           f"{'at ' + args.address if args.address else 'embedded'}; {config.dp_size} client ranks",
           file=sys.stderr, flush=True)
+    from preprocess_service.server import Limits
+
+    limits = Limits(allowed_shard_schemes=tuple(s.strip() for s in args.allowed_shard_schemes.split(",") if s.strip())) \
+        if args.allowed_shard_schemes else Limits()
     result = run_job(config, address=args.address, prefetch=args.prefetch, connect_timeout_s=args.connect_timeout,
-                     decode_workers=args.decode_workers)
+                     decode_workers=args.decode_workers, limits=limits)
     print(summary(result, config))
     if args.report:
         write_report(args.report, result, config)
@@ -103,8 +108,7 @@ def cmd_serve(args) -> int:
     logs.configure(cfg.log_format, cfg.log_level)
     tls = TlsFiles(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_client_ca) if cfg.tls_client_ca else None) \
         if cfg.tls_cert else None
-    limits = Limits(max_request_bytes=cfg.max_request_bytes, max_streams_per_client=cfg.max_streams_per_client,
-                    max_open_jobs=cfg.max_open_jobs, allowed_shard_prefixes=cfg.allowed_shard_prefixes)
+    limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # same names
     server, port, _ = create_server(f"{cfg.host}:{cfg.port}", prefetch=cfg.prefetch, max_workers=cfg.max_workers,
                                     decode_workers=cfg.decode_workers, redis_url=cfg.redis_url,
                                     replica_id=cfg.replica_id, job_options={"lease_ttl_s": cfg.lease_ttl_s},
@@ -201,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--report", type=Path, help="write a JSON report (keys per rank, skipped keys) here")
     run.add_argument("--decode-workers", type=int, default=None,
                      help="decode processes of the embedded service (default: one per core; 0: threads in-process)")
+    run.add_argument("--allowed-shard-schemes", default=None, metavar="SCHEMES",
+                     help="the embedded service's allowed shard schemes, comma-separated (default file,http,https; "
+                          "add pipe to read pipe:COMMAND shards: you are the operator here)")
     serve = sub.add_parser("serve", help="run the service alone")
     from preprocess_service import settings
 
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except grpc.RpcError as exc:
         if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
+                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED):
             raise
         print(f"error: {exc.details()}", file=sys.stderr)
         return 2

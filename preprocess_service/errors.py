@@ -20,8 +20,11 @@ class SampleError(DisttrainError):
 
     KINDS = ("invalid_json", "bad_utf8", "unreadable_image", "truncated_image", "decompression_bomb",
              "unreadable_audio", "invalid_order", "too_long", "empty", "decode_failed", "decode_worker_died",
-             "shard_error")
+             "shard_error", "truncated_shard", "oversize", "invalid_key", "duplicate_key", "duplicate_member",
+             "parse_failed", "read_timeout")
     """Short machine-readable causes, for counting; ``reason`` is the sentence for people."""
+    NOT_LOST = ("duplicate_key", "duplicate_member")
+    """Kinds that report a dropped copy, not a lost sample: the first copy is delivered."""
 
     def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):
         assert kind in self.KINDS, kind
@@ -43,3 +46,17 @@ class StreamSuperseded(DisttrainError):
 
 class FeedbackDisabled(DisttrainError):
     """Timings reported for a job that did not ask for cost feedback (gRPC FAILED_PRECONDITION)."""
+
+
+class PermissionDenied(DisttrainError, PermissionError):
+    """A request names something this service's operator does not allow (a shard scheme or a
+    path outside the allowed prefixes; gRPC PERMISSION_DENIED)."""
+
+
+class ResourceExhausted(DisttrainError):
+    """A client asks for more than its share (streams, jobs, memory; gRPC RESOURCE_EXHAUSTED).
+    ``retry_after_s`` hints when trying again may succeed."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -47,15 +47,17 @@ class Job:
     is small; the encoded image bytes of a step are dropped once every rank has been sent it,
     and re-read from the shard if a resumed stream needs that step again."""
 
-    def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4):
+    def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4,
+                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[str] | None = None):
         self.config = config
         self.job_id = config.job_id()
-        self.shard_urls = shards.expand_shards(config.shards)
+        self.reader = reader
+        self.shard_urls = shard_urls if shard_urls is not None else reader.expand(config.shards)
         self.tokenizer = tokenizer or ByteTokenizer()
         self._lock = threading.Lock()
         self._skipped: dict[str, SkippedRecord] = {}
         self._plans: list[StepPlan] = []
-        self.planner = Planner(config, self.shard_urls, self.tokenizer, self._record_skip)
+        self.planner = Planner(config, self.shard_urls, self.tokenizer, self._record_skip, reader)
         self._planner = iter(self.planner)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
@@ -161,7 +163,7 @@ class Job:
                 missing[doc.shard].add(doc.key)
         fetched: dict[str, dict] = {}
         for url, keys in missing.items():
-            fetched.update(shards.read_samples(url, keys))
+            fetched.update(self.reader.read_samples(url, keys))
         out = []
         for seq, pairs in zip(sequences, snapshot):
             documents = []
@@ -261,12 +263,17 @@ class JobRegistry:
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
 
-    def open(self, config: JobConfig) -> Job:
+    def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
+             reader: shards.ShardReader = shards.DEFAULT_READER) -> Job:
+        """The open job of ``config``, opened if need be; its shards are expanded before the lock
+        is taken (an expansion can take a while; nothing else waits for it)."""
         job_id = config.job_id()
         with self._lock:
-            if job_id not in self._jobs:
-                self._jobs[job_id] = Job(config)
-            return self._jobs[job_id]
+            job = self._jobs.get(job_id)
+        if job is None:
+            job = Job(config, reader=reader, shard_urls=shard_urls)
+        with self._lock:
+            return self._jobs.setdefault(job_id, job)
 
     def num_open(self) -> int:
         with self._lock:

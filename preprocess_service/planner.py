@@ -73,9 +73,11 @@ class StepPlan:
 class Planner:
     """Iterates a job's StepPlans in order; skipped samples go to ``on_skip``."""
 
-    def __init__(self, config: JobConfig, shard_urls: list[str], tokenizer: Tokenizer, on_skip: SkipSink):
+    def __init__(self, config: JobConfig, shard_urls: list[str], tokenizer: Tokenizer, on_skip: SkipSink,
+                 reader: shards.ShardReader = shards.DEFAULT_READER):
         self.config = config
         self.shard_urls = shard_urls
+        self.reader = reader
         self.tokenizer = tokenizer
         self.on_skip = on_skip
         self.cost = config.cost
@@ -113,7 +115,7 @@ class Planner:
         cfg = self.config
         order = shards.shard_order(self.shard_urls, seed=cfg.seed, epoch=epoch, shuffle=cfg.shard_shuffle)
         for url in order:
-            for sample in shards.iter_shard(url, lambda u, reason: self.on_skip(SampleError("", reason, u, "shard_error"))):
+            for sample in self.reader.iter_shard(url, self.on_skip):
                 try:
                     yield parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer,
                                          seq_len=cfg.seq_len, audio_config=cfg.audio, generation=cfg.generation)

@@ -25,7 +25,7 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import shards
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import ServiceUnavailableError
-from preprocess_service.server import CHANNEL_OPTIONS, create_server
+from preprocess_service.server import CHANNEL_OPTIONS, Limits, create_server
 from preprocess_service.spec import spec_from_config
 
 
@@ -92,12 +92,13 @@ def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -
 
 
 def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
-            progress: bool = True, connect_timeout_s: float = 10.0, decode_workers: int | None = None) -> RunResult:
+            progress: bool = True, connect_timeout_s: float = 10.0, decode_workers: int | None = None,
+            limits: Limits = Limits()) -> RunResult:
     """Runs one pass over the job with ``config.dp_size`` client processes; the embedded service
-    (no ``address``) gets ``decode_workers`` decode processes (default one per core)."""
+    (no ``address``) gets ``decode_workers`` decode processes (default one per core) and ``limits``."""
     server = None
     if address is None:
-        server, port, _ = create_server("127.0.0.1:0", decode_workers=decode_workers)
+        server, port, _ = create_server("127.0.0.1:0", decode_workers=decode_workers, limits=limits)
         address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)
@@ -167,7 +168,7 @@ def all_keys(urls: list[str]) -> set[str]:
     """Every sample key in the shards, read straight from the tars (independent of the planner)."""
     keys: set[str] = set()
     for url in urls:
-        keys.update(s["__key__"] for s in shards.iter_shard(url, lambda u, r: None))
+        keys.update(s["__key__"] for s in shards.iter_shard(url, lambda problem: None))
     return keys
 
 

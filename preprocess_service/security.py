@@ -9,16 +9,13 @@ authentication, per-client stream limits, and shard-URL prefixes.
   Kubernetes probes send no credentials.
 - ``StreamLimiter``: at most N concurrent streams per client (its token, else its address),
   else RESOURCE_EXHAUSTED.
-- ``check_shard_prefixes``: every shard a job names must start with a configured prefix (paths
-  compared after resolving ``..`` and symlinks), else PERMISSION_DENIED, so a client cannot make
-  the service read arbitrary files or URLs.
+- shard sources (schemes, prefixes, bounded expansion) are sources.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
@@ -27,17 +24,9 @@ from pathlib import Path
 
 import grpc
 
-from preprocess_service.errors import DisttrainError
+from preprocess_service.errors import DisttrainError, ResourceExhausted
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-
-
-class PermissionDenied(DisttrainError, PermissionError):
-    """A request names something this service is not configured to serve (a shard outside the allowed prefixes)."""
-
-
-class ResourceExhausted(DisttrainError):
-    """A client asks for more than its share (streams, open jobs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,22 +119,3 @@ class StreamLimiter:
             self._open[client] -= 1
             if self._open[client] <= 0:
                 del self._open[client]
-
-
-def _normalise(spec: str) -> str:
-    if "://" in spec:
-        return spec
-    return os.path.realpath(spec.removeprefix("file:"))
-
-
-def check_shard_prefixes(shards: Sequence[str], prefixes: Sequence[str]) -> None:
-    """Raises PermissionDenied naming the first shard outside ``prefixes`` (empty: all allowed)."""
-    if not prefixes:
-        return
-    allowed = [_normalise(p) for p in prefixes]
-    for spec in shards:
-        path = _normalise(spec)
-        if not any(path == p or path.startswith(p.rstrip("/") + "/") or ("://" in p and path.startswith(p))
-                   for p in allowed):
-            raise PermissionDenied(f"shard {spec!r} is outside the prefixes this service may read "
-                                   f"({', '.join(prefixes)}; allowed_shard_prefixes)")

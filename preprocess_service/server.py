@@ -24,13 +24,16 @@ from grpc_reflection.v1alpha import reflection
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service import metrics, wire
+from preprocess_service import metrics, sources, wire
 from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import (ConfigError, FeedbackDisabled, NotFoundError, ServiceUnavailableError,
                                        StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
-from preprocess_service.security import (PermissionDenied, ResourceExhausted, StreamLimiter, TlsFiles, TokenAuth,
-                                         check_shard_prefixes, client_identity, server_credentials)
+from preprocess_service.errors import PermissionDenied, ResourceExhausted
+from preprocess_service.security import StreamLimiter, TlsFiles, TokenAuth, client_identity, server_credentials
+from preprocess_service.shards import ShardReader
+from preprocess_service.sources import ShardPolicy
+from preprocess_service.tarstream import TarLimits
 from preprocess_service.spec import config_from_spec, spec_from_config
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,8 @@ _END = object()
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one client may ask of a server (security.py)."""
+    """What one client may ask of a server and what a shard may make it read (settings.py
+    documents each; security.py, sources.py and tarstream.py enforce them)."""
 
     max_request_bytes: int = 4 << 20
     """Largest request message; requests are job specs and timing reports, never data."""
@@ -57,6 +61,22 @@ class Limits:
     """Jobs open on this server at once; OpenJob of one more gets RESOURCE_EXHAUSTED. 0: no limit."""
     allowed_shard_prefixes: tuple[str, ...] = ()
     """Paths or URL prefixes a job's shards must start with; empty: any."""
+    allowed_shard_schemes: tuple[str, ...] = sources.DEFAULT_SCHEMES
+    """Shard schemes jobs may use; "pipe" (a shell command) and other program-running schemes are off."""
+    max_shards: int = 100_000
+    """Most shards one job's specs may expand to."""
+    max_member_bytes: int = 64 << 20
+    """Largest tar member read into memory (checked from the tar header)."""
+    max_sample_bytes: int = 128 << 20
+    """Largest sum of one sample's members."""
+    shard_read_timeout_s: float = 60.0
+    """Seconds a shard may send nothing before it is reported and abandoned."""
+
+    def shard_reader(self) -> ShardReader:
+        policy = ShardPolicy(allowed_schemes=self.allowed_shard_schemes, allowed_prefixes=self.allowed_shard_prefixes,
+                             max_shards=self.max_shards)
+        tar_limits = TarLimits(max_member_bytes=self.max_member_bytes, max_sample_bytes=self.max_sample_bytes)
+        return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=self.shard_read_timeout_s)
 
 
 @dataclass(slots=True)
@@ -86,6 +106,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None, limits: Limits = Limits()):
         self.jobs = jobs or JobRegistry()
         self.limits = limits
+        self.reader = limits.shard_reader()
         self.streams = StreamLimiter(limits.max_streams_per_client)
         self.lag = metrics.StreamLag()
         self.prefetch = prefetch
@@ -110,12 +131,14 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def OpenJob(self, request, context):
         try:
             config = config_from_spec(request.spec)
-            check_shard_prefixes(config.shards, self.limits.allowed_shard_prefixes)
+            # parsed, expanded (bounded) and checked here, outside every lock: a bad spec is refused as
+            # such whatever the server's load
+            shard_urls = None if self.jobs.is_open(config.job_id()) else self.reader.expand(config.shards)
             limit = self.limits.max_open_jobs
             if limit and not self.jobs.is_open(config.job_id()) and self.jobs.num_open() >= limit:
                 raise ResourceExhausted(f"{self.jobs.num_open()} jobs are open on this server, the most it "
                                         f"allows (max_open_jobs); finish or reuse one")
-            job = self.jobs.open(config)
+            job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader)
         except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted) as exc:
             context.abort(_status_of(exc), str(exc))
         return self._info(job)
@@ -378,7 +401,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
 
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
-                                 f"{os.getpid()}", **(job_options or {}))
+                                 f"{os.getpid()}", reader=limits.shard_reader(), **(job_options or {}))
     ours.warm_up()
     wire.tune_malloc()
     decoder = create_decoder(decode_workers)

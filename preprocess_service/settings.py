@@ -48,7 +48,18 @@ class ServiceSettings:
     max_request_bytes: int = _doc("largest request message in bytes", 4 << 20)
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
-    allowed_shard_prefixes: tuple[str, ...] = _doc("path or URL prefixes a job's shards must start with; empty: any", ())
+    allowed_shard_prefixes: tuple[str, ...] = _doc("path or URL prefixes every expanded shard must start with, "
+                                                   "compared after normalising (realpath for paths); empty: any", ())
+    allowed_shard_schemes: tuple[str, ...] = _doc(
+        "shard schemes jobs may use: file (local paths), http, https by default; add pipe (runs a shell command "
+        "per shard) or gs/s3/... (run programs) only on a trusted deployment", ("file", "http", "https"))
+    max_shards: int = _doc("most shards one job's specs may expand to (brace patterns are counted before "
+                           "they are expanded)", 100_000)
+    max_member_bytes: int = _doc("largest tar member read into memory, bytes (checked from the tar header; a "
+                                 "larger member skips its sample)", 64 << 20)
+    max_sample_bytes: int = _doc("largest sum of one sample's tar members, bytes", 128 << 20)
+    shard_read_timeout_s: float = _doc("seconds a shard may send nothing before it is reported and abandoned "
+                                       "(the job goes on)", 60.0)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -60,9 +71,15 @@ class ServiceSettings:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
-        for name in ("prefetch", "max_workers"):
+        for name in ("prefetch", "max_workers", "max_shards", "max_member_bytes", "max_sample_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+        if not 0 < self.shard_read_timeout_s <= 3600:
+            raise ConfigError(f"shard_read_timeout_s must be in (0, 3600], got {self.shard_read_timeout_s}")
+        if self.max_sample_bytes < self.max_member_bytes:
+            raise ConfigError(f"max_sample_bytes ({self.max_sample_bytes}) is below max_member_bytes "
+                              f"({self.max_member_bytes})")
 
     def tokens(self) -> tuple[str, ...]:
         """auth_tokens plus those of auth_tokens_file."""

@@ -52,8 +52,9 @@ class SharedJob(Job):
 
     def __init__(self, config: JobConfig, store: RedisStore, replica_id: str, *, lookahead: int = 2,
                  lease_ttl_s: float = 5.0, rank_lease_ttl_s: float = 30.0, cache_steps: int = 64,
-                 poll_s: float = 0.02):
-        super().__init__(config)
+                 poll_s: float = 0.02, reader: shards.ShardReader = shards.DEFAULT_READER,
+                 shard_urls: list[str] | None = None):
+        super().__init__(config, reader=reader, shard_urls=shard_urls)
         self.store = store
         self.replica_id = replica_id
         self.lookahead = lookahead
@@ -140,7 +141,7 @@ class SharedJob(Job):
                 seen_frontier = frontier
                 if plans is None:
                     _, epoch, next_step = self.store.resume_point(self.job_id, stop=stop)
-                    planner = Planner(self.config, self.shard_urls, self.tokenizer, self._planning_skip)
+                    planner = Planner(self.config, self.shard_urls, self.tokenizer, self._planning_skip, self.reader)
                     plans, previous_epoch = planner.plans_from(epoch, next_step), None
                     log.info("job %s: planning from epoch %d (step %d), %d steps committed",
                              self.job_id, epoch, next_step, frontier)
@@ -219,7 +220,7 @@ class SharedJob(Job):
             for ref in seq.documents:
                 wanted[ref.shard].add(ref.key)
         samples = {(url, key): sample for url, keys in wanted.items()
-                   for key, sample in shards.read_samples(url, keys).items()}
+                   for key, sample in self.reader.read_samples(url, keys).items()}
         out, lost = [], []
         for seq in sequences:
             documents = []
@@ -347,19 +348,24 @@ class SharedJobRegistry(JobRegistry):
     """Open jobs of this replica, registered in Redis: a stream for a job another replica opened
     finds its spec there and opens the same job here."""
 
-    def __init__(self, store: RedisStore, replica_id: str, **job_options):
+    def __init__(self, store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
+                 **job_options):
         super().__init__()
         self.store = store
+        self.reader = reader
+        """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
         self.replica_id = replica_id
         self.job_options = job_options
 
-    def open(self, config: JobConfig) -> Job:
+    def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
+             reader: shards.ShardReader | None = None) -> Job:
         job_id = config.job_id()
         with self._lock:
             job = self._jobs.get(job_id)
         if job is not None:
             return job
-        job = SharedJob(config, self.store, self.replica_id, **self.job_options)
+        job = SharedJob(config, self.store, self.replica_id, reader=reader or self.reader, shard_urls=shard_urls,
+                        **self.job_options)
         self.store.register_job(job_id, job.spec_bytes)
         with self._lock:
             return self._jobs.setdefault(job_id, job)

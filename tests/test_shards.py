@@ -2,6 +2,7 @@ import pytest
 
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service import shards
+from preprocess_service.sources import ShardPolicy
 from preprocess_service.errors import ConfigError
 
 
@@ -25,8 +26,11 @@ def test_missing_local_shard_is_a_config_error_naming_it(tmp_path):
 def test_reads_local_file_and_pipe_urls(tmp_path, scheme):
     [path] = write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=5)
     url = {"path": str(path), "file": f"file://{path}", "pipe": f"pipe:cat {path}"}[scheme]
+    # pipe: runs a program, so only a reader whose operator enabled it reads it
+    reader = shards.ShardReader(policy=ShardPolicy(allowed_schemes=("file", "pipe")))
+    [name] = reader.expand([url])
     errors = []
-    samples = list(shards.iter_shard(url, lambda u, r: errors.append(r)))
+    samples = list(reader.iter_shard(name, errors.append))
     assert {s["__key__"] for s in samples} == shard_keys([path])
     assert not errors
     assert all({"jpg", "txt", "json"} <= set(s) for s in samples)
@@ -36,8 +40,8 @@ def test_a_broken_tar_is_reported_not_raised(tmp_path):
     bad = tmp_path / "bad.tar"
     bad.write_bytes(b"this is not a tar file" * 100)
     errors = []
-    assert list(shards.iter_shard(str(bad), lambda u, r: errors.append((u, r)))) == []
-    assert errors and errors[0][0] == str(bad)
+    assert list(shards.iter_shard(str(bad), errors.append)) == []
+    assert errors and errors[0].shard == str(bad) and errors[0].kind == "truncated_shard"
 
 
 def test_shuffle_buffer_is_a_seeded_permutation():

@@ -1,0 +1,334 @@
+"""Shard sources: a client's shard specs parsed, expanded within bounds, normalised and checked
+against the operator's policy before anything is opened.
+
+Order of work for every spec (``resolve``), so no check can be bypassed by syntax:
+1. bound the raw text (length, printable characters, brace count);
+2. split webdataset's ``::`` lists and brace-expand each part, counting the names *before*
+   generating them (``{0..999999999}`` is refused, not materialised);
+3. parse every expanded name into a ``Source`` (scheme, normalised location): local paths (plain
+   or ``file:``) must not contain a ``..`` component and are resolved with realpath (symlinks
+   followed); URLs get a lower-case scheme and host and may not contain ``..`` segments, raw or
+   percent-encoded;
+4. check the scheme against ``ShardPolicy.allowed_schemes`` (default: local files and
+   http(s); ``pipe:`` and every other scheme that runs a program only when the operator lists
+   it) and the normalised location against ``allowed_prefixes`` (empty: any).
+
+Refusals raise ConfigError (malformed: INVALID_ARGUMENT) or PermissionDenied (well-formed but not
+allowed: PERMISSION_DENIED), naming the shard and the rule.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from preprocess_service.errors import ConfigError, PermissionDenied
+
+LOCAL_SCHEMES = ("file",)
+DEFAULT_SCHEMES = ("file", "http", "https")
+PROGRAM_SCHEMES = ("pipe", "gs", "gsutil", "s3", "ais", "sftp", "scp", "hf", "htgs")
+"""Schemes webdataset's gopen serves by running a program; refused unless the operator lists them."""
+MAX_SPEC_CHARS = 4096
+MAX_SPECS = 4096
+MAX_BRACE_GROUPS = 16
+_RANGE = re.compile(r"^(-?\d+|[A-Za-z])\.\.(-?\d+|[A-Za-z])(?:\.\.(-?\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPolicy:
+    """What the operator allows a job's shards to be (server settings, never a client's spec)."""
+
+    allowed_schemes: tuple[str, ...] = DEFAULT_SCHEMES
+    """Schemes a shard may use; "file" covers plain paths. Add "pipe" to let jobs run shell
+    commands on the server (off by default)."""
+    allowed_prefixes: tuple[str, ...] = ()
+    """Normalised path or URL prefixes every expanded shard must start with; empty: any."""
+    max_shards: int = 100_000
+    """Most shard names one job may expand to."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_schemes", tuple(s.lower().rstrip(":") for s in self.allowed_schemes))
+        if self.max_shards < 1:
+            raise ConfigError(f"max_shards must be at least 1, got {self.max_shards}")
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One shard: its scheme and normalised location (an absolute real path for local files)."""
+
+    scheme: str
+    location: str
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme in LOCAL_SCHEMES
+
+    @property
+    def url(self) -> str:
+        """How the rest of the service names it: the path for local files, else the URL."""
+        return self.location
+
+
+def resolve(specs: Sequence[str], policy: ShardPolicy = ShardPolicy()) -> list[Source]:
+    """Every shard the specs name, checked; a local directory stands for its sorted *.tar files."""
+    if len(specs) > MAX_SPECS:
+        raise ConfigError(f"a job may give at most {MAX_SPECS} shard specs, got {len(specs)}")
+    named: list[tuple[Source, str]] = []
+    for spec in specs:  # every name is parsed and checked before any is looked up on disk
+        _check_text(spec)
+        for name in expand(spec, policy.max_shards - len(named)):
+            source = parse(name, spec)
+            check(source, policy, spec)
+            named.append((source, spec))
+    sources: list[Source] = []
+    for source, spec in named:
+        sources.extend(_directory_tars(source, spec, policy, policy.max_shards - len(sources)))
+    if not sources:
+        raise ConfigError(f"the shard specs {list(specs)!r} expand to no shard")
+    return sources
+
+
+def _check_text(spec: str) -> None:
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError("a shard spec is empty")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise ConfigError(f"shard spec {spec[:60]!r}... is {len(spec)} characters, more than {MAX_SPEC_CHARS}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in spec):
+        raise ConfigError(f"shard spec {spec!r} contains control characters")
+
+
+# --- brace expansion --------------------------------------------------------------------------
+
+def expand(spec: str, limit: int) -> list[str]:
+    """webdataset's shard syntax (``::`` separates lists; ``{a,b}``, ``{000..099}``, ``{0..98..2}``),
+    counted before it is generated: more than ``limit`` names raise ConfigError."""
+    names: list[str] = []
+    for part in spec.split("::"):
+        if not part:
+            raise ConfigError(f"shard spec {spec!r} has an empty item between '::' separators")
+        tree = _parse_braces(part, spec)
+        count = _count(tree, limit + 1)
+        if len(names) + count > limit:
+            raise ConfigError(f"shard spec {spec!r} expands to more than {limit} shards, the most this service "
+                              "allows one job (max_shards)")
+        names.extend(_generate(tree))
+    return names
+
+
+def _parse_braces(text: str, spec: str):
+    """A sequence of str / ("alt", [sequences]) / ("range", values)."""
+    if text.count("{") > MAX_BRACE_GROUPS:
+        raise ConfigError(f"shard spec {spec!r} has more than {MAX_BRACE_GROUPS} brace groups")
+    seq, pos = _parse_seq(text, 0, spec, top=True)
+    return seq
+
+
+def _parse_seq(text: str, pos: int, spec: str, top: bool):
+    seq: list = []
+    literal = []
+    while pos < len(text):
+        c = text[pos]
+        if c == "{":
+            if literal:
+                seq.append("".join(literal))
+                literal = []
+            group, pos = _parse_group(text, pos + 1, spec)
+            seq.append(group)
+            continue
+        if c == "}" or (c == "," and not top):
+            if top:
+                raise ConfigError(f"shard spec {spec!r} has an unmatched '}}'")
+            break
+        literal.append(c)
+        pos += 1
+    if literal:
+        seq.append("".join(literal))
+    return seq, pos
+
+
+def _parse_group(text: str, pos: int, spec: str):
+    end = text.find("}", pos)
+    body = text[pos:end] if end >= 0 else ""
+    match = _RANGE.match(body) if "{" not in body else None
+    if match:
+        return ("range", _range_values(*match.groups(), spec)), end + 1
+    options = []
+    while True:
+        seq, pos = _parse_seq(text, pos, spec, top=False)
+        options.append(seq)
+        if pos >= len(text):
+            raise ConfigError(f"shard spec {spec!r} has an unmatched '{{'")
+        if text[pos] == "}":
+            return ("alt", options), pos + 1
+        pos += 1  # a comma
+
+
+def _range_values(first: str, last: str, step: str | None, spec: str):
+    """A lazy description of a range: (start, stop, step, width, letters)."""
+    step_n = abs(int(step)) if step else 1
+    if step_n == 0:
+        raise ConfigError(f"shard spec {spec!r} has a range with step 0")
+    if first.isalpha() != last.isalpha():
+        raise ConfigError(f"shard spec {spec!r} mixes letters and numbers in a range")
+    if first.isalpha():
+        a, b = ord(first), ord(last)
+        return (a, b, step_n, 0, True)
+    width = max(len(first), len(last)) if (first.lstrip("-").startswith("0") and len(first.lstrip("-")) > 1) or \
+        (last.lstrip("-").startswith("0") and len(last.lstrip("-")) > 1) else 0
+    return (int(first), int(last), step_n, width, False)
+
+
+def _range_len(values) -> int:
+    a, b, step, _, _ = values
+    return abs(b - a) // step + 1
+
+
+def _count(seq, cap: int) -> int:
+    """Names a sequence expands to, stopping at ``cap`` (no big number is ever built)."""
+    total = 1
+    for item in seq:
+        if isinstance(item, str):
+            continue
+        kind, body = item
+        n = _range_len(body) if kind == "range" else min(cap, sum(_count(o, cap) for o in body))
+        total = min(cap, total * n)
+    return total
+
+
+def _generate(seq) -> Iterator[str]:
+    if not seq:
+        yield ""
+        return
+    head, rest = seq[0], seq[1:]
+    for prefix in _items(head):
+        for suffix in _generate(rest):
+            yield prefix + suffix
+
+
+def _items(item) -> Iterator[str]:
+    if isinstance(item, str):
+        yield item
+        return
+    kind, body = item
+    if kind == "alt":
+        for option in body:
+            yield from _generate(option)
+        return
+    a, b, step, width, letters = body
+    direction = 1 if b >= a else -1
+    for value in range(a, b + direction, step * direction):
+        yield chr(value) if letters else (f"{value:0{width}d}" if width else str(value))
+
+
+# --- parsing and checking ---------------------------------------------------------------------
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def parse(name: str, spec: str = "") -> Source:
+    """One expanded shard name -> Source. Local paths lose nothing but ``.``/duplicate slashes and
+    symlinks (realpath); a ``..`` component is refused outright rather than resolved."""
+    spec = spec or name
+    match = _SCHEME.match(name)
+    scheme = match.group(1).lower() if match else ""
+    if scheme in ("", "file") or len(scheme) == 1:  # "C:" is not a scheme here, but refuse it as a path
+        path = name[len("file:"):] if scheme == "file" else name
+        if scheme == "file" and path.startswith("//"):
+            parts = urlsplit(name)
+            if parts.netloc not in ("", "localhost"):
+                raise ConfigError(f"shard {name!r} (from {spec!r}): file URLs must name this host")
+            path = unquote(parts.path)
+        return Source("file", _local(path, name, spec))
+    if scheme in ("http", "https"):
+        return Source(scheme, _url(name, scheme, spec))
+    rest = name[len(scheme) + 1:]
+    if _has_dotdot(unquote(rest)):
+        raise ConfigError(f"shard {name!r} (from {spec!r}) contains a '..' component")
+    return Source(scheme, scheme + ":" + rest)
+
+
+def _has_dotdot(path: str) -> bool:
+    return any(part == ".." for part in re.split(r"[/\\]", path))
+
+
+def _local(path: str, name: str, spec: str) -> str:
+    if not path:
+        raise ConfigError(f"shard {name!r} (from {spec!r}) names no path")
+    if "\x00" in path:
+        raise ConfigError(f"shard {name!r} (from {spec!r}) contains a NUL byte")
+    if _has_dotdot(path):
+        raise ConfigError(f"shard {name!r} (from {spec!r}) contains a '..' component; give the path without it")
+    return os.path.realpath(path)
+
+
+def _url(name: str, scheme: str, spec: str) -> str:
+    try:
+        parts = urlsplit(name)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"shard {name!r} (from {spec!r}) is not a valid URL: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(f"shard {name!r} (from {spec!r}) is a URL without a host")
+    if _has_dotdot(unquote(parts.path)):
+        raise ConfigError(f"shard {name!r} (from {spec!r}) contains a '..' path segment")
+    if any(c in name for c in " \"'`<>\\"):
+        raise ConfigError(f"shard {name!r} (from {spec!r}) contains characters a URL may not hold unquoted")
+    host = parts.hostname.lower()
+    netloc = (f"{parts.username}@" if parts.username else "") + (f"[{host}]" if ":" in host else host)
+    netloc += f":{port}" if port is not None else ""
+    return urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
+
+
+def check(source: Source, policy: ShardPolicy, spec: str = "") -> None:
+    """Raises PermissionDenied unless the operator's policy allows ``source``."""
+    spec = spec or source.location
+    if source.scheme not in policy.allowed_schemes:
+        hint = (" it runs a program on the server; the operator can allow it with allowed_shard_schemes"
+                if source.scheme in PROGRAM_SCHEMES else " allowed_shard_schemes does not list it")
+        raise PermissionDenied(f"shard {source.location!r} (from {spec!r}) uses scheme {source.scheme!r}, which this "
+                               f"service does not read ({', '.join(policy.allowed_schemes)}):{hint}")
+    if not policy.allowed_prefixes:
+        return
+    if not any(_under(source, prefix) for prefix in policy.allowed_prefixes):
+        raise PermissionDenied(f"shard {source.location!r} (from {spec!r}) is outside the prefixes this service may "
+                               f"read ({', '.join(policy.allowed_prefixes)}; allowed_shard_prefixes)")
+
+
+def _under(source: Source, prefix: str) -> bool:
+    try:
+        allowed = parse(prefix)
+    except ConfigError:
+        return False
+    if allowed.scheme != source.scheme:
+        return False
+    base = allowed.location.rstrip("/")
+    return source.location == base or source.location.startswith(base + "/")
+
+
+def _directory_tars(source: Source, spec: str, policy: ShardPolicy, room: int) -> list[Source]:
+    """A local directory -> its *.tar files (sorted, each resolved and checked: a symlink inside
+    may point elsewhere); a local file must exist."""
+    if not source.is_local:
+        return [source]
+    path = source.location
+    if os.path.isdir(path):
+        tars = []
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.name.endswith(".tar"):
+                    tars.append(entry.name)
+                    if len(tars) > room:
+                        raise ConfigError(f"shard directory {path!r} holds more than {room} *.tar files (max_shards)")
+        if not tars:
+            raise ConfigError(f"shard directory {path!r} holds no *.tar file")
+        out = [parse(os.path.join(path, name), spec) for name in sorted(tars)]
+        for tar in out:
+            check(tar, policy, spec)
+        return out
+    if not os.path.exists(path):
+        origin = f" (from {spec!r})" if spec != path else ""
+        raise ConfigError(f"shard {path!r} does not exist{origin}")
+    return [source]

@@ -1,0 +1,187 @@
+"""Bounded reading of webdataset tar shards: samples out of a byte stream, every size checked
+from its header before anything is read.
+
+``iter_samples(fileobj, url, limits, on_problem)`` yields raw samples (``__key__``, ``__url__``,
+member suffix -> bytes) grouped as webdataset groups them (consecutive members whose names share
+the part before the first dot of the base name; ``__*__`` meta members skipped; suffixes lower
+case). What it never does, whatever the shard holds:
+
+- read a member larger than ``max_member_bytes`` or a sample larger than ``max_sample_bytes``
+  (the data is skipped through, the sample reported ``oversize``);
+- read a pax or GNU long-name header block larger than ``MAX_HEADER_BLOCK_BYTES`` (the shard
+  ends there, reported);
+- keep more than ``max_members_per_sample`` members or a key longer than ``MAX_KEY_CHARS``.
+
+Duplicates follow one policy, keep the first and report the others: a member name repeated
+inside a sample keeps its first copy (the sample goes on, the copy is reported
+``duplicate_member``); a key that appears again later in the same shard is reported
+``duplicate_key`` (the job-wide check across shards is the planner's). A shard cut short reports
+the sample it was reading, by key (``truncated_shard``), and every complete sample before it is
+delivered.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from webdataset.tariterators import base_plus_ext
+
+from preprocess_service.errors import SampleError
+
+MAX_HEADER_BLOCK_BYTES = 1 << 20
+"""Largest pax extended header or GNU long name this reader accepts (tarfile would read any size)."""
+MAX_KEY_CHARS = 1024
+_META = re.compile(r"__[^/]*__($|/)")
+
+ProblemSink = Callable[[SampleError], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TarLimits:
+    """Operator bounds on what one shard may make the service read (server settings)."""
+
+    max_member_bytes: int = 64 << 20
+    """Largest tar member read into memory; a larger one skips its sample (checked from the header)."""
+    max_sample_bytes: int = 128 << 20
+    """Largest sum of a sample's member sizes."""
+    max_members_per_sample: int = 64
+    """Most members one sample may have."""
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A TarInfo that refuses oversized pax / GNU long-name blocks before tarfile reads them."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                         tarfile.SOLARIS_XHDTYPE) and self.size > MAX_HEADER_BLOCK_BYTES:
+            raise tarfile.HeaderError(f"a {self.type!r} header block of {self.size} bytes (at most "
+                                      f"{MAX_HEADER_BLOCK_BYTES} accepted)")
+        return super()._proc_member(tarfile_)
+
+
+@dataclass(slots=True)
+class _Sample:
+    key: str
+    members: dict
+    nbytes: int = 0
+    problem: SampleError | None = None
+
+
+def iter_members(fileobj) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
+    """(header, tar) of every regular member of a tar stream, headers bounded."""
+    tar = tarfile.open(fileobj=fileobj, mode="r|*", tarinfo=_BoundedTarInfo)
+    for info in tar:
+        tar.members = []  # stream mode keeps every header otherwise
+        if info.isreg():
+            yield info, tar
+
+
+def split_name(name: str) -> tuple[str | None, str | None]:
+    """(key, lower-case suffix) as webdataset groups members; (None, None) for names it skips."""
+    if _META.match(name):
+        return None, None
+    key, suffix = base_plus_ext(name)
+    if key is None or suffix is None:
+        return None, None
+    return key, suffix.lower()
+
+
+def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink) -> Iterator[dict]:
+    """Raw samples of one tar stream; problems go to ``on_problem`` (SampleError, with key where
+    known) and never end the stream early, except a broken or cut tar, which ends it after
+    reporting the sample it was reading."""
+    current: _Sample | None = None
+    seen: set[str] = set()
+    try:
+        for info, tar in iter_members(fileobj):
+            key, suffix = split_name(info.name)
+            if key is None:
+                continue
+            if current is None or key != current.key:
+                if current is not None:
+                    sample = _finish(current, url, on_problem)
+                    if sample is not None:
+                        yield sample
+                current = _Sample(key, {})
+                if len(key) > MAX_KEY_CHARS:
+                    current.problem = SampleError(key[:64] + "...", f"key is {len(key)} characters, more than "
+                                                  f"{MAX_KEY_CHARS}", url, "invalid_key")
+                elif key in seen:
+                    current.problem = SampleError(key, "the key appears again later in the shard; the first "
+                                                  "sample with this key is kept", url, "duplicate_key")
+                seen.add(key)
+            _add_member(current, info, tar, suffix, url, limits, on_problem)
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        lost = current.key if current is not None else ""
+        where = f"while reading sample {lost!r}" if lost else "before its first sample"
+        on_problem(SampleError(lost, f"the shard is cut short or corrupt {where} ({type(exc).__name__}: {exc}); "
+                               "samples before it were read", url, "truncated_shard"))
+        return
+    if current is not None:
+        sample = _finish(current, url, on_problem)
+        if sample is not None:
+            yield sample
+
+
+def _add_member(current: _Sample, info, tar, suffix: str, url: str, limits: TarLimits, on_problem) -> None:
+    if current.problem is not None:
+        return  # the sample is lost anyway: its remaining members are skipped unread
+    if suffix in current.members:
+        on_problem(SampleError(current.key, f"member {suffix!r} appears twice; the first copy is kept", url,
+                               "duplicate_member"))
+        return
+    if len(current.members) >= limits.max_members_per_sample:
+        current.problem = SampleError(current.key, f"has more than {limits.max_members_per_sample} members "
+                                      "(max_members_per_sample)", url, "oversize")
+        return
+    if info.size > limits.max_member_bytes:
+        current.problem = SampleError(current.key, f"member {suffix!r} is {info.size} bytes, more than "
+                                      f"max_member_bytes {limits.max_member_bytes}", url, "oversize")
+        return
+    if current.nbytes + info.size > limits.max_sample_bytes:
+        current.problem = SampleError(current.key, f"members add up to more than max_sample_bytes "
+                                      f"{limits.max_sample_bytes}", url, "oversize")
+        return
+    data = tar.extractfile(info).read()
+    if len(data) != info.size:
+        raise EOFError(f"member {info.name!r} holds {len(data)} of its {info.size} bytes")
+    current.members[suffix] = data
+    current.nbytes += info.size
+
+
+def _finish(current: _Sample, url: str, on_problem) -> dict | None:
+    if current.problem is not None:
+        on_problem(current.problem)
+        return None
+    return {"__key__": current.key, "__url__": url, **current.members}
+
+
+def index_members(fileobj, limits: TarLimits) -> dict[str, dict[str, tuple[int, int]]]:
+    """key -> {suffix: (data offset, size)} of a seekable local tar, grouped as iter_samples groups
+    them, first occurrence kept; members over the limits are left out (the planner reported their
+    samples). A broken tail leaves the samples before it indexed."""
+    index: dict[str, dict[str, tuple[int, int]]] = {}
+    previous = None
+    try:
+        tar = tarfile.open(fileobj=fileobj, mode="r:", tarinfo=_BoundedTarInfo)
+        while (info := tar.next()) is not None:
+            tar.members = []
+            if not info.isreg():
+                continue
+            key, suffix = split_name(info.name)
+            if key is None:
+                continue
+            if key != previous and key in index:
+                previous = key  # a later sample with a key already seen: not the one planned
+                continue
+            if previous != key:
+                index[key] = {}
+            previous = key
+            if info.size <= limits.max_member_bytes:
+                index[key].setdefault(suffix, (info.offset_data, info.size))
+    except (tarfile.TarError, EOFError):
+        pass
+    return index

@@ -87,7 +87,7 @@ class CostSpec(_message.Message):
     def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "audio", "generation", "cost_feedback")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class JobSpec(_message.Message):
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COST_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONSECUTIVE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_FRACTION_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -126,7 +128,21 @@ class JobSpec(_message.Message):
     audio: AudioSpec
     generation: GenerationSpec
     cost_feedback: bool
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ...) -> None: ...
+    max_consecutive_errors: int
+    max_error_fraction: float
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ...) -> None: ...
+
+class CloseJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CloseJobResponse(_message.Message):
+    __slots__ = ("num_streams_closed",)
+    NUM_STREAMS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    num_streams_closed: int
+    def __init__(self, num_streams_closed: _Optional[int] = ...) -> None: ...
 
 class OpenJobRequest(_message.Message):
     __slots__ = ("spec",)
@@ -251,7 +267,7 @@ class ReportRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobReport(_message.Message):
-    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance")
+    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance", "failure")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +275,7 @@ class JobReport(_message.Message):
     PLANNING_DONE_FIELD_NUMBER: _ClassVar[int]
     NUM_SENT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STEP_BALANCE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
     num_planned_samples: int
@@ -266,7 +283,8 @@ class JobReport(_message.Message):
     planning_done: bool
     num_sent_microbatches: int
     step_balance: _containers.RepeatedCompositeFieldContainer[StepBalance]
-    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ...) -> None: ...
+    failure: str
+    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class StepBalance(_message.Message):
     __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples", "iteration_s", "arrival_iteration_s", "lower_bound_s", "bubble_fraction")

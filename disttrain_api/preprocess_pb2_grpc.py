@@ -64,6 +64,11 @@ class PreprocessStub:
                 request_serializer=disttrain__api_dot_preprocess__pb2.TimingReport.SerializeToString,
                 response_deserializer=disttrain__api_dot_preprocess__pb2.TimingAck.FromString,
                 _registered_method=True)
+        self.CloseJob = channel.unary_unary(
+                '/disttrain.preprocess.v1.Preprocess/CloseJob',
+                request_serializer=disttrain__api_dot_preprocess__pb2.CloseJobRequest.SerializeToString,
+                response_deserializer=disttrain__api_dot_preprocess__pb2.CloseJobResponse.FromString,
+                _registered_method=True)
 
 
 class PreprocessServicer:
@@ -127,6 +132,16 @@ class PreprocessServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseJob(self, request, context):
+        """Ends a job: its streams stop (CANCELLED), its plans, buffers and (with Redis) its keys are
+        freed, and later calls for it are NOT_FOUND. Only a client that opened or joined the job may
+        close it (PERMISSION_DENIED otherwise). Jobs nobody uses also end by themselves after the
+        server's job_idle_ttl_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PreprocessServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +174,11 @@ def add_PreprocessServicer_to_server(servicer, server):
                     servicer.ReportTimings,
                     request_deserializer=disttrain__api_dot_preprocess__pb2.TimingReport.FromString,
                     response_serializer=disttrain__api_dot_preprocess__pb2.TimingAck.SerializeToString,
+            ),
+            'CloseJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseJob,
+                    request_deserializer=disttrain__api_dot_preprocess__pb2.CloseJobRequest.FromString,
+                    response_serializer=disttrain__api_dot_preprocess__pb2.CloseJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -323,6 +343,33 @@ class Preprocess:
             '/disttrain.preprocess.v1.Preprocess/ReportTimings',
             disttrain__api_dot_preprocess__pb2.TimingReport.SerializeToString,
             disttrain__api_dot_preprocess__pb2.TimingAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disttrain.preprocess.v1.Preprocess/CloseJob',
+            disttrain__api_dot_preprocess__pb2.CloseJobRequest.SerializeToString,
+            disttrain__api_dot_preprocess__pb2.CloseJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 
 import numpy as np
 import soundfile
@@ -23,14 +24,36 @@ LOG_FLOOR = 1e-10
 """Power below which the log-mel is clamped; padding frames hold log(LOG_FLOOR)."""
 
 
-def header_seconds(data: bytes) -> float:
-    """Duration from the container header (no decode); ValueError for bytes that are not audio."""
+MIN_SOURCE_RATE, MAX_SOURCE_RATE = 1000, 384_000
+MAX_CHANNELS = 64
+MAX_RESAMPLE_PHASES = 1 << 22
+"""Bound on (source rate / g) * (target rate / g), g their gcd: the resampling kernel has that many
+taps. 44.1 kHz -> 16 kHz is 441 * 160; a prime rate such as 44101 Hz would need a kernel of
+gigabytes, so a header declaring one makes the clip unreadable rather than the worker explode."""
+
+
+def check_header(rate: int, channels: int, target_rate: int) -> None:
+    """ValueError for header values that cannot be decoded within bounds."""
+    if not MIN_SOURCE_RATE <= rate <= MAX_SOURCE_RATE:
+        raise ValueError(f"audio header declares {rate} Hz, outside [{MIN_SOURCE_RATE}, {MAX_SOURCE_RATE}]")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise ValueError(f"audio header declares {channels} channels, outside [1, {MAX_CHANNELS}]")
+    g = math.gcd(rate, target_rate)
+    if (rate // g) * (target_rate // g) > MAX_RESAMPLE_PHASES:
+        raise ValueError(f"audio at {rate} Hz cannot be resampled to {target_rate} Hz within bounds "
+                         f"(the ratio {rate // g}/{target_rate // g} needs too large a kernel)")
+
+
+def header_seconds(data: bytes, target_rate: int = 16000) -> float:
+    """Duration from the container header (no decode); ValueError for bytes that are not audio or
+    whose header is out of bounds (check_header)."""
     try:
         info = soundfile.info(io.BytesIO(data))
     except Exception as exc:  # libsndfile raises LibsndfileError/RuntimeError for anything unreadable
         raise ValueError(f"not a readable audio file ({type(exc).__name__}: {exc})") from None
     if info.samplerate <= 0 or info.frames <= 0:
         raise ValueError(f"audio header declares {info.frames} frames at {info.samplerate} Hz")
+    check_header(info.samplerate, info.channels, target_rate)
     return info.frames / info.samplerate
 
 
@@ -38,6 +61,7 @@ def decode_waveform(data: bytes, config: AudioConfig) -> torch.Tensor:
     """float32 [samples] mono at config.sample_rate, cut to config.max_seconds."""
     with soundfile.SoundFile(io.BytesIO(data)) as f:
         rate = f.samplerate
+        check_header(rate, f.channels, config.sample_rate)
         wave = f.read(frames=int(config.max_seconds * rate) + 1, dtype="float32", always_2d=True)
     mono = torch.from_numpy(wave.mean(axis=1) if wave.shape[1] > 1 else wave[:, 0])
     if rate != config.sample_rate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 from preprocess_service.errors import ConfigError
@@ -13,6 +14,18 @@ from preprocess_service.errors import ConfigError
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _in_range(name: str, value, low, high, *, integer: bool = True) -> None:
+    """ConfigError naming ``name`` unless ``value`` is a number (an integer if asked) in [low, high]."""
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high
+    _require(ok, f"{name} must be {'an integer' if integer else 'a number'} in [{low:g}, {high:g}], got {value!r}")
+
+
+MAX_SEQ_LEN = 1 << 20
+MAX_GLOBAL_BATCH = 1 << 20
+MAX_STAGES = 256
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -30,14 +43,17 @@ class ImageConfig:
     max_source_pixels: int = 64_000_000
     """Source images above this many pixels are decompression bombs and get skipped."""
 
+    BOUNDS = {"patch_size": (1, 64), "merge_size": (1, 8), "min_pixels": (1, 4096 * 4096),
+              "max_pixels": (1, 4096 * 4096), "max_source_pixels": (1, 1 << 30)}
+    """Accepted range of every field (a job spec outside it is INVALID_ARGUMENT)."""
+
     def __post_init__(self) -> None:
-        _require(self.patch_size > 0, f"image.patch_size must be positive, got {self.patch_size}")
-        _require(self.merge_size > 0, f"image.merge_size must be positive, got {self.merge_size}")
+        for name, (low, high) in self.BOUNDS.items():
+            _in_range(f"image.{name}", getattr(self, name), low, high)
         _require(self.min_pixels >= self.factor**2,
                  f"image.min_pixels ({self.min_pixels}) must hold at least one token ({self.factor**2} pixels)")
         _require(self.max_pixels >= self.min_pixels,
                  f"image.max_pixels ({self.max_pixels}) is below image.min_pixels ({self.min_pixels})")
-        _require(self.max_source_pixels > 0, "image.max_source_pixels must be positive")
 
     @property
     def factor(self) -> int:
@@ -67,11 +83,16 @@ class AudioConfig:
     max_seconds: float = 30.0
     """Longer clips are cut to their first max_seconds."""
 
+    BOUNDS = {"sample_rate": (1000, 96_000), "n_mels": (1, 512), "n_fft": (16, 8192), "hop_length": (1, 8192),
+              "token_stride": (1, 64)}
+    """Accepted range of every integer field; max_seconds is in (0, 3600]."""
+
     def __post_init__(self) -> None:
-        for name in ("sample_rate", "n_mels", "n_fft", "hop_length", "token_stride"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"audio.{name} must be a positive integer, got {value!r}")
-        _require(self.max_seconds > 0, f"audio.max_seconds must be positive, got {self.max_seconds}")
+        for name, (low, high) in self.BOUNDS.items():
+            _in_range(f"audio.{name}", getattr(self, name), low, high)
+        _in_range("audio.max_seconds", self.max_seconds, 0.001, 3600.0, integer=False)
+        _require(self.hop_length <= self.n_fft,
+                 f"audio.hop_length ({self.hop_length}) must not exceed audio.n_fft ({self.n_fft})")
 
     def num_tokens(self, seconds: float) -> int:
         """Tokens of a clip of ``seconds`` (after the max_seconds cut)."""
@@ -92,10 +113,8 @@ class GenerationConfig:
     "generate"), "all" (every image: text-to-image training on plain LAION) or "none"."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.image_size, int) and self.image_size >= 8,
-                 f"generation.image_size must be an integer >= 8, got {self.image_size!r}")
-        _require(isinstance(self.query_tokens, int) and self.query_tokens > 0,
-                 f"generation.query_tokens must be a positive integer, got {self.query_tokens!r}")
+        _in_range("generation.image_size", self.image_size, 8, 2048)
+        _in_range("generation.query_tokens", self.query_tokens, 1, 4096)
         _require(self.select in ("listed", "all", "none"),
                  f"generation.select must be 'listed', 'all' or 'none', got {self.select!r}")
 
@@ -127,8 +146,8 @@ class CostConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float):
-                _require(value >= 0.0, f"cost.{f.name} must be >= 0, got {value}")
+            if isinstance(value, float):  # seconds or factors: finite, non-negative, below a million
+                _in_range(f"cost.{f.name}", value, 0.0, 1e6, integer=False)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -169,21 +188,39 @@ class JobConfig:
     planned afterwards with it. Plans then depend on those reports: a single-node service restarted
     mid-job replans later steps with the configured coefficients (replicas on Redis do not: their
     plans are committed)."""
+    max_consecutive_errors: int = 100
+    """Bad samples in a row that fail the job (a shard of garbage stops it instead of being skipped
+    silently, as Megatron-Energon's failure tolerance)."""
+    max_error_fraction: float = 0.5
+    """Share of an epoch's samples read so far that may be bad before the job fails (checked from
+    the 100th sample on; 1.0: never)."""
     image: ImageConfig = field(default_factory=ImageConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cost: CostConfig = field(default_factory=CostConfig)
 
+    BOUNDS = {"seq_len": (16, MAX_SEQ_LEN), "dp_size": (1, 65_536), "num_microbatches": (1, 4096),
+              "seqs_per_microbatch": (1, 1024), "seed": (0, 2**63 - 1), "num_epochs": (1, 1_000_000),
+              "shuffle_buffer": (1, 1 << 20), "pack_window": (1, 1024), "max_consecutive_errors": (1, 1_000_000)}
+    """Accepted range of every integer field (INVALID_ARGUMENT outside it); also enc_shared_by and
+    gen_shared_by in [1, dp_size], max_error_fraction in (0, 1], at most 2^20 sequences per step
+    and 256 stages. A server may lower seq_len's bound and the bytes of a microbatch (its
+    max_seq_len and max_microbatch_bytes)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "stage_map", tuple(self.stage_map))
         _require(len(self.shards) > 0, "shards is empty: give at least one shard path or URL")
-        for name in ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch",
-                     "num_epochs", "shuffle_buffer", "pack_window", "enc_shared_by", "gen_shared_by"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        _require(self.seq_len >= 16, f"seq_len must be at least 16 tokens, got {self.seq_len}")
-        _require(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        for name, (low, high) in self.BOUNDS.items():
+            _in_range(name, getattr(self, name), low, high)
+        _in_range("enc_shared_by", self.enc_shared_by, 1, self.dp_size)
+        _in_range("gen_shared_by", self.gen_shared_by, 1, self.dp_size)
+        _in_range("max_error_fraction", self.max_error_fraction, 1e-9, 1.0, integer=False)
+        _require(self.global_batch <= MAX_GLOBAL_BATCH,
+                 f"dp_size x num_microbatches x seqs_per_microbatch = {self.global_batch} sequences per step, "
+                 f"more than {MAX_GLOBAL_BATCH}")
+        _require(len(self.stage_map) <= MAX_STAGES and all(isinstance(s, str) and len(s) <= 32 for s in self.stage_map),
+                 f"stage_map may hold at most {MAX_STAGES} stages of at most 32 characters each")
         from preprocess_service.reorder.instance import PLANNERS
 
         _require(self.reorder_algorithm in PLANNERS,
@@ -208,6 +245,16 @@ class JobConfig:
                           bwd_factor=(0.0 if cost.enc_frozen else cost.enc_backward_factor,
                                       cost.bb_backward_factor, cost.gen_backward_factor),
                           shared_by=(self.enc_shared_by, 1, self.gen_shared_by))
+
+    def max_microbatch_bytes(self) -> int:
+        """An upper bound on one microbatch's tensor bytes, from the config alone: every token at
+        its costliest (int32 id and position, a modality byte, plus the pixels or mel frames that
+        token can stand for). The service refuses a job whose bound exceeds its limit."""
+        image = self.image.factor ** 2 * 3
+        audio = self.audio.token_stride * self.audio.n_mels * 2
+        generated = -(-self.generation.image_size ** 2 * 3 // self.generation.query_tokens)
+        per_token = 9 + max(image, audio, generated) + 16  # + spans and boundaries
+        return self.seqs_per_microbatch * self.seq_len * per_token
 
     @property
     def global_batch(self) -> int:

@@ -60,3 +60,8 @@ class ResourceExhausted(DisttrainError):
     def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class DataQualityError(DisttrainError):
+    """Too many of a job's samples are bad (JobSpec.max_consecutive_errors / max_error_fraction):
+    the job fails rather than train on what is left (gRPC DATA_LOSS)."""

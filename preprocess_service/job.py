@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -16,7 +17,8 @@ from preprocess_service import metrics, shards
 from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.decode import WORKER_DIED, Decoded
 from preprocess_service.config import JobConfig
-from preprocess_service.errors import ConfigError, FeedbackDisabled, NotFoundError, SampleError
+from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
+                                       ServiceUnavailableError)
 from preprocess_service.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.packing import PackedSequence
 from preprocess_service.planner import Planner, StepPlan
@@ -29,6 +31,15 @@ class SkippedRecord:
     shard: str
     reason: str
     kind: str
+
+    @property
+    def record_id(self) -> str:
+        """One record per lost sample (its key), per shard problem, and per dropped duplicate copy."""
+        if not self.key:
+            return f"<shard {self.shard}>"
+        if self.kind in SampleError.NOT_LOST:
+            return f"{self.key}\x00{self.kind}\x00{self.shard}"
+        return self.key
 
 
 @dataclass(slots=True)
@@ -67,23 +78,60 @@ class Job:
         """Planned steps whose encoded bytes stay in memory; older ones are re-read if a stream needs them
         (a rank that lags far behind, or never connects, cannot make the service hold the dataset)."""
         self._acked: dict[int, int] = {}
+        self._plan_lock = threading.Lock()
+        self.owner = ""
+        """Identity (security.client_identity) of the client that opened the job."""
+        self.clients: set[str] = set()
+        """Identities that opened or joined it: only they may report timings or close it."""
+        self.closed = threading.Event()
+        self._stream_stops: set[threading.Event] = set()
+        self._last_used = time.monotonic()
+        self._failure: BaseException | None = None
+        """Why planning stopped for good (too many bad samples, a bug); raised to every stream."""
         self.num_sent_microbatches = 0
         self.num_planned_samples = 0
 
     # --- planning -------------------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
-        """The plan of ``step``, planning up to it if needed; None past the last step. ``stop``
-        (a cancelled stream) ends a wait early where planning happens elsewhere (SharedJob)."""
+        """The plan of ``step``, planning up to it if needed; None past the last step.
+
+        Planning reads shards, so it runs under its own lock, never the job's: reports, other
+        streams' finished steps and other jobs never wait for a shard. A stream waiting for
+        another stream's planning gives up when ``stop`` is set (it was cancelled)."""
+        while True:
+            with self._lock:
+                if self._failure is not None:
+                    raise self._failure
+                if step < len(self._plans) or self._planning_done:
+                    return self._plans[step] if step < len(self._plans) else None
+            if not self._plan_lock.acquire(timeout=0.2):
+                if stop is not None and stop.is_set():
+                    raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
+                continue
+            try:
+                self._plan_next()
+            finally:
+                self._plan_lock.release()
+
+    def _plan_next(self) -> None:
+        """Plans one more step (caller holds the planning lock)."""
         with self._lock:
-            while len(self._plans) <= step and not self._planning_done:
-                plan = next(self._planner, None)
-                if plan is None:
-                    self._planning_done = True
-                    break
-                self._plans.append(plan)
-                self.num_planned_samples += sum(1 for _ in plan.documents())
-                self._release_through(len(self._plans) - 1 - self.retain_steps)
-            return self._plans[step] if step < len(self._plans) else None
+            if self._failure is not None or self._planning_done:
+                return
+        try:
+            plan = next(self._planner, None)
+        except Exception as exc:  # the generator is dead: every later call must see why
+            with self._lock:
+                self._failure = exc if isinstance(exc, DataQualityError) else \
+                    RuntimeError(f"planning job {self.job_id} failed: {type(exc).__name__}: {exc}")
+            raise
+        with self._lock:
+            if plan is None:
+                self._planning_done = True
+                return
+            self._plans.append(plan)
+            self.num_planned_samples += sum(1 for _ in plan.documents())
+            self._release_through(len(self._plans) - 1 - self.retain_steps)
 
     def num_steps(self) -> int:
         """Steps of the whole job, or -1 while planning has not reached the end."""
@@ -98,10 +146,11 @@ class Job:
         return step
 
     def _record_skip(self, exc: SampleError) -> None:
-        key = exc.key or f"<shard {exc.shard}>"
-        if key not in self._skipped:
-            metrics.DECODE_ERRORS.labels(exc.kind, "plan").inc()
-        self._skipped.setdefault(key, SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind))
+        record = SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind)
+        with self._lock:
+            if record.record_id not in self._skipped:
+                metrics.DECODE_ERRORS.labels(exc.kind, "plan").inc()
+            self._skipped.setdefault(record.record_id, record)
 
     # --- streaming ------------------------------------------------------------------------
     def check_rank(self, rank: int) -> None:
@@ -128,13 +177,19 @@ class Job:
         arrays = finish(layout, buffer)
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
         arrays.skipped.extend(pending.skipped)
+        failed = [SkippedRecord(key, shards_of[key], f"decode failed: {reason}",
+                                "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed")
+                  for key, reason in decoded.errors.items()]
+        arrays.skipped.extend(failed)
         with self._lock:
-            for key, reason in decoded.errors.items():
-                record = SkippedRecord(key, shards_of[key], f"decode failed: {reason}",
-                                       "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed")
-                arrays.skipped.append(record)
-                self._skipped.setdefault(key, record)
+            for record in failed:
+                self._skipped.setdefault(record.record_id, record)
+        if failed:
+            self._share_skips(failed)
         return arrays, release
+
+    def _share_skips(self, records: list[SkippedRecord]) -> None:
+        """Where other replicas must see skips found while serving (SharedJob: Redis); here, nowhere."""
 
     def microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> MicrobatchArrays:
         """One microbatch decoded and copied out of the decode buffer (for tests and tools)."""
@@ -179,8 +234,42 @@ class Job:
         """Registers a stream of ``rank``; the server reports each step it finishes to the lease."""
         return StreamLease(self, rank)
 
-    def close(self) -> None:
-        """Stops background work (SharedJob's planner thread)."""
+    # --- lifecycle --------------------------------------------------------------------------
+    def touch(self) -> None:
+        """A call used the job: its idle clock starts again."""
+        self._last_used = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the job was last used; 0 while a stream is open."""
+        with self._lock:
+            return 0.0 if self._stream_stops else time.monotonic() - self._last_used
+
+    def add_stream(self, stop: threading.Event) -> None:
+        """Registers an open stream; closing the job sets ``stop``."""
+        with self._lock:
+            if self.closed.is_set():
+                stop.set()
+            self._stream_stops.add(stop)
+
+    def remove_stream(self, stop: threading.Event) -> None:
+        with self._lock:
+            self._stream_stops.discard(stop)
+        self.touch()
+
+    def close(self) -> int:
+        """Ends the job: open streams stop, plans and held bytes are dropped, background work
+        stops (SharedJob's planner thread). Returns the number of streams it ended."""
+        with self._lock:
+            self.closed.set()
+            stops = list(self._stream_stops)
+            for plan in self._plans:
+                for doc in plan.documents():
+                    doc.media_bytes = None
+            self._plans.clear()
+            self._planning_done = True
+        for stop in stops:
+            stop.set()
+        return len(stops)
 
     def mark_sent(self, rank: int, step: int, num_microbatches: int) -> None:
         """Called after a rank's whole step went out; drops bytes no rank still needs."""
@@ -230,6 +319,7 @@ class Job:
                 "planning_done": self._planning_done,
                 "num_sent_microbatches": self.num_sent_microbatches,
                 "step_balance": [_balance(plan) for plan in self._plans],
+                "failure": "" if self._failure is None else str(self._failure),
             }
 
 
@@ -264,20 +354,54 @@ class JobRegistry:
         self._jobs: dict[str, Job] = {}
 
     def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
-             reader: shards.ShardReader = shards.DEFAULT_READER) -> Job:
-        """The open job of ``config``, opened if need be; its shards are expanded before the lock
-        is taken (an expansion can take a while; nothing else waits for it)."""
+             reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
+        """The open job of ``config``, opened if need be (``client`` becomes its owner) and joined by
+        ``client``; its shards are expanded before the lock is taken (an expansion can take a
+        while; nothing else waits for it)."""
         job_id = config.job_id()
         with self._lock:
             job = self._jobs.get(job_id)
         if job is None:
-            job = Job(config, reader=reader, shard_urls=shard_urls)
+            job = self._new_job(config, reader, shard_urls)
+            job.owner = client
         with self._lock:
-            return self._jobs.setdefault(job_id, job)
+            job = self._jobs.setdefault(job_id, job)
+            job.clients.add(client)
+        job.touch()
+        return job
+
+    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[str] | None) -> Job:
+        return Job(config, reader=reader, shard_urls=shard_urls)
+
+    def close_job(self, job_id: str) -> int:
+        """Closes and forgets a job; returns the number of streams that were ended."""
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+        if job is None:
+            raise NotFoundError(f"no open job with id {job_id!r}")
+        return job.close()
+
+    def expire(self, idle_ttl_s: float) -> list[str]:
+        """Closes every job unused for ``idle_ttl_s`` (no stream open, no call); returns their ids."""
+        with self._lock:
+            idle = [job_id for job_id, job in self._jobs.items() if job.idle_s() > idle_ttl_s]
+        closed = []
+        for job_id in idle:
+            try:
+                self.close_job(job_id)
+                closed.append(job_id)
+            except NotFoundError:
+                pass  # closed meanwhile
+        return closed
 
     def num_open(self) -> int:
         with self._lock:
             return len(self._jobs)
+
+    def num_owned(self, client: str) -> int:
+        """Jobs ``client`` opened that are still open."""
+        with self._lock:
+            return sum(1 for job in self._jobs.values() if job.owner == client)
 
     def is_open(self, job_id: str) -> bool:
         with self._lock:
@@ -288,7 +412,12 @@ class JobRegistry:
             job = self._jobs.get(job_id)
         if job is None:
             raise NotFoundError(f"no open job with id {job_id!r}; call OpenJob first")
+        job.touch()
         return job
 
     def close(self) -> None:
-        """Stops what the jobs run in the background (nothing, in one process)."""
+        """Closes every job (server shutdown)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.close()

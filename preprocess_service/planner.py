@@ -21,7 +21,7 @@ import numpy as np
 from preprocess_service import reorder, shards
 from preprocess_service.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.config import JobConfig
-from preprocess_service.errors import SampleError
+from preprocess_service.errors import DataQualityError, SampleError
 from preprocess_service.packing import PackedSequence, pack_documents, price
 from preprocess_service.sample import Document, parse_document
 from preprocess_service.tokenizer import Tokenizer
@@ -112,15 +112,41 @@ class Planner:
             yield self._plan_batch(batch, step, epoch)
 
     def _documents(self, epoch: int) -> Iterator[Document]:
+        """The epoch's documents. Any fault of one sample (reading, parsing, tokenizing, pricing;
+        any exception) skips and reports that sample only. A key already read this epoch, in this
+        or another shard, is a duplicate: the first sample is kept, the later ones reported."""
         cfg = self.config
         order = shards.shard_order(self.shard_urls, seed=cfg.seed, epoch=epoch, shuffle=cfg.shard_shuffle)
+        tolerance = ErrorTolerance(cfg.max_consecutive_errors, cfg.max_error_fraction)
+        seen: set[str] = set()
+
+        def problem(exc: SampleError) -> None:
+            self.on_skip(exc)
+            if exc.kind not in SampleError.NOT_LOST:
+                tolerance.failed(exc)
+
         for url in order:
-            for sample in self.reader.iter_shard(url, self.on_skip):
+            for sample in self.reader.iter_shard(url, problem):
+                key = sample["__key__"]
+                if key in seen:
+                    problem(SampleError(key, "the key was already read this epoch (from an earlier shard or "
+                                        "sample); the first sample with this key is kept", url, "duplicate_key"))
+                    continue
+                seen.add(key)
                 try:
-                    yield parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer,
+                    doc = parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer,
                                          seq_len=cfg.seq_len, audio_config=cfg.audio, generation=cfg.generation)
                 except SampleError as exc:
-                    self.on_skip(exc)
+                    problem(exc)
+                    continue
+                except (ImportError, DataQualityError):
+                    raise  # the environment or the job is broken, not this sample
+                except Exception as exc:  # noqa: BLE001 (RecursionError, MemoryError, a codec bug: this sample's)
+                    problem(SampleError(key, f"could not be parsed ({type(exc).__name__}: {str(exc)[:200]})", url,
+                                        "parse_failed"))
+                    continue
+                tolerance.succeeded()
+                yield doc
 
     def _plan_batch(self, batch: list[PackedSequence], step: int, epoch: int) -> StepPlan:
         cfg = self.config
@@ -137,6 +163,30 @@ class Planner:
                       "bubble_fraction": _bubble(instance, assignment, planned["iteration_s"])}
         return StepPlan(step=step, epoch=epoch, sequences=batch, assignment=assignment,
                         baseline_assignment=baseline, simulation=simulation)
+
+
+class ErrorTolerance:
+    """Fails a job that reads mostly garbage: more than ``max_consecutive`` bad samples in a row,
+    or a bad share above ``max_fraction`` once ``min_samples`` were read (per epoch)."""
+
+    def __init__(self, max_consecutive: int, max_fraction: float, min_samples: int = 100):
+        self.max_consecutive, self.max_fraction, self.min_samples = max_consecutive, max_fraction, min_samples
+        self.consecutive = self.bad = self.total = 0
+
+    def succeeded(self) -> None:
+        self.consecutive = 0
+        self.total += 1
+
+    def failed(self, exc: SampleError) -> None:
+        self.consecutive += 1
+        self.bad += 1
+        self.total += 1
+        if self.consecutive > self.max_consecutive:
+            raise DataQualityError(f"{self.consecutive} bad samples in a row (max_consecutive_errors "
+                                   f"{self.max_consecutive}); the last: {exc}; is the data set what you meant?")
+        if self.total >= self.min_samples and self.bad > self.max_fraction * self.total:
+            raise DataQualityError(f"{self.bad} of the {self.total} samples read this epoch are bad, more than "
+                                   f"max_error_fraction {self.max_fraction:g}; the last: {exc}")
 
 
 def _bubble(instance: Instance, assignment: np.ndarray, iteration_s: float) -> float:

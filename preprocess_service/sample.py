@@ -187,7 +187,9 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
                                f"more than seq_len {seq_len}", shard, "too_long")
     truncated = False
     for index, member, text in texts:
-        ids = tokenizer.encode(text)
+        limit = seq_len * TEXT_CHARS_PER_TOKEN
+        truncated = truncated or len(text) > limit
+        ids = tokenizer.encode(text[:limit])
         truncated = truncated or len(ids) > room
         segments[index] = TextSegment(member=member, ids=ids[:room])
         room -= len(segments[index].ids)
@@ -233,6 +235,13 @@ def _json_durations(meta: dict, audio_members: list[str]) -> dict[str, float]:
     return out
 
 
+MAX_JSON_BYTES = 1 << 20
+"""Larger .json members are refused: LAION metadata is a few hundred bytes."""
+TEXT_CHARS_PER_TOKEN = 16
+"""Text beyond seq_len * this many characters cannot fit a sequence with any tokenizer we use, and
+is cut before tokenizing (a 64 MB caption costs nothing)."""
+
+
 def _decode_text(raw: bytes, member: str) -> str:
     try:
         return raw.decode("utf-8")
@@ -243,10 +252,14 @@ def _decode_text(raw: bytes, member: str) -> str:
 def _parse_json(raw: bytes | None) -> dict:
     if raw is None:
         return {}
+    if len(raw) > MAX_JSON_BYTES:
+        raise SampleError("", f"JSON metadata is {len(raw)} bytes, more than {MAX_JSON_BYTES}", kind="invalid_json")
     try:
         meta = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SampleError("", f"invalid JSON metadata ({exc})", kind="invalid_json") from None
+    except RecursionError:
+        raise SampleError("", "JSON metadata is nested too deeply", kind="invalid_json") from None
     if not isinstance(meta, dict):
         raise SampleError("", f"JSON metadata is a {type(meta).__name__}, expected an object", kind="invalid_json")
     return meta
@@ -282,7 +295,7 @@ def _gen_ref(ext: str, data: bytes, config: ImageConfig, generation: GenerationC
 def _audio_ref(ext: str, data: bytes, seconds: float | None, config: AudioConfig) -> AudioRef:
     if seconds is None:
         try:
-            seconds = audio.header_seconds(data)
+            seconds = audio.header_seconds(data, config.sample_rate)
         except ValueError as exc:
             raise SampleError("", f"audio {ext}: {exc}", kind="unreadable_audio") from None
     tokens = config.num_tokens(seconds)

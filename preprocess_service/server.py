@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import queue
 import threading
 from concurrent import futures
@@ -26,10 +27,9 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import metrics, sources, wire
 from preprocess_service.decode import DecodePool, InlineDecoder
-from preprocess_service.errors import (ConfigError, FeedbackDisabled, NotFoundError, ServiceUnavailableError,
-                                       StreamSuperseded)
+from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
+                                       ResourceExhausted, ServiceUnavailableError, StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
-from preprocess_service.errors import PermissionDenied, ResourceExhausted
 from preprocess_service.security import StreamLimiter, TlsFiles, TokenAuth, client_identity, server_credentials
 from preprocess_service.shards import ShardReader
 from preprocess_service.sources import ShardPolicy
@@ -71,6 +71,14 @@ class Limits:
     """Largest sum of one sample's members."""
     shard_read_timeout_s: float = 60.0
     """Seconds a shard may send nothing before it is reported and abandoned."""
+    max_seq_len: int = 131_072
+    """Longest packed sequence a job may ask for, tokens."""
+    max_microbatch_bytes: int = 512 << 20
+    """Largest microbatch a job's config may imply (JobConfig.max_microbatch_bytes), bytes."""
+    max_open_jobs_per_client: int = 16
+    """Jobs one client (its token, else its address) may have opened at once; 0: no limit."""
+    job_idle_ttl_s: float = 1800.0
+    """A job with no open stream and no call for this long is closed and freed."""
 
     def shard_reader(self) -> ShardReader:
         policy = ShardPolicy(allowed_schemes=self.allowed_shard_schemes, allowed_prefixes=self.allowed_shard_prefixes,
@@ -91,6 +99,7 @@ class StreamCounters:
 
 
 _STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, grpc.StatusCode.ABORTED),
+              (DataQualityError, grpc.StatusCode.DATA_LOSS),
               (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
               (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
               (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -102,10 +111,43 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
     return next((code for kind, code in _STATUS_OF if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
 
 
+def _abort(context, exc: BaseException) -> None:
+    """Ends the call with ``exc``'s status; a retry hint travels as grpc-retry-pushback-ms (the
+    trailer gRPC's own retry policies read) and in the message."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    message = str(exc)
+    if retry_after is not None:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(retry_after * 1000))),))
+        message += f" (retry in {retry_after:g} s)"
+    context.abort(_status_of(exc), message)
+
+
+MAX_TIMINGS_PER_REPORT = 65_536
+MAX_TIMING_S = 86_400.0
+"""A measured microbatch time above a day is not a measurement."""
+
+
+def check_timings(request) -> None:
+    """ConfigError naming the first field of a TimingReport outside its documented range."""
+    if len(request.timings) > MAX_TIMINGS_PER_REPORT:
+        raise ConfigError(f"a TimingReport holds {len(request.timings)} timings, more than {MAX_TIMINGS_PER_REPORT}")
+    for i, t in enumerate(request.timings):
+        for name in ("encoder_s", "backbone_s", "generator_s"):
+            value = getattr(t, name)
+            if not (math.isfinite(value) and 0.0 <= value <= MAX_TIMING_S):
+                raise ConfigError(f"timings[{i}].{name} = {value!r} is not a finite number of seconds in "
+                                  f"[0, {MAX_TIMING_S:g}]")
+    if request.has_bubble and not (math.isfinite(request.bubble_fraction) and 0.0 <= request.bubble_fraction <= 1.0):
+        raise ConfigError(f"bubble_fraction = {request.bubble_fraction!r} is not a fraction in [0, 1]")
+
+
 class PreprocessServicer(pb_grpc.PreprocessServicer):
-    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None, limits: Limits = Limits()):
+    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None, limits: Limits = Limits(),
+                 authenticated: bool = False):
         self.jobs = jobs or JobRegistry()
         self.limits = limits
+        self.authenticated = authenticated
+        """Token auth is on: a client's identity is its token, and a job belongs to the one that opened it."""
         self.reader = limits.shard_reader()
         self.streams = StreamLimiter(limits.max_streams_per_client)
         self.lag = metrics.StreamLag()
@@ -115,13 +157,31 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         self.counters = StreamCounters()
         self._counter_lock = threading.Lock()
 
+    def _identity(self, context) -> str:
+        return client_identity(context, authenticated=self.authenticated)
+
     def _job(self, job_id: str, context) -> Job:
+        """The job, if this caller may use it: with token auth, only its owner's token may."""
         try:
-            return self.jobs.get(job_id)
+            job = self.jobs.get(job_id)
         except NotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ServiceUnavailableError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._check_access(job, self._identity(context), context)
+        return job
+
+    def _check_access(self, job: Job, client: str, context) -> None:
+        if self.authenticated and job.owner and client != job.owner:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"job {job.job_id} belongs to another client's token; open your own job")
+
+    def _member(self, job: Job, context) -> None:
+        """Only a client that opened or joined the job changes it (timings, closing)."""
+        client = self._identity(context)
+        if job.clients and client not in job.clients:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{client} has not opened job {job.job_id}; only its clients may change it (OpenJob first)")
 
     def _info(self, job: Job) -> pb.JobInfo:
         return pb.JobInfo(job_id=job.job_id, spec=spec_from_config(job.config),
@@ -131,20 +191,55 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def OpenJob(self, request, context):
         try:
             config = config_from_spec(request.spec)
+            self._check_config(config)
             # parsed, expanded (bounded) and checked here, outside every lock: a bad spec is refused as
             # such whatever the server's load
             shard_urls = None if self.jobs.is_open(config.job_id()) else self.reader.expand(config.shards)
-            limit = self.limits.max_open_jobs
-            if limit and not self.jobs.is_open(config.job_id()) and self.jobs.num_open() >= limit:
-                raise ResourceExhausted(f"{self.jobs.num_open()} jobs are open on this server, the most it "
-                                        f"allows (max_open_jobs); finish or reuse one")
-            job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader)
+            client = self._identity(context)
+            if not self.jobs.is_open(config.job_id()):
+                self._check_job_limits(client)
+            job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader, client=client)
         except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted) as exc:
-            context.abort(_status_of(exc), str(exc))
+            _abort(context, exc)
+        self._check_access(job, client, context)
         return self._info(job)
 
+    def _check_config(self, config) -> None:
+        """The server's own bounds, on top of the ones every JobConfig checks."""
+        if config.seq_len > self.limits.max_seq_len:
+            raise ConfigError(f"seq_len {config.seq_len} is more than this server's max_seq_len {self.limits.max_seq_len}")
+        bound = config.max_microbatch_bytes()
+        if bound > self.limits.max_microbatch_bytes:
+            raise ConfigError(f"a microbatch of this job may hold up to {bound} bytes (seqs_per_microbatch x seq_len "
+                              f"x the costliest token), more than this server's max_microbatch_bytes "
+                              f"{self.limits.max_microbatch_bytes}; lower seq_len, seqs_per_microbatch or the media sizes")
+
+    def _check_job_limits(self, client: str) -> None:
+        limit, per_client = self.limits.max_open_jobs, self.limits.max_open_jobs_per_client
+        if limit and self.jobs.num_open() >= limit:
+            raise ResourceExhausted(f"{self.jobs.num_open()} jobs are open on this server, the most it allows "
+                                    f"(max_open_jobs); close one (CloseJob) or wait for idle ones to expire "
+                                    f"(job_idle_ttl_s {self.limits.job_idle_ttl_s:g} s)",
+                                    retry_after_s=min(60.0, self.limits.job_idle_ttl_s))
+        if per_client and self.jobs.num_owned(client) >= per_client:
+            raise ResourceExhausted(f"{client} already has {self.jobs.num_owned(client)} open jobs, the most one "
+                                    f"client may (max_open_jobs_per_client); close one (CloseJob)",
+                                    retry_after_s=min(60.0, self.limits.job_idle_ttl_s))
+
     def DescribeJob(self, request, context):
-        return self._info(self._job(request.job_id, context))
+        job = self._job(request.job_id, context)
+        job.clients.add(self._identity(context))  # joined by id
+        return self._info(job)
+
+    def CloseJob(self, request, context):
+        job = self._job(request.job_id, context)
+        self._member(job, context)
+        try:
+            ended = self.jobs.close_job(job.job_id)
+        except NotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        log.info("job closed by %s; %d stream(s) ended", self._identity(context), ended, extra={"job": job.job_id})
+        return pb.CloseJobResponse(num_streams_closed=ended)
 
     def Acknowledge(self, request, context):
         job = self._job(request.job_id, context)
@@ -166,6 +261,13 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
 
     def ReportTimings(self, request, context):
         job = self._job(request.job_id, context)
+        self._member(job, context)
+        try:
+            check_timings(request)
+            for t in request.timings:
+                job.check_rank(t.dp_rank)
+        except ConfigError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         timings = [(t.step, t.dp_rank, t.microbatch_index, t.encoder_s, t.backbone_s, t.generator_s)
                    for t in request.timings]
         try:
@@ -189,11 +291,11 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             job.check_rank(request.dp_rank)
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        client = client_identity(context)
+        client = self._identity(context)
         try:
             self.streams.acquire(client)
         except ResourceExhausted as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            _abort(context, exc)
         context_fields = {"job": job.job_id, "rank": request.dp_rank, "step": request.start_step}
         log.info("stream opened by %s at step %d microbatch %d", client, request.start_step,
                  request.start_microbatch, extra=context_fields)
@@ -206,6 +308,15 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _stream(self, job: Job, request, context):
         stop = threading.Event()
         context.add_callback(stop.set)
+        job.add_stream(stop)
+        try:
+            yield from self._stream_job(job, request, context, stop)
+        finally:
+            job.remove_stream(stop)
+        if job.closed.is_set() and context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, f"job {job.job_id} was closed (CloseJob or idle expiry)")
+
+    def _stream_job(self, job: Job, request, context, stop: threading.Event):
         try:
             past_end = job.step_plan(request.start_step, stop) is None and request.start_step > job.num_steps()
         except (NotFoundError, ServiceUnavailableError) as exc:
@@ -356,10 +467,19 @@ def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
             servicer.GetReport, pb.ReportRequest.FromString, pb.JobReport.SerializeToString),
         "ReportTimings": grpc.unary_unary_rpc_method_handler(
             servicer.ReportTimings, pb.TimingReport.FromString, pb.TimingAck.SerializeToString),
+        "CloseJob": grpc.unary_unary_rpc_method_handler(
+            servicer.CloseJob, pb.CloseJobRequest.FromString, pb.CloseJobResponse.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["Preprocess"].methods_by_name) - set(handlers)
     assert not missing, f"rpcs without a handler: {missing}"
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _expire_idle_jobs(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -> None:
+    """Closes jobs nobody used for ``idle_ttl_s`` (abandoned by a crashed or finished trainer)."""
+    while not stop.wait(min(30.0, max(0.05, idle_ttl_s / 4))):
+        for job_id in jobs.expire(idle_ttl_s):
+            log.info("job expired after %g s without a stream or call; freed", idle_ttl_s, extra={"job": job_id})
 
 
 def create_decoder(decode_workers: int | None):
@@ -409,7 +529,11 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
                ("grpc.max_receive_message_length", limits.max_request_bytes)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                          interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
-    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits)
+    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits,
+                                  authenticated=bool(auth_tokens))
+    reaper_stop = threading.Event()
+    threading.Thread(target=_expire_idle_jobs, args=(jobs, limits.job_idle_ttl_s, reaper_stop), daemon=True,
+                     name="job-reaper").start()
     _add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -427,6 +551,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     def stop(grace=None):
         """grpc's stop, then the decode workers; the event is set once both are down."""
         stopped, done = _stop(grace), threading.Event()
+        reaper_stop.set()
         jobs.close()
         threading.Thread(target=lambda: (stopped.wait(), decoder.close(), done.set()), daemon=True).start()
         return done

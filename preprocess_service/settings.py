@@ -48,6 +48,13 @@ class ServiceSettings:
     max_request_bytes: int = _doc("largest request message in bytes", 4 << 20)
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
+    max_seq_len: int = _doc("longest packed sequence a job may ask for, tokens", 131_072)
+    max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest), "
+                                     "bytes", 512 << 20)
+    max_open_jobs_per_client: int = _doc("jobs one client (its token, else its address) may have opened at once; "
+                                         "0: no limit", 16)
+    job_idle_ttl_s: float = _doc("seconds a job may go without a stream or call before it is closed and "
+                                 "freed", 1800.0)
     allowed_shard_prefixes: tuple[str, ...] = _doc("path or URL prefixes every expanded shard must start with, "
                                                    "compared after normalising (realpath for paths); empty: any", ())
     allowed_shard_schemes: tuple[str, ...] = _doc(
@@ -71,10 +78,13 @@ class ServiceSettings:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
-        for name in ("prefetch", "max_workers", "max_shards", "max_member_bytes", "max_sample_bytes"):
+        for name in ("prefetch", "max_workers", "max_shards", "max_member_bytes", "max_sample_bytes", "max_seq_len",
+                     "max_microbatch_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
 
+        if not 1 <= self.job_idle_ttl_s <= 30 * 86400:
+            raise ConfigError(f"job_idle_ttl_s must be in [1, 2592000], got {self.job_idle_ttl_s}")
         if not 0 < self.shard_read_timeout_s <= 3600:
             raise ConfigError(f"shard_read_timeout_s must be in (0, 3600], got {self.shard_read_timeout_s}")
         if self.max_sample_bytes < self.max_member_bytes:

@@ -33,8 +33,8 @@ import uuid
 from disttrain_api import preprocess_pb2 as pb
 from preprocess_service import metrics, plan_record, shards
 from preprocess_service.config import JobConfig
-from preprocess_service.errors import (FeedbackDisabled, NotFoundError, SampleError, ServiceUnavailableError,
-                                       StreamSuperseded)
+from preprocess_service.errors import (DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
+                                       ServiceUnavailableError, StreamSuperseded)
 from preprocess_service.feedback import (REFIT_FIELDS, CostRefitter, Observation, microbatch_features,
                                          observation_from_json, observation_json, sum_features)
 from preprocess_service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
@@ -94,6 +94,8 @@ class SharedJob(Job):
                 raise NotFoundError(f"the plan of step {step} was dropped: every rank acknowledged a later "
                                     f"step, so no rank may resume before it")
             error, self._planner_error = self._planner_error, None  # reported once; the next call plans again
+            if isinstance(error, DataQualityError):
+                raise error
             if error is not None:
                 raise RuntimeError(f"planning job {self.job_id} failed on this replica: {error!r}") from error
             self._ensure_planner()
@@ -206,9 +208,9 @@ class SharedJob(Job):
         return refitter.refit(), dict(refitter.errors)
 
     def _planning_skip(self, exc: SampleError) -> None:
-        key = exc.key or f"<shard {exc.shard}>"
+        record = SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind)
         metrics.DECODE_ERRORS.labels(exc.kind, "plan").inc()  # a replay after a takeover counts again
-        self._planning_skips.setdefault(key, _record_json(SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind)))
+        self._planning_skips.setdefault(record.record_id, _record_json(record))
 
     # --- serving ----------------------------------------------------------------------------
     def _resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
@@ -232,8 +234,12 @@ class SharedJob(Job):
                     lost.append(SkippedRecord(ref.key, ref.shard, problem, "shard_error"))
             out.append(PackedSequence(seq_len=seq.seq_len, documents=documents, cost=seq.cost))
         if lost:
-            self.store.record_skipped(self.job_id, {r.key: _record_json(r) for r in lost}, stop=self._closed)
+            self.store.record_skipped(self.job_id, {r.record_id: _record_json(r) for r in lost}, stop=self._closed)
         return out, lost
+
+    def _share_skips(self, records: list[SkippedRecord]) -> None:
+        """Decode failures found while serving go to Redis, so every replica's report has them."""
+        self.store.record_skipped(self.job_id, {r.record_id: _record_json(r) for r in records}, stop=self._closed)
 
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
         if sample is None:
@@ -309,10 +315,12 @@ class SharedJob(Job):
             "planning_done": shared["done"] is not None,
             "num_sent_microbatches": shared["counters"].get("sent_microbatches", 0),
             "step_balance": [_balance(plan) for plan in sorted(cached, key=lambda p: p.step)],
+            "failure": "" if self._planner_error is None else str(self._planner_error),
         }
 
-    def close(self) -> None:
+    def close(self) -> int:
         self._closed.set()
+        return super().close()
 
 
 class RankLease(StreamLease):
@@ -357,18 +365,11 @@ class SharedJobRegistry(JobRegistry):
         self.replica_id = replica_id
         self.job_options = job_options
 
-    def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
-             reader: shards.ShardReader | None = None) -> Job:
-        job_id = config.job_id()
-        with self._lock:
-            job = self._jobs.get(job_id)
-        if job is not None:
-            return job
-        job = SharedJob(config, self.store, self.replica_id, reader=reader or self.reader, shard_urls=shard_urls,
+    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[str] | None) -> Job:
+        job = SharedJob(config, self.store, self.replica_id, reader=reader, shard_urls=shard_urls,
                         **self.job_options)
-        self.store.register_job(job_id, job.spec_bytes)
-        with self._lock:
-            return self._jobs.setdefault(job_id, job)
+        self.store.register_job(job.job_id, job.spec_bytes)
+        return job
 
     def get(self, job_id: str) -> Job:
         with self._lock:
@@ -379,7 +380,7 @@ class SharedJobRegistry(JobRegistry):
         if spec is None:
             raise NotFoundError(f"no job with id {job_id!r} is registered in Redis at {self.store.address}; "
                                 "call OpenJob first")
-        return self.open(config_from_spec(pb.JobSpec.FromString(spec)))
+        return self.open(config_from_spec(pb.JobSpec.FromString(spec)), reader=self.reader)
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ from preprocess_service.config import AudioConfig, CostConfig, GenerationConfig,
 # by hand so that proto3's default false means our default (shuffle).
 _JOB_FIELDS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
                "shuffle_buffer", "reorder_algorithm", "pack_window", "enc_shared_by", "gen_shared_by",
-               "cost_feedback")
+               "cost_feedback", "max_consecutive_errors", "max_error_fraction")
 
 
 def _nonzero_fields(message, names) -> dict:

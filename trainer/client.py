@@ -325,6 +325,10 @@ class DataClient:
             request.bubble_step, request.bubble_fraction, request.has_bubble = bubble[0], bubble[1], True
         return self._unary(lambda stub: stub.ReportTimings(request))
 
+    def close_job(self) -> int:
+        """Ends the job on the service for every rank (CloseJob); returns the streams it ended."""
+        return self._unary(lambda stub: stub.CloseJob(pb.CloseJobRequest(job_id=self.job_id))).num_streams_closed
+
     def report(self) -> pb.JobReport:
         return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id)))
 

@@ -125,8 +125,13 @@ def cmd_serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
     stopped.wait()
-    server.stop(grace=5).wait()
-    return 0
+    # Drain: new calls are refused, open ones get shutdown_grace_s, then everything is cut. A call
+    # stuck on an untrusted peer must not keep the process alive: after the bound it exits anyway.
+    print(f"stopping: draining for up to {cfg.shutdown_grace_s:g} s", flush=True)
+    drained = server.stop(grace=cfg.shutdown_grace_s).wait(cfg.shutdown_grace_s + 5)
+    print("stopped" if drained else "stopped (some calls did not end in time)", flush=True)
+    logging.shutdown()
+    os._exit(0)
 
 
 def cmd_status(args) -> int:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ import grpc
 from preprocess_service.errors import DisttrainError, ResourceExhausted
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +125,43 @@ class StreamLimiter:
             self._open[client] -= 1
             if self._open[client] <= 0:
                 del self._open[client]
+
+
+class StallWatchdog:
+    """Cancels a stream whose client has not taken a message for ``timeout_s`` (a peer that is
+    alive but does not read holds a handler thread and its prepared microbatches; keepalive
+    pings cannot see it, since its transport still answers them). One thread for every stream."""
+
+    def __init__(self, timeout_s: float, interval_s: float = 1.0):
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sending: dict[int, tuple[float, object, str]] = {}
+        self._stopped = threading.Event()
+        self.num_cancelled = 0
+        threading.Thread(target=self._run, args=(interval_s,), name="stall-watchdog", daemon=True).start()
+
+    def sending(self, token: int, context, what: str) -> None:
+        """A message of ``context``'s stream is being handed to gRPC now."""
+        with self._lock:
+            self._sending[token] = (time.monotonic(), context, what)
+
+    def sent(self, token: int) -> None:
+        with self._lock:
+            self._sending.pop(token, None)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stopped.wait(min(interval_s, self.timeout_s / 2)):
+            now = time.monotonic()
+            with self._lock:
+                stalled = [(token, ctx, what) for token, (since, ctx, what) in self._sending.items()
+                           if now - since > self.timeout_s]
+                for token, *_ in stalled:
+                    del self._sending[token]
+            for _, context, what in stalled:
+                log.warning("%s: the client took no message for %g s; the stream is cancelled "
+                            "(stream_stall_timeout_s)", what, self.timeout_s)
+                self.num_cancelled += 1
+                context.cancel()
+
+    def close(self) -> None:
+        self._stopped.set()

@@ -30,7 +30,8 @@ from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
                                        ResourceExhausted, ServiceUnavailableError, StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
-from preprocess_service.security import StreamLimiter, TlsFiles, TokenAuth, client_identity, server_credentials
+from preprocess_service.security import (StallWatchdog, StreamLimiter, TlsFiles, TokenAuth, client_identity,
+                                         server_credentials)
 from preprocess_service.shards import ShardReader
 from preprocess_service.sources import ShardPolicy
 from preprocess_service.tarstream import TarLimits
@@ -41,9 +42,36 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preprocess"].full_name
 MAX_MESSAGE_BYTES = 1 << 30
 """Both directions; a microbatch of 8 x 8192 tokens of 1024-token images is ~150 MiB."""
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+KEEPALIVE_S = 15.0
+"""Clients ping an idle connection this often; a server that does not answer within
+KEEPALIVE_TIMEOUT_S (stopped, partitioned, its host gone) fails the call, and the client moves on."""
+KEEPALIVE_TIMEOUT_S = 5.0
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list:
+    """Client channel options: large messages both ways, and keepalive pings even while no data flows."""
+    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # without this a client waits 5 minutes between pings once data stops: a stopped server
+            # would go unnoticed that long
+            ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive_s * 1000)),
+            # and gRPC core gives any ping 60 s unless told otherwise
+            ("grpc.http2.ping_timeout_ms", int(keepalive_timeout_s * 1000))]
+
+
+CHANNEL_OPTIONS = channel_options()
+SERVER_KEEPALIVE_OPTIONS = [
+    # the server pings its clients too: a vanished peer's connection (and its stream) is closed
+    ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000), ("grpc.http2.ping_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+    # clients may ping every second (tests, fast failover); more often is abuse
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000), ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    # a connection with no call for 5 minutes is closed; a handshake must finish in 10 s
+    ("grpc.max_connection_idle_ms", 300_000), ("grpc.server_handshake_timeout_ms", 10_000),
 ]
 _END = object()
 
@@ -79,6 +107,8 @@ class Limits:
     """Jobs one client (its token, else its address) may have opened at once; 0: no limit."""
     job_idle_ttl_s: float = 1800.0
     """A job with no open stream and no call for this long is closed and freed."""
+    stream_stall_timeout_s: float = 300.0
+    """A stream whose client takes no message for this long is cancelled (its memory freed)."""
 
     def shard_reader(self) -> ShardReader:
         policy = ShardPolicy(allowed_schemes=self.allowed_shard_schemes, allowed_prefixes=self.allowed_shard_prefixes,
@@ -150,6 +180,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         """Token auth is on: a client's identity is its token, and a job belongs to the one that opened it."""
         self.reader = limits.shard_reader()
         self.streams = StreamLimiter(limits.max_streams_per_client)
+        self.watchdog = StallWatchdog(limits.stream_stall_timeout_s)
         self.lag = metrics.StreamLag()
         self.prefetch = prefetch
         self.decoder = decoder
@@ -349,10 +380,13 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                         log.error("stream failed", exc_info=item)
                         context.abort(code, f"microbatch preparation failed: {item!r}")
                     context.abort(code, str(item))
+                self.watchdog.sending(id(stop), context, f"job {job.job_id} rank {request.dp_rank}")
                 yield item
+                self.watchdog.sent(id(stop))
                 self._count(sent_microbatches=1, sent_bytes=len(item))
         finally:
             stop.set()
+            self.watchdog.sent(id(stop))
             self._count(active_streams=-1)
             metrics.ACTIVE_STREAMS.dec()
             while True:  # prepared messages the client will never read
@@ -526,7 +560,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     wire.tune_malloc()
     decoder = create_decoder(decode_workers)
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", limits.max_request_bytes)]
+               ("grpc.max_receive_message_length", limits.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                          interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
     servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits,
@@ -552,6 +586,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
         """grpc's stop, then the decode workers; the event is set once both are down."""
         stopped, done = _stop(grace), threading.Event()
         reaper_stop.set()
+        servicer.watchdog.close()
         jobs.close()
         threading.Thread(target=lambda: (stopped.wait(), decoder.close(), done.set()), daemon=True).start()
         return done

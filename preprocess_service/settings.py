@@ -53,6 +53,9 @@ class ServiceSettings:
                                      "bytes", 512 << 20)
     max_open_jobs_per_client: int = _doc("jobs one client (its token, else its address) may have opened at once; "
                                          "0: no limit", 16)
+    stream_stall_timeout_s: float = _doc("seconds a stream's client may take no message before the stream is "
+                                         "cancelled and its memory freed", 300.0)
+    shutdown_grace_s: float = _doc("seconds SIGTERM lets open calls finish before the process exits anyway", 10.0)
     job_idle_ttl_s: float = _doc("seconds a job may go without a stream or call before it is closed and "
                                  "freed", 1800.0)
     allowed_shard_prefixes: tuple[str, ...] = _doc("path or URL prefixes every expanded shard must start with, "
@@ -83,6 +86,9 @@ class ServiceSettings:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
 
+        for name in ("stream_stall_timeout_s", "shutdown_grace_s"):
+            if not 0 < getattr(self, name) <= 86400:
+                raise ConfigError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
         if not 1 <= self.job_idle_ttl_s <= 30 * 86400:
             raise ConfigError(f"job_idle_ttl_s must be in [1, 2592000], got {self.job_idle_ttl_s}")
         if not 0 < self.shard_read_timeout_s <= 3600:

@@ -20,30 +20,54 @@ Keys of a job (the ``{job_id}`` hash tag keeps a job on one Redis Cluster slot):
   disttrain:{J}:counters             hash: planned_samples, sent_microbatches
 
 Every public method is one round trip (a pipeline or a Lua script), so the round trips per step
-are constant whatever the data set size; ``stats()`` counts commands and round trips. When Redis
-cannot be reached a call retries with capped exponential backoff until it succeeds, its deadline
-passes (ServiceUnavailableError) or its ``stop`` event is set: streams pause and resume, they do
-not fail.
+are constant whatever the data set size; ``stats()`` counts commands and round trips.
+
+Transient faults are retried with capped exponential backoff: Redis unreachable or timing out, and
+the replies of a Redis that will serve again (OOM under maxmemory, READONLY from a replica not yet
+promoted, LOADING, BUSY, MASTERDOWN, TRYAGAIN, CLUSTERDOWN, NOREPLICAS, NOSCRIPT after a restart).
+A call retries until it succeeds, its ``stop`` event is set or its deadline passes (``deadline_s``,
+else the store's ``retry_deadline_s``, 30 s by default): then it raises ServiceUnavailableError
+naming the address, the error and how long it retried. Streams pause through short faults and fail
+with UNAVAILABLE (the client reconnects) through long ones. Any other error reply (WRONGTYPE, a
+syntax error) is a bug: it is raised at once, not retried.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from urllib.parse import urlparse
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from preprocess_service.errors import ServiceUnavailableError
 from preprocess_service.metrics import REDIS_LATENCY
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ReadOnlyError)
-"""Redis away, loading its AOF, or a replica not yet promoted: wait, it comes back."""
+_RETRYABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ReadOnlyError,
+              redis.exceptions.OutOfMemoryError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
+              redis.exceptions.NoScriptError)
+"""Redis away, loading its AOF, a replica not yet promoted, full (maxmemory), a cluster failing over
+(MasterDownError is a ClusterDownError), or a script cache emptied by a restart between a
+pipeline's SCRIPT LOAD and its EVALSHA: wait, it comes back."""
+
+_TRANSIENT_CODES = frozenset({"OOM", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN",
+                              "NOREPLICAS", "NOSCRIPT"})
+"""Error replies of a Redis that will serve again; redis-py has no class for BUSY and NOREPLICAS."""
+
+_REFUSING_WRITES = frozenset({"OOM", "READONLY", "NOREPLICAS"})
+
+# An error code is the first word of a reply; redis-py's pipelines prefix the reply with
+# "Command # N (...) of pipeline caused error: ", and a script's error before Redis 7 nests it
+# as "...: -OOM ...". BUSYGROUP (a consumer group exists) is not BUSY: whole words only.
+_CODE = re.compile(r"(?:^|caused error: |: -)([A-Z]+)\b")
 
 # Commit step K if nobody has: plan, counters, skipped samples, epoch start; renew the planning
 # lease if the caller holds it. The frontier only moves over contiguous steps (K == frontier), so
@@ -109,6 +133,35 @@ return 0
 """
 
 
+def _codes(exc: redis.RedisError) -> set[str]:
+    """The error codes of ``exc`` (redis-py moves the ones it knows out of the message)."""
+    codes = set(_CODE.findall(str(exc)))
+    if getattr(exc, "status_code", None):
+        codes.add(exc.status_code)
+    return codes
+
+
+def _transient(exc: redis.RedisError) -> bool:
+    return isinstance(exc, _RETRYABLE) or bool(_codes(exc) & _TRANSIENT_CODES)
+
+
+def _error_text(exc: redis.RedisError) -> str:
+    """``exc`` as Redis said it: redis-py strips the code (OOM, READONLY...) off a reply it knows;
+    put it back where the reply starts (after a pipeline's "Command # N (...) caused error: ")."""
+    text, code = str(exc) or type(exc).__name__, getattr(exc, "status_code", None)
+    head, sep, reply = text.rpartition("caused error: ")
+    return f"{head}{sep}{code} {reply}" if code and not reply.startswith(code) else text
+
+
+def _failure(exc: redis.RedisError) -> str:
+    """What Redis did, for messages."""
+    if _codes(exc) & _REFUSING_WRITES:
+        return "refused writes"
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and not isinstance(exc, redis.BusyLoadingError):
+        return "was unreachable"
+    return "was not serving"
+
+
 def describe(url: str) -> str:
     """The Redis address of ``url`` without a password, for messages."""
     parsed = urlparse(url)
@@ -118,11 +171,17 @@ def describe(url: str) -> str:
 class RedisStore:
     """One replica's connection to the job state in Redis (thread-safe: redis-py pools connections)."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 5.0, socket_timeout_s: float = 10.0):
+    def __init__(self, url: str, *, connect_timeout_s: float = 5.0, socket_timeout_s: float = 10.0,
+                 retry_deadline_s: float = 30.0):
         self.url = url
         self.address = describe(url)
+        self.retry_deadline_s = retry_deadline_s
+        # redis-py's own retries (10 by default, up to seconds apart) would hide faults from _call
+        # and stretch its deadline: one at once replaces a pooled connection Redis closed while
+        # idle, anything longer is _call's to back off from, count and bound.
         self._redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s,
-                                           socket_timeout=socket_timeout_s, health_check_interval=30)
+                                           socket_timeout=socket_timeout_s, health_check_interval=30,
+                                           retry=Retry(NoBackoff(), 1))
         try:
             self._redis.ping()
         except _RETRYABLE + (redis.ResponseError, OSError) as exc:
@@ -140,36 +199,59 @@ class RedisStore:
     # --- plumbing -----------------------------------------------------------------------------
     def _call(self, fn: Callable, *, commands: int, stop: threading.Event | None = None,
               deadline_s: float | None = None):
-        """Runs ``fn(redis)`` (one round trip of ``commands`` commands), retrying while Redis is away."""
+        """Runs ``fn(redis)`` (one round trip of ``commands`` commands), retrying transient faults
+        for up to ``deadline_s`` (default ``retry_deadline_s``). ``fn`` runs again as a whole: a
+        pipeline one command of which got OOM or READONLY raises (redis-py raises a pipeline's first
+        error reply) and is sent again with its other commands. That is safe: a refused command had
+        no effect, a script that fails on its first write has none either, and every round trip
+        here is idempotent or harmless to repeat (see each method)."""
+        deadline_s = self.retry_deadline_s if deadline_s is None else deadline_s
         start, delay = time.monotonic(), 0.05
         while True:
             try:
                 began = time.perf_counter()
                 result = fn(self._redis)
                 REDIS_LATENCY.observe(time.perf_counter() - began)
-            except _RETRYABLE as exc:
-                with self._lock:
-                    self._stats["retries"] += 1
-                    first = self._down_since is None
-                    if first:
-                        self._down_since = time.monotonic()
-                if first:
-                    log.warning("Redis at %s is unreachable (%s); pausing and retrying", self.address, exc)
-                if stop is not None and stop.is_set():
-                    raise ServiceUnavailableError(f"Redis at {self.address} is unreachable: {exc}") from None
-                if deadline_s is not None and time.monotonic() - start + delay > deadline_s:
-                    raise ServiceUnavailableError(
-                        f"Redis at {self.address} is unreachable (retried for {deadline_s:g} s): {exc}") from None
-                (stop or threading.Event()).wait(delay)
+            except redis.RedisError as exc:
+                if not _transient(exc):
+                    raise  # WRONGTYPE, a syntax error...: a bug, retrying cannot help
+                self._note_fault(exc, deadline_s)
+                (stop or threading.Event()).wait(self._pause_or_give_up(exc, start, delay, stop, deadline_s))
                 delay = min(delay * 2, 2.0)
                 continue
-            with self._lock:
-                self._stats["commands"] += commands
-                self._stats["round_trips"] += 1
-                if self._down_since is not None:
-                    log.warning("Redis at %s is back after %.1f s", self.address, time.monotonic() - self._down_since)
-                    self._down_since = None
+            self._note_success(commands)
             return result
+
+    def _note_fault(self, exc: redis.RedisError, deadline_s: float) -> None:
+        with self._lock:
+            self._stats["retries"] += 1
+            first = self._down_since is None
+            if first:
+                self._down_since = time.monotonic()
+        if first:  # once per outage, not once per retry
+            log.warning("Redis at %s %s (%s); pausing and retrying for up to %g s",
+                        self.address, _failure(exc), _error_text(exc), deadline_s)
+
+    def _pause_or_give_up(self, exc: redis.RedisError, start: float, delay: float,
+                          stop: threading.Event | None, deadline_s: float) -> float:
+        """How long to wait before the next try: ``delay``, cut short so that the last try falls on
+        the deadline. Raises ServiceUnavailableError once the caller stopped or the deadline passed."""
+        elapsed = time.monotonic() - start
+        if stop is not None and stop.is_set():
+            raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} when the call was stopped "
+                                          f"after {elapsed:.1f} s: {_error_text(exc)}") from None
+        if elapsed >= deadline_s:
+            raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} for {elapsed:.1f} s of retries "
+                                          f"(deadline {deadline_s:g} s): {_error_text(exc)}") from None
+        return min(delay, deadline_s - elapsed)
+
+    def _note_success(self, commands: int) -> None:
+        with self._lock:
+            self._stats["commands"] += commands
+            self._stats["round_trips"] += 1
+            if self._down_since is not None:
+                log.warning("Redis at %s is back after %.1f s", self.address, time.monotonic() - self._down_since)
+                self._down_since = None
 
     def stats(self) -> dict:
         with self._lock:
@@ -183,7 +265,7 @@ class RedisStore:
         return ":".join(("disttrain", "{" + job_id + "}", *map(str, parts)))
 
     # --- registry -----------------------------------------------------------------------------
-    def register_job(self, job_id: str, spec: bytes, *, deadline_s: float = 30.0) -> None:
+    def register_job(self, job_id: str, spec: bytes, *, deadline_s: float | None = None) -> None:
         def run(r):
             pipe = r.pipeline(transaction=False)
             pipe.set(self._key(job_id, "spec"), spec, nx=True)
@@ -191,7 +273,7 @@ class RedisStore:
             pipe.execute()
         self._call(run, commands=2, deadline_s=deadline_s)
 
-    def job_spec(self, job_id: str, *, deadline_s: float = 30.0) -> bytes | None:
+    def job_spec(self, job_id: str, *, deadline_s: float | None = None) -> bytes | None:
         return self._call(lambda r: r.get(self._key(job_id, "spec")), commands=1, deadline_s=deadline_s)
 
     # --- plans --------------------------------------------------------------------------------
@@ -306,7 +388,8 @@ class RedisStore:
         return int(self._call(run, commands=3, stop=stop) or 0)
 
     # --- acknowledgements and report ------------------------------------------------------------
-    def acknowledge(self, job_id: str, rank: int, next_step: int, dp_size: int, *, deadline_s: float = 30.0) -> int:
+    def acknowledge(self, job_id: str, rank: int, next_step: int, dp_size: int, *,
+                    deadline_s: float | None = None) -> int:
         key = self._key(job_id, "acks")
         return int(self._call(lambda r: self._ack(keys=[key], args=[rank, next_step, dp_size], client=r),
                               commands=1, deadline_s=deadline_s))
@@ -343,7 +426,7 @@ class RedisStore:
         """The newest observations add_timings kept, oldest first."""
         return self._call(lambda r: r.lrange(self._key(job_id, "timings"), 0, -1), commands=1, stop=stop)
 
-    def report(self, job_id: str, *, deadline_s: float = 30.0) -> dict:
+    def report(self, job_id: str, *, deadline_s: float | None = None) -> dict:
         def run(r):
             pipe = r.pipeline(transaction=False)
             pipe.hgetall(self._key(job_id, "skipped"))

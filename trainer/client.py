@@ -17,6 +17,7 @@ several replicas: gRPC then picks a live one), a comma-separated list of them, o
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -33,9 +34,10 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import wire
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import ServiceUnavailableError
-from preprocess_service.server import CHANNEL_OPTIONS, SERVICE_NAME
+from preprocess_service.server import SERVICE_NAME, channel_options
 from preprocess_service.spec import spec_from_config
 
+log = logging.getLogger(__name__)
 STATE_VERSION = 1
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.ABORTED}
@@ -105,6 +107,17 @@ def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
     return [chunk.view(*shape) for chunk, shape in zip(torch.split(flat, sizes), shapes)]
 
 
+def _pushback_s(exc: grpc.RpcError) -> float:
+    """The server's retry hint (grpc-retry-pushback-ms), capped; 1 s when it gave none."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-retry-pushback-ms":
+            try:
+                return min(30.0, max(0.05, int(value) / 1000))
+            except ValueError:
+                break
+    return 1.0
+
+
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Adds ``authorization: Bearer <token>`` to every call."""
 
@@ -143,14 +156,15 @@ class Credentials:
         return cls(token=env("DISTTRAIN_AUTH_TOKEN") or None, tls_ca=env("DISTTRAIN_TLS_CA") or None,
                    tls_cert=env("DISTTRAIN_TLS_CERT") or None, tls_key=env("DISTTRAIN_TLS_KEY") or None)
 
-    def channel(self, address: str):
+    def channel(self, address: str, options: list | None = None):
+        options = channel_options() if options is None else options
         if self.tls or self.tls_ca or self.tls_cert:
             from preprocess_service.security import channel_credentials
 
             creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
-            channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            channel = grpc.secure_channel(address, creds, options=options)
         else:
-            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.insecure_channel(address, options=options)
         return grpc.intercept_channel(channel, _BearerToken(self.token)) if self.token else channel
 
 
@@ -159,11 +173,13 @@ class _Link:
     has one owner (the stream thread, or the unary calls under a lock), so closing a channel never
     cuts a call someone else has open on it."""
 
-    def __init__(self, addresses: list[str], start: int = -1, credentials: Credentials = Credentials()):
+    def __init__(self, addresses: list[str], start: int = -1, credentials: Credentials = Credentials(),
+                 options: list | None = None):
         self.addresses = addresses
         self.index = start
         self.channel = None
         self.credentials = credentials
+        self.options = options
 
     @property
     def address(self) -> str:
@@ -176,7 +192,7 @@ class _Link:
             for _ in range(len(self.addresses)):
                 self.index = (self.index + 1) % len(self.addresses)
                 self.close()
-                self.channel = self.credentials.channel(self.address)
+                self.channel = self.credentials.channel(self.address, self.options)
                 wait = max(0.2, min(2.0, deadline - time.monotonic()) / len(self.addresses))
                 try:
                     grpc.channel_ready_future(self.channel).result(timeout=wait)
@@ -209,7 +225,8 @@ class DataClient:
 
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
                  connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0,
-                 credentials: Credentials | None = None):
+                 credentials: Credentials | None = None, keepalive_s: float = 15.0, call_timeout_s: float = 20.0,
+                 message_timeout_s: float = 900.0):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
@@ -221,6 +238,14 @@ class DataClient:
         self.prefetch = prefetch
         self.connect_timeout_s = connect_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.call_timeout_s = call_timeout_s
+        """Deadline of every unary call; past it the call is retried on the next address."""
+        self.message_timeout_s = message_timeout_s
+        """A stream that delivers nothing for this long (a live but stuck replica) is cancelled and
+        resumed elsewhere; a stopped or unreachable one is found sooner, by keepalive pings."""
+        self._options = channel_options(keepalive_s, min(5.0, keepalive_s))
+        self._last_progress: float | None = None
+        self._stalled = False
         self.num_reconnects = 0
         self.resumed_at: list[float] = []
         """time.monotonic() of the first microbatch received after each reconnect."""
@@ -230,7 +255,7 @@ class DataClient:
         self._call = None
         self._stream_link: _Link | None = None
         self.credentials = credentials if credentials is not None else Credentials.from_env()
-        self._control = _Link(self.addresses, credentials=self.credentials)  # unary calls, under _control_lock
+        self._control = _Link(self.addresses, credentials=self.credentials, options=self._options)  # unary calls
         self._control_lock = threading.Lock()
         self._control.connect(connect_timeout_s)
         self._job = job
@@ -257,11 +282,10 @@ class DataClient:
                         raise
                     self._control.connect(self.connect_timeout_s)
 
-    @staticmethod
-    def _open(stub, job: JobConfig | str) -> pb.JobInfo:
+    def _open(self, stub, job: JobConfig | str) -> pb.JobInfo:
         if isinstance(job, JobConfig):
-            return stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(job)))
-        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job))
+            return stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(job)), timeout=self.call_timeout_s)
+        return stub.DescribeJob(pb.DescribeJobRequest(job_id=job), timeout=self.call_timeout_s)
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -311,7 +335,7 @@ class DataClient:
         """Tells the service every step before ``next_step`` (default: this client's position) is trained."""
         request = pb.AckRequest(job_id=self.job_id, dp_rank=self.dp_rank,
                                 next_step=self._next[0] if next_step is None else next_step)
-        return self._unary(lambda stub: stub.Acknowledge(request)).min_next_step
+        return self._unary(lambda stub: stub.Acknowledge(request, timeout=self.call_timeout_s)).min_next_step
 
     def report_timings(self, timings: list[tuple[int, int, float, float, float]],
                        bubble: tuple[int, float] | None = None) -> pb.TimingAck:
@@ -323,24 +347,27 @@ class DataClient:
                                 backbone_s=bb, generator_s=gen) for step, index, enc, bb, gen in timings])
         if bubble is not None:
             request.bubble_step, request.bubble_fraction, request.has_bubble = bubble[0], bubble[1], True
-        return self._unary(lambda stub: stub.ReportTimings(request))
+        return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s))
 
     def close_job(self) -> int:
         """Ends the job on the service for every rank (CloseJob); returns the streams it ended."""
-        return self._unary(lambda stub: stub.CloseJob(pb.CloseJobRequest(job_id=self.job_id))).num_streams_closed
+        return self._unary(lambda stub: stub.CloseJob(pb.CloseJobRequest(job_id=self.job_id), timeout=self.call_timeout_s)).num_streams_closed
 
     def report(self) -> pb.JobReport:
-        return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id)))
+        return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id), timeout=self.call_timeout_s))
 
     def _receive(self) -> None:
         position = self._next
         failing_since = None
         try:
-            self._stream_link = _Link(self.addresses, start=self._control.index - 1, credentials=self.credentials)
+            self._stream_link = _Link(self.addresses, start=self._control.index - 1, credentials=self.credentials,
+                                      options=self._options)
+            threading.Thread(target=self._watch_stream, name=f"dataclient-watch-r{self.dp_rank}", daemon=True).start()
             self._stream_link.connect(self.connect_timeout_s, cancelled=self._stop.is_set)
             while not self._stop.is_set():
                 try:
                     for raw in self._open_stream(position):
+                        self._last_progress = time.monotonic()
                         message = wire.decode_microbatch(raw)  # (header, array views of raw)
                         position = (message[0].step, message[0].microbatch_index + 1)
                         if failing_since is not None:
@@ -348,30 +375,53 @@ class DataClient:
                             failing_since = None
                         if not self._put(message):
                             return
+                        self._last_progress = time.monotonic()  # a slow consumer is not a stuck server
                     self._put(_END)
                     return
                 except grpc.RpcError as exc:
+                    log.info("stream from %s failed: %s %s", self.address, exc.code().name, exc.details())
                     if self._stop.is_set():
                         return
                     now = time.monotonic()
                     failing_since = failing_since or now
                     # NOT_FOUND: a replica that never saw the job and a Redis that lost it; open it again
                     reopen = exc.code() == grpc.StatusCode.NOT_FOUND and isinstance(self._job, JobConfig)
-                    if (exc.code() not in _RETRYABLE and not reopen) or now - failing_since > self.reconnect_timeout_s:
+                    stalled, self._stalled = self._stalled, False  # cancelled by _watch_stream: move on
+                    if (exc.code() not in _RETRYABLE and not reopen and not stalled) \
+                            or now - failing_since > self.reconnect_timeout_s:
                         raise ServiceUnavailableError(
                             f"stream from {self.address!r} failed ({exc.code().name}: {exc.details()})") from exc
                     self.num_reconnects += 1
-                    if reopen:
-                        self._unary(lambda stub: self._open(stub, self._job))
+                    if reopen:  # on the replica that does not know the job (with Redis, any would do)
+                        try:
+                            self._open(self._stream_link.stub, self._job)
+                        except grpc.RpcError:
+                            self._stream_link.connect(max(1.0, self.reconnect_timeout_s - (now - failing_since)),
+                                                      cancelled=self._stop.is_set)
                         time.sleep(0.2)
+                    elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server asked to come back later
+                        self._stop.wait(_pushback_s(exc))
                     else:
                         self._stream_link.connect(max(1.0, self.reconnect_timeout_s - (now - failing_since)),
                                                   cancelled=self._stop.is_set)
         except BaseException as exc:  # handed to the consumer
             self._put(exc)
 
+    def _watch_stream(self) -> None:
+        """Cancels the stream when it has delivered nothing for message_timeout_s (the consumer
+        not reading counts as progress: a full queue is not the server's fault)."""
+        while not self._stop.wait(min(1.0, self.message_timeout_s / 4)):
+            since, call = self._last_progress, self._call
+            if since is None or call is None or self._queue.full():
+                continue
+            if time.monotonic() - since > self.message_timeout_s:
+                self._stalled = True
+                self._last_progress = None
+                call.cancel()
+
     def _open_stream(self, position: tuple[int, int]):
         """The stream as serialized messages: parsed by wire.decode_microbatch without protobuf's copies."""
+        self._last_progress = time.monotonic()
         step, index = position
         self._call = self._stream_link.stream(pb.StreamRequest(
             job_id=self.job_id, dp_rank=self.dp_rank, start_step=step, start_microbatch=index))

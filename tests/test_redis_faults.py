@@ -1,0 +1,227 @@
+"""RedisStore through Redis faults, against a real redis-server: a call rides out a transient fault
+(out of memory, read-only replica, busy script, Redis killed) that clears within its deadline,
+fails with ServiceUnavailableError naming the address and the error once the deadline passes,
+and raises at once on an error that retrying cannot fix (WRONGTYPE: a bug)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from preprocess_service.errors import ServiceUnavailableError
+from preprocess_service.localcluster import LocalRedis, free_port
+from preprocess_service.store import RedisStore
+
+CLEAR_AFTER_S = 1.0
+"""A fault lasts this long in the tests where it clears: several retries, well inside the deadline."""
+
+BOUND_S = 10.0
+"""Loose upper bound on a call's duration: catches "retries forever", not timing detail."""
+
+
+@pytest.fixture()
+def server(tmp_path):
+    with LocalRedis(tmp_path / "redis") as local:
+        yield local
+
+
+@pytest.fixture()
+def admin(server):
+    """A plain client that sets up and clears faults (redis-py reconnects it after a restart)."""
+    client = redis.Redis(port=server.port, socket_timeout=5)
+    yield client
+    client.close()
+
+
+# --- faults: each sets itself up, checks Redis really fails, returns how to clear it -------------
+def _oom(server, admin):
+    """Fills Redis, then caps its memory below what it holds: every write gets OOM until the filler goes."""
+    with redis.Redis(port=server.port) as filler:  # closed: its query buffer is not counted below
+        for _ in range(8):
+            filler.append("filler", b"x" * 1_000_000)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", admin.info("memory")["used_memory"] - 2_000_000)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        admin.set("probe", 1)
+    return lambda: admin.delete("filler")
+
+
+def _readonly(server, admin):
+    """Makes Redis a read-only replica of a master that is not there: it never syncs, so it keeps
+    its data, and refuses writes with READONLY until promoted."""
+    admin.config_set("replica-read-only", "yes")
+    admin.replicaof("127.0.0.1", free_port())
+    with pytest.raises(redis.exceptions.ReadOnlyError):
+        admin.set("probe", 1)
+    return lambda: admin.replicaof("NO", "ONE")
+
+
+def _busy(server, admin):
+    """Runs a script that never ends: past busy-reply-threshold Redis answers BUSY until SCRIPT KILL."""
+    admin.config_set("busy-reply-threshold", 100)
+    looping = threading.Thread(target=_loop_forever, args=(server.port,), daemon=True)
+    looping.start()
+    deadline = time.monotonic() + 5
+    while not _answers_busy(admin):
+        assert time.monotonic() < deadline, "the looping script did not make Redis busy"
+        time.sleep(0.05)
+
+    def clear():
+        admin.script_kill()
+        looping.join(timeout=5)
+    return clear
+
+
+def _loop_forever(port: int) -> None:
+    try:
+        with redis.Redis(port=port) as client:
+            client.eval("while true do end", 0)
+    except redis.RedisError:
+        pass  # killed by SCRIPT KILL, or Redis stopped under it
+
+
+def _answers_busy(admin) -> bool:
+    try:
+        admin.set("probe", 1)
+    except redis.ResponseError as exc:
+        assert str(exc).startswith("BUSY"), exc
+        return True
+    return False
+
+
+def _down(server, admin):
+    """Kills redis-server; clearing starts it again on the same port and data directory (AOF)."""
+    server.stop(kill=True)
+    return server.start
+
+
+FAULTS = {"oom": _oom, "readonly": _readonly, "busy": _busy, "down": _down}
+MESSAGES = {"oom": ("refused writes", "OOM command not allowed"), "readonly": ("refused writes", "READONLY"),
+            "busy": ("was not serving", "BUSY"), "down": ("was unreachable", "")}
+
+
+def _clear_later(clear) -> threading.Timer:
+    timer = threading.Timer(CLEAR_AFTER_S, clear)
+    timer.start()
+    return timer
+
+
+def _timed(fn):
+    began = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - began
+
+
+# --- every kind of write round trip rides out OOM ---------------------------------------------------
+WRITES = {
+    "pipeline": (lambda s: s.register_job("j", b"spec"), lambda s, admin: s.job_spec("j") == b"spec"),
+    "script": (lambda s: s.commit_plan("j", 0, 0, True, b"plan", 3, {"k": "{}"}, "token", 5),
+               lambda s, admin: s.read_plan("j", 0)[:2] == (b"plan", 1)),
+    "pipeline-with-script": (lambda s: s.read_plan("j", 4, want=True),
+                             lambda s, admin: admin.zscore("disttrain:{j}:wants", "max") == 4),
+    "transaction": (lambda s: s.add_timings("j", ["{}"], window=10), lambda s, admin: s.timings("j") == [b"{}"]),
+}
+
+
+@pytest.mark.parametrize("write", WRITES, ids=list(WRITES))
+def test_a_write_refused_for_lack_of_memory_is_retried_until_memory_is_freed(server, admin, write):
+    store = RedisStore(server.url, retry_deadline_s=20)
+    call, landed = WRITES[write]
+    timer = _clear_later(_oom(server, admin))
+    try:
+        _, elapsed = _timed(lambda: call(store))
+    finally:
+        timer.join()
+    assert elapsed < BOUND_S
+    assert store.stats()["retries"] > 0, "the write was refused at first"
+    assert landed(store, admin), "the retried round trip did all it does"
+
+
+# --- any transient fault that clears within the deadline ---------------------------------------------
+@pytest.mark.parametrize("fault", ["readonly", "busy", "down"])
+def test_a_write_rides_out_a_fault_that_clears(server, admin, fault):
+    store = RedisStore(server.url, retry_deadline_s=20)
+    store.register_job("before", b"old spec")
+    timer = _clear_later(FAULTS[fault](server, admin))
+    try:
+        _, elapsed = _timed(lambda: store.register_job("j", b"spec"))
+    finally:
+        timer.join()
+    assert elapsed < BOUND_S
+    assert store.stats()["retries"] > 0
+    assert store.job_spec("j") == b"spec"
+    assert store.job_spec("before") == b"old spec", "the fault lost no data"
+
+
+def test_redis_killed_while_a_call_waits_for_its_reply_and_restarted(server, admin):
+    store = RedisStore(server.url, retry_deadline_s=20)
+
+    def bounce():
+        server.stop(kill=True)
+        time.sleep(CLEAR_AFTER_S)
+        server.start()
+        admin.lpush("disttrain:{j}:wake", 1)  # ends the BLPOP sent again after the restart
+    bouncer = threading.Timer(0.3, bounce)
+    bouncer.start()
+    try:
+        _, elapsed = _timed(lambda: store.wait_for_want("j", timeout_s=8))
+    finally:
+        bouncer.join()
+    assert elapsed < BOUND_S, "the BLPOP sent after the restart returns at the wake-up, not at its timeout"
+    assert store.stats()["retries"] > 0
+
+
+# --- a fault that does not clear: bounded ---------------------------------------------------------
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_fault_that_never_clears_fails_after_the_deadline_naming_address_and_error(server, admin, fault):
+    store = RedisStore(server.url, retry_deadline_s=1.5)
+    FAULTS[fault](server, admin)
+    began = time.monotonic()
+    with pytest.raises(ServiceUnavailableError) as info:
+        store.register_job("j", b"spec")
+    elapsed = time.monotonic() - began
+    assert 1.0 < elapsed < BOUND_S, "retried until the deadline, then gave up"
+    message = str(info.value)
+    what, error = MESSAGES[fault]
+    assert f"Redis at {server.url} {what} for" in message and "(deadline 1.5 s)" in message, message
+    assert error in message, message
+
+
+def test_a_call_whose_stop_is_set_gives_up_at_the_first_fault(server, admin):
+    store = RedisStore(server.url, retry_deadline_s=20)
+    _oom(server, admin)
+    stop = threading.Event()
+    stop.set()
+    began = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="refused writes when the call was stopped .*OOM"):
+        store.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5, stop=stop)
+    assert time.monotonic() - began < 1.0
+
+
+# --- errors that retrying cannot fix --------------------------------------------------------------
+@pytest.mark.parametrize("key, call", [
+    ("disttrain:jobs", lambda s: s.register_job("j", b"spec")),  # SADD in a pipeline
+    ("disttrain:{j}:counters", lambda s: s.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5)),  # HINCRBY in a script
+    ("disttrain:{j}:wants", lambda s: s.read_plan("j", 0, want=True)),  # ZADD in a script in a pipeline
+], ids=["pipeline", "script", "pipeline-with-script"])
+def test_a_wrong_type_is_a_bug_raised_at_once(server, admin, key, call):
+    store = RedisStore(server.url, retry_deadline_s=20)
+    admin.set(key, "not the type the store writes")
+    began = time.monotonic()
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        call(store)
+    assert time.monotonic() - began < 1.0, "raised at once, not after the deadline"
+    assert store.stats()["retries"] == 0
+
+
+def test_scripts_still_run_after_redis_forgets_them(server, admin):
+    """SCRIPT FLUSH (as a restart does) empties the script cache: redis-py loads the scripts again."""
+    store = RedisStore(server.url, retry_deadline_s=20)
+    admin.script_flush()
+    assert store.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5)
+    admin.script_flush()
+    assert store.read_plan("j", 0, want=True)[:2] == (b"plan", 1)
+    assert store.stats()["retries"] == 0

@@ -113,14 +113,16 @@ def cmd_serve(args) -> int:
                                     decode_workers=cfg.decode_workers, redis_url=cfg.redis_url,
                                     replica_id=cfg.replica_id, job_options={"lease_ttl_s": cfg.lease_ttl_s},
                                     tls=tls, auth_tokens=cfg.tokens(), limits=limits)
+    metrics_port = 0
     if cfg.metrics_port:
-        metrics.serve(cfg.metrics_port, cfg.host)
+        _, _, metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host, cfg.metrics_tokens())
     mode = f"replica of the deployment on Redis {describe(cfg.redis_url)}" if cfg.redis_url else "single node, no Redis"
     security = ", ".join(filter(None, ["mutual TLS" if cfg.tls_client_ca else "TLS" if tls else "plaintext",
                                        "token auth" if cfg.tokens() else "no auth"]))
     print(f"disttrain preprocessing service listening on {cfg.host}:{port}", flush=True)
     print(f"mode: {mode}; {security}; metrics: "
-          f"{f'http://{cfg.host}:{cfg.metrics_port}/metrics' if cfg.metrics_port else 'off'}", flush=True)
+          f"{f'http://{cfg.metrics_host}:{metrics_port}/metrics' if metrics_port else 'off'}"
+          f"{' (token required)' if cfg.metrics_tokens() else ''}", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

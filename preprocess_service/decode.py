@@ -31,6 +31,7 @@ from multiprocessing import connection, shared_memory
 import numpy as np
 
 from preprocess_service.assemble import Layout, MediaItem
+from preprocess_service.budget import UNLIMITED, MemoryBudget, call_once
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
@@ -91,14 +92,21 @@ def _missing(doc) -> str | None:
 class InlineDecoder:
     """Decodes in this process on ``num_threads`` threads (the decoders release the GIL)."""
 
-    def __init__(self, num_threads: int = 1):
+    def __init__(self, num_threads: int = 1, budget: MemoryBudget = UNLIMITED):
         self._threads = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="decode")
+        self.budget = budget
 
-    def submit(self, layout: Layout) -> futures.Future:
-        buffer = np.zeros(layout.nbytes, dtype=np.uint8)
-        errors = dict(self._threads.map(lambda pair: self._decode_document(buffer, *pair), layout.documents))
+    def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
+        self.budget.reserve(layout.nbytes, what="a microbatch's decode buffer", stop=stop)
+        try:
+            buffer = np.zeros(layout.nbytes, dtype=np.uint8)
+            errors = dict(self._threads.map(lambda pair: self._decode_document(buffer, *pair), layout.documents))
+        except BaseException:
+            self.budget.release(layout.nbytes)
+            raise
         done = futures.Future()
-        done.set_result(Decoded(buffer, {key: e for key, e in errors.items() if e}))
+        done.set_result(Decoded(buffer, {key: e for key, e in errors.items() if e},
+                                call_once(lambda: self.budget.release(layout.nbytes))))
         return done
 
     @staticmethod
@@ -199,7 +207,11 @@ class _Worker:
 class DecodePool:
     """``num_workers`` decode processes (default: one per core available to this process)."""
 
-    def __init__(self, num_workers: int | None = None, *, max_in_flight: int = 2, start_timeout_s: float = 120.0):
+    def __init__(self, num_workers: int | None = None, *, max_in_flight: int = 2, start_timeout_s: float = 120.0,
+                 budget: MemoryBudget = UNLIMITED):
+        self.budget = budget
+        """Every arena is charged to it from creation to destruction (/dev/shm holds it meanwhile)."""
+        budget.reclaimable = self._idle_bytes
         self.num_workers = num_workers or len(os.sched_getaffinity(0))
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
@@ -252,7 +264,7 @@ class DecodePool:
                     "arenas": len(self._all_arenas), **self._counters}
 
     # --- arenas -------------------------------------------------------------------------------
-    def _acquire(self, nbytes: int) -> shared_memory.SharedMemory:
+    def _acquire(self, nbytes: int, stop: threading.Event | None = None) -> shared_memory.SharedMemory:
         with self._lock:
             fits = [a for a in self._free_arenas if a.size >= nbytes]
             if fits:
@@ -260,10 +272,34 @@ class DecodePool:
                 self._free_arenas.remove(arena)
                 return arena
         size = max(1 << 22, 1 << (max(nbytes, 1) - 1).bit_length())  # powers of two from 4 MiB: few sizes
-        arena = shared_memory.SharedMemory(create=True, size=size)
+        if not self.budget.try_reserve(size):
+            self._drop_free_arenas()  # idle arenas give their share back first
+            self.budget.reserve(size, what="a microbatch's shared-memory decode arena", stop=stop)
+        try:
+            arena = shared_memory.SharedMemory(create=True, size=size)
+        except BaseException:
+            self.budget.release(size)
+            raise
         with self._lock:
             self._all_arenas[arena.name] = arena
         return arena
+
+    def _idle_bytes(self) -> int:
+        with self._lock:
+            return sum(a.size for a in self._free_arenas)
+
+    def _drop_free_arenas(self) -> None:
+        with self._lock:
+            free, self._free_arenas = self._free_arenas, []
+            for arena in free:
+                del self._all_arenas[arena.name]
+        for arena in free:
+            self._destroy_charged(arena)
+
+    def _destroy_charged(self, arena: shared_memory.SharedMemory) -> None:
+        size = arena.size
+        _destroy(arena)
+        self.budget.release(size)
 
     def _release(self, arena: shared_memory.SharedMemory) -> None:
         with self._lock:
@@ -274,15 +310,16 @@ class DecodePool:
                 smallest = min(self._free_arenas, key=lambda a: a.size)
                 self._free_arenas.remove(smallest)
                 del self._all_arenas[smallest.name]
-                _destroy(smallest)
+                self._destroy_charged(smallest)
 
     # --- submitting ---------------------------------------------------------------------------
-    def submit(self, layout: Layout) -> futures.Future:
-        """Decodes ``layout``'s documents into a shared buffer; the future gives a Decoded."""
+    def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
+        """Decodes ``layout``'s documents into a shared buffer; the future gives a Decoded. Waits
+        for room in the memory budget (ResourceExhausted past its wait, or once ``stop`` is set)."""
         future: futures.Future = futures.Future()
         inputs = [(doc, items) for doc, items in layout.documents if items]
         in_nbytes = sum(len(doc.media_bytes[i.member]) for doc, items in inputs if not _missing(doc) for i in items)
-        arena = self._acquire(layout.nbytes + in_nbytes)
+        arena = self._acquire(layout.nbytes + in_nbytes, stop)
         batch = _Batch(arena, layout.nbytes, 0, future)
         view = arena.buf
         cursor, tasks = layout.nbytes, []
@@ -312,7 +349,7 @@ class DecodePool:
 
     def _finish(self, batch: _Batch) -> None:
         buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf)
-        batch.future.set_result(Decoded(buffer, batch.errors, lambda: self._release(batch.arena)))
+        batch.future.set_result(Decoded(buffer, batch.errors, call_once(lambda: self._release(batch.arena))))
 
     # --- the dispatcher thread ----------------------------------------------------------------
     def _dispatch_loop(self) -> None:
@@ -421,7 +458,7 @@ class DecodePool:
             if worker.process.is_alive():
                 worker.process.kill()
         for arena in self._all_arenas.values():
-            _destroy(arena)
+            self._destroy_charged(arena)
         self._all_arenas.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from preprocess_service import metrics, shards
+from preprocess_service.budget import UNLIMITED, MemoryBudget
 from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.decode import WORKER_DIED, Decoded
 from preprocess_service.config import JobConfig
@@ -59,8 +60,14 @@ class Job:
     and re-read from the shard if a resumed stream needs that step again."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4,
-                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[str] | None = None):
+                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[str] | None = None,
+                 budget: MemoryBudget = UNLIMITED):
         self.config = config
+        self.budget = budget
+        """Encoded media kept from planning to decoding is charged to it; what does not fit is
+        dropped at once and re-read from its shard when its microbatch is decoded."""
+        self._media_held = 0
+        self._largest_message = 0
         self.job_id = config.job_id()
         self.reader = reader
         self.shard_urls = shard_urls if shard_urls is not None else reader.expand(config.shards)
@@ -68,7 +75,8 @@ class Job:
         self._lock = threading.Lock()
         self._skipped: dict[str, SkippedRecord] = {}
         self._plans: list[StepPlan] = []
-        self.planner = Planner(config, self.shard_urls, self.tokenizer, self._record_skip, reader)
+        self.planner = Planner(config, self.shard_urls, self.tokenizer, self._record_skip, reader,
+                               keep_media=self._keep_media)
         self._planner = iter(self.planner)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
@@ -157,11 +165,13 @@ class Job:
         if not 0 <= rank < self.config.dp_size:
             raise ConfigError(f"dp_rank {rank} is outside this job's dp_size {self.config.dp_size}")
 
-    def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> PendingMicrobatch:
-        """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (decode.py)."""
+    def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder,
+                         stop: threading.Event | None = None) -> PendingMicrobatch:
+        """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (decode.py),
+        which may wait for room in the memory budget until ``stop`` is set."""
         sequences, skipped = self._resolve(plan.microbatch(rank, index))
         layout = self._layout(sequences)
-        return PendingMicrobatch(sequences, layout, decoder.submit(layout), skipped)
+        return PendingMicrobatch(sequences, layout, decoder.submit(layout, stop), skipped)
 
     def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None]]:
         """Waits for the decode; returns the arrays (views of the decode buffer) and the function
@@ -234,6 +244,16 @@ class Job:
         """Registers a stream of ``rank``; the server reports each step it finishes to the lease."""
         return StreamLease(self, rank)
 
+    def note_message_bytes(self, nbytes: int) -> None:
+        """The size of a microbatch message sent; the largest so far sizes new streams' admission."""
+        self._largest_message = max(self._largest_message, nbytes)
+
+    def stream_estimate(self, prefetch: int) -> int:
+        """Bytes a new stream of this job is likely to hold: its queue and two microbatches in
+        decode, at the largest message seen (before any: the config's bound, a quarter of it)."""
+        per = self._largest_message or self.config.max_microbatch_bytes() // 4
+        return (prefetch + 2) * per
+
     # --- lifecycle --------------------------------------------------------------------------
     def touch(self) -> None:
         """A call used the job: its idle clock starts again."""
@@ -264,9 +284,12 @@ class Job:
             stops = list(self._stream_stops)
             for plan in self._plans:
                 for doc in plan.documents():
-                    doc.media_bytes = None
+                    self._drop_media(doc)
             self._plans.clear()
             self._planning_done = True
+            # documents the planner still held (shuffle buffer, open sequences) go with it
+            self.budget.release_cache(self._media_held)
+            self._media_held = 0
         for stop in stops:
             stop.set()
         return len(stops)
@@ -278,13 +301,30 @@ class Job:
             self._sent_through[rank] = max(self._sent_through[rank], step)
             self._release_through(min(self._sent_through[r] for r in range(self.config.dp_size)))
 
+    def _keep_media(self, doc) -> bool:
+        """Called by the planner for every parsed document: may it keep its encoded bytes?"""
+        nbytes = _media_nbytes(doc)
+        if not self.budget.try_cache(nbytes):
+            return False
+        with self._lock:
+            self._media_held += nbytes
+        return True
+
+    def _drop_media(self, doc) -> None:
+        """Drops a document's encoded bytes and their charge (caller holds the lock)."""
+        if doc.media_bytes is not None:
+            nbytes = _media_nbytes(doc)
+            doc.media_bytes = None
+            self._media_held -= nbytes
+            self.budget.release_cache(nbytes)
+
     def _release_through(self, step: int) -> None:
         """Drops the encoded bytes of every planned step <= ``step`` (caller holds the lock)."""
         step = min(step, len(self._plans) - 1)
         while self._released_through < step:
             self._released_through += 1
             for doc in self._plans[self._released_through].documents():
-                doc.media_bytes = None
+                self._drop_media(doc)
 
     # --- feedback ----------------------------------------------------------------------------
     def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:
@@ -323,6 +363,10 @@ class Job:
             }
 
 
+def _media_nbytes(doc) -> int:
+    return sum(len(b) for b in (doc.media_bytes or {}).values())
+
+
 class StreamLease:
     """One stream's hold on its rank (in one process there is nothing to hold)."""
 
@@ -349,9 +393,10 @@ def _balance(plan: StepPlan) -> dict:
 class JobRegistry:
     """Open jobs by id; opening an identical config returns the same job."""
 
-    def __init__(self):
+    def __init__(self, budget: MemoryBudget = UNLIMITED):
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
+        self.budget = budget
 
     def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
              reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
@@ -371,7 +416,7 @@ class JobRegistry:
         return job
 
     def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[str] | None) -> Job:
-        return Job(config, reader=reader, shard_urls=shard_urls)
+        return Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
 
     def close_job(self, job_id: str) -> int:
         """Closes and forgets a job; returns the number of streams that were ended."""

@@ -1,5 +1,16 @@
 """Prometheus metrics of a service process (``serve --metrics-port``, default 9400, path /metrics).
 
+The endpoint (``serve``) binds to loopback (127.0.0.1) unless the caller passes another host: a
+deployment whose Prometheus scrapes from another pod sets ``metrics_host = "0.0.0.0"`` (or the
+pod's address) on purpose. Given bearer tokens, every request must carry
+``Authorization: Bearer <one of them>`` (compared in constant time); any other request gets 401
+with ``WWW-Authenticate: Bearer`` and no metric in the body, so Prometheus needs
+``authorization: {credentials_file: ...}`` in its scrape config. Without tokens anyone who can
+reach the address reads the metrics. Only GET ``/metrics`` (and ``/``) serve them, other paths are
+404. Each connection must send its request within ``timeout_s`` (10 s) in total and is then closed,
+and at most ``max_connections`` are served at once, so idle or trickling clients cannot pile up
+threads.
+
 Counters and gauges live in prometheus_client's process-wide registry, which is the usual
 layout for one server per process; the server and the Redis store update them where the events
 happen. Names, with the PromQL a dashboard would use:
@@ -21,9 +32,22 @@ happen. Names, with the PromQL a dashboard would use:
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import hmac
+import io
+import logging
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 from preprocess_service.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ITEMS_SENT = Counter("disttrain_items_sent", "Items sent to trainers, by modality "
                      "(sample, image, audio, generation)", ["modality"])
@@ -48,12 +72,142 @@ for _queue in ("decode", "send"):
     QUEUE_DEPTH.labels(_queue)
 
 
-def serve(port: int, host: str = "0.0.0.0"):
-    """Starts the /metrics HTTP endpoint in a daemon thread; returns (server, thread)."""
+def serve(port: int, host: str = "127.0.0.1", tokens: Sequence[str] = (), *, timeout_s: float = 10.0,
+          max_connections: int = 64) -> tuple[ThreadingHTTPServer, threading.Thread, int]:
+    """Starts the /metrics HTTP endpoint in a daemon thread; returns (server, thread, bound port).
+
+    ``host`` defaults to loopback; pass ``"0.0.0.0"`` (or ``"::"``) to be scraped from elsewhere.
+    ``tokens``: bearer tokens a scrape may present; empty: no token needed. ``port`` 0 binds any
+    free port (the returned one). ``timeout_s`` bounds the time a connection may take to send its
+    request (in total) and to take the response; beyond ``max_connections`` open connections, new
+    ones are closed at once. ``server.shutdown(); server.server_close()`` stops it.
+    """
+    if not 0 <= port < 65536:
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: not a port number (set metrics_port, 0 = off)")
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError("tokens is a sequence of tokens, not one string")  # else each character would be one
+    if any(not t for t in tokens):
+        raise ConfigError("metrics tokens must not be empty strings")
+    if timeout_s <= 0 or max_connections < 1:
+        raise ConfigError(f"metrics timeout_s ({timeout_s}) must be > 0 and max_connections ({max_connections}) >= 1")
+    handler = type("_Handler", (_MetricsHandler,), {
+        "timeout": timeout_s, "tokens": tuple(t.encode() for t in tokens)})
     try:
-        return start_http_server(port, addr=host)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server = _MetricsServer((host, port), handler, family, max_connections)
     except OSError as exc:
-        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror} (set metrics_port, 0 = off)") from None
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} "
+                          "(set metrics_port, 0 = off)") from None
+    thread = threading.Thread(target=server.serve_forever, name=f"metrics-http-{server.server_port}", daemon=True)
+    thread.start()
+    return server, thread, server.server_port
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    """One daemon thread per connection, at most ``max_connections`` at once."""
+
+    daemon_threads = True
+    block_on_close = False  # server_close() does not wait for connections still open (each is bounded anyway)
+
+    def __init__(self, address, handler, family: int, max_connections: int):
+        self.address_family = family
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._last_refusal_logged = float("-inf")
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves the host's FQDN (reverse DNS, which can hang); not needed here.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            if time.monotonic() - self._last_refusal_logged > 60:  # at most one line a minute, whatever the flood
+                self._last_refusal_logged = time.monotonic()
+                log.warning("metrics endpoint: %d connections open, closing new ones (one from %s)",
+                            self.max_connections, client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Reads a socket until a deadline for the whole request, not per recv: a client trickling a
+    byte every few seconds is cut off like one that sends nothing."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request not received in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    timeout: float = 10.0  # StreamRequestHandler.setup sets it on the socket
+    tokens: tuple[bytes, ...] = ()
+    server_version = "disttrain-metrics"
+    sys_version = ""
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout))
+
+    def do_GET(self) -> None:
+        self.connection.settimeout(self.timeout)  # the response gets its own timeout_s (sendall: in total)
+        if not self._authorized():
+            self._reply(401, b"unauthorized: send Authorization: Bearer <token>\n", "text/plain; charset=utf-8",
+                        {"WWW-Authenticate": "Bearer"})
+        elif urlsplit(self.path).path not in ("/metrics", "/"):
+            self._reply(404, b"not found: metrics are at /metrics\n", "text/plain; charset=utf-8")
+        else:
+            self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+
+    def _authorized(self) -> bool:
+        if not self.tokens:
+            return True
+        values = self.headers.get_all("Authorization") or []
+        if len(values) != 1:
+            return False
+        scheme, _, credential = values[0].strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given = credential.strip().encode("latin-1", "replace")  # http.client decoded the header as latin-1
+        ok = False
+        for token in self.tokens:  # all of them, whatever matches: the time does not tell which
+            ok |= hmac.compare_digest(given, token)
+        return ok
+
+    def _reply(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
+        log.debug("metrics endpoint %s: " + format, self.address_string(), *args)
 
 
 def microbatch_sent(arrays, nbytes: int) -> None:
@@ -91,3 +245,14 @@ class StreamLag:
         front = max(sent.values())
         for r, s in sent.items():
             STREAM_LAG.labels(job_id, str(r)).set(front - s)
+
+
+MEMORY_BUDGET = Gauge("disttrain_memory_budget_bytes", "The server's memory budget for client data: its size "
+                      "(total), what is charged now (used) and the most ever charged (peak)", ["kind"])
+
+
+def watch_budget(budget) -> None:
+    """Exports a budget.MemoryBudget: read at every scrape, so nothing needs updating."""
+    MEMORY_BUDGET.labels("total").set_function(lambda: budget.total)
+    MEMORY_BUDGET.labels("used").set_function(lambda: budget.used)
+    MEMORY_BUDGET.labels("peak").set_function(lambda: budget.peak)

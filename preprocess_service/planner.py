@@ -74,8 +74,12 @@ class Planner:
     """Iterates a job's StepPlans in order; skipped samples go to ``on_skip``."""
 
     def __init__(self, config: JobConfig, shard_urls: list[str], tokenizer: Tokenizer, on_skip: SkipSink,
-                 reader: shards.ShardReader = shards.DEFAULT_READER):
+                 reader: shards.ShardReader = shards.DEFAULT_READER,
+                 keep_media: Callable[[Document], bool] = lambda doc: True):
         self.config = config
+        self.keep_media = keep_media
+        """Asked for every parsed document whether it keeps its encoded bytes until it is decoded
+        (else they are dropped now and re-read then)."""
         self.shard_urls = shard_urls
         self.reader = reader
         self.tokenizer = tokenizer
@@ -146,6 +150,8 @@ class Planner:
                                         "parse_failed"))
                     continue
                 tolerance.succeeded()
+                if not self.keep_media(doc):
+                    doc.media_bytes = None
                 yield doc
 
     def _plan_batch(self, batch: list[PackedSequence], step: int, epoch: int) -> StepPlan:

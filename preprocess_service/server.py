@@ -16,6 +16,7 @@ import logging
 import math
 import queue
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from preprocess_service import metrics, sources, wire
+from preprocess_service.budget import MemoryBudget, call_once, default_budget_bytes
 from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
                                        ResourceExhausted, ServiceUnavailableError, StreamSuperseded)
@@ -107,6 +109,11 @@ class Limits:
     """Jobs one client (its token, else its address) may have opened at once; 0: no limit."""
     job_idle_ttl_s: float = 1800.0
     """A job with no open stream and no call for this long is closed and freed."""
+    memory_budget_bytes: int = 0
+    """Bytes all streams and jobs may hold for data (budget.py); 0: half the machine's (or the
+    container's) memory."""
+    memory_wait_s: float = 30.0
+    """Seconds a running stream waits for room in the budget before it fails RESOURCE_EXHAUSTED."""
     stream_stall_timeout_s: float = 300.0
     """A stream whose client takes no message for this long is cancelled (its memory freed)."""
 
@@ -135,6 +142,25 @@ _STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, 
               (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
               # storage away (a network file system, an object store): the client tries again, maybe elsewhere
               (OSError, grpc.StatusCode.UNAVAILABLE))
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A serialized microbatch waiting for gRPC, and how to return its memory-budget charge."""
+
+    data: bytes
+    release: Callable[[], None]
+
+
+def _drain(items: queue.Queue) -> None:
+    while True:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(item, _Prepared):
+            metrics.QUEUE_DEPTH.labels("send").dec()
+            item.release()
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:
@@ -179,6 +205,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         self.authenticated = authenticated
         """Token auth is on: a client's identity is its token, and a job belongs to the one that opened it."""
         self.reader = limits.shard_reader()
+        self.budget = self.jobs.budget
         self.streams = StreamLimiter(limits.max_streams_per_client)
         self.watchdog = StallWatchdog(limits.stream_stall_timeout_s)
         self.lag = metrics.StreamLag()
@@ -228,7 +255,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             shard_urls = None if self.jobs.is_open(config.job_id()) else self.reader.expand(config.shards)
             client = self._identity(context)
             if not self.jobs.is_open(config.job_id()):
-                self._check_job_limits(client)
+                self._check_job_limits(client, config)
             job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader, client=client)
         except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted) as exc:
             _abort(context, exc)
@@ -245,7 +272,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                               f"x the costliest token), more than this server's max_microbatch_bytes "
                               f"{self.limits.max_microbatch_bytes}; lower seq_len, seqs_per_microbatch or the media sizes")
 
-    def _check_job_limits(self, client: str) -> None:
+    def _check_job_limits(self, client: str, config) -> None:
+        self.budget.admit(2 * config.max_microbatch_bytes(), "a new job")
         limit, per_client = self.limits.max_open_jobs, self.limits.max_open_jobs_per_client
         if limit and self.jobs.num_open() >= limit:
             raise ResourceExhausted(f"{self.jobs.num_open()} jobs are open on this server, the most it allows "
@@ -324,8 +352,13 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         client = self._identity(context)
         try:
+            end_commitment = self.budget.commit(job.stream_estimate(self.prefetch), f"a stream of job {job.job_id}")
+        except ResourceExhausted as exc:
+            _abort(context, exc)
+        try:
             self.streams.acquire(client)
         except ResourceExhausted as exc:
+            end_commitment()
             _abort(context, exc)
         context_fields = {"job": job.job_id, "rank": request.dp_rank, "step": request.start_step}
         log.info("stream opened by %s at step %d microbatch %d", client, request.start_step,
@@ -333,6 +366,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         try:
             yield from self._stream(job, request, context)
         finally:
+            end_commitment()
             self.streams.release(client)
             log.info("stream closed", extra=context_fields)
 
@@ -372,29 +406,26 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                     continue
                 if item is _END:
                     return
-                if not isinstance(item, BaseException):
-                    metrics.QUEUE_DEPTH.labels("send").dec()
                 if isinstance(item, BaseException):
                     code = _status_of(item)
                     if code == grpc.StatusCode.INTERNAL:
                         log.error("stream failed", exc_info=item)
                         context.abort(code, f"microbatch preparation failed: {item!r}")
-                    context.abort(code, str(item))
+                    _abort(context, item)
+                metrics.QUEUE_DEPTH.labels("send").dec()
                 self.watchdog.sending(id(stop), context, f"job {job.job_id} rank {request.dp_rank}")
-                yield item
+                try:
+                    yield item.data
+                finally:
+                    item.release()  # gRPC has taken it (or the stream ended): its charge goes back
                 self.watchdog.sent(id(stop))
-                self._count(sent_microbatches=1, sent_bytes=len(item))
+                self._count(sent_microbatches=1, sent_bytes=len(item.data))
         finally:
             stop.set()
             self.watchdog.sent(id(stop))
             self._count(active_streams=-1)
             metrics.ACTIVE_STREAMS.dec()
-            while True:  # prepared messages the client will never read
-                try:
-                    if not isinstance(items.get_nowait(), BaseException):
-                        metrics.QUEUE_DEPTH.labels("send").dec()
-                except queue.Empty:
-                    break
+            _drain(items)  # prepared messages the client will never read (the producer drains too)
 
     def _produce(self, job: Job, request, items: queue.Queue, stop: threading.Event) -> None:
         """Keeps up to two microbatches decoding ahead of the one being serialized."""
@@ -403,7 +434,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         try:
             lease = job.open_stream(request.dp_rank, request.start_step, stop)
             for plan, index, last in self._positions(job, request, stop):
-                in_decode.append((plan, index, last, job.start_microbatch(plan, request.dp_rank, index, self.decoder)))
+                in_decode.append((plan, index, last,
+                                  job.start_microbatch(plan, request.dp_rank, index, self.decoder, stop)))
                 metrics.QUEUE_DEPTH.labels("decode").inc()
                 if len(in_decode) == 2 and not self._emit(job, request, lease, in_decode.popleft(), items, stop):
                     return
@@ -417,6 +449,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         finally:
             if lease is not None:
                 lease.close()
+            if stop.is_set():
+                _drain(items)  # what it put after the consumer's last look
             for *_, pending in in_decode:  # abandoned by a cancelled stream: free the buffers
                 pending.future.add_done_callback(lambda f: f.exception() or f.result().release())
             metrics.QUEUE_DEPTH.labels("decode").dec(len(in_decode))
@@ -439,13 +473,14 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         metrics.QUEUE_DEPTH.labels("decode").dec()
         arrays, release = job.finish_microbatch(pending)
         try:
-            message = self._message(job, plan, request.dp_rank, index, arrays)
+            prepared = self._prepare(job, plan, request.dp_rank, index, arrays, stop)
         finally:
             release()
-        if stop.is_set() or not self._put(items, message, stop):
+        if stop.is_set() or not self._put(items, prepared, stop):
+            prepared.release()
             return False
         metrics.QUEUE_DEPTH.labels("send").inc()
-        metrics.microbatch_sent(arrays, len(message))
+        metrics.microbatch_sent(arrays, len(prepared.data))
         if index == 0:
             metrics.step_planned(job.job_id, plan)
         if last:
@@ -466,6 +501,20 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             except queue.Full:
                 continue
         return False
+
+    def _prepare(self, job: Job, plan, rank: int, index: int, arrays, stop: threading.Event) -> _Prepared:
+        """The serialized message, charged to the memory budget before it exists (its tensors) and
+        as it is (the header); the charge goes back when gRPC has taken it."""
+        self.budget.reserve(arrays.nbytes, what="a prepared microbatch", stop=stop)
+        try:
+            message = self._message(job, plan, rank, index, arrays)
+            extra = len(message) - arrays.nbytes
+            self.budget.reserve(extra, what="a prepared microbatch", stop=stop)
+        except BaseException:
+            self.budget.release(arrays.nbytes)
+            raise
+        job.note_message_bytes(len(message))
+        return _Prepared(message, call_once(lambda: self.budget.release(len(message))))
 
     def _message(self, job: Job, plan, rank: int, index: int, arrays) -> bytes:
         self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
@@ -516,14 +565,17 @@ def _expire_idle_jobs(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Even
             log.info("job expired after %g s without a stream or call; freed", idle_ttl_s, extra={"job": job_id})
 
 
-def create_decoder(decode_workers: int | None):
+def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None):
     """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
-    on threads in this process for 0."""
+    on threads in this process for 0; its buffers are charged to ``budget``."""
+    from preprocess_service.budget import UNLIMITED
+
+    budget = budget or UNLIMITED
     if decode_workers == 0:
         import os
 
-        return InlineDecoder(num_threads=len(os.sched_getaffinity(0)))
-    return DecodePool(decode_workers)
+        return InlineDecoder(num_threads=len(os.sched_getaffinity(0)), budget=budget)
+    return DecodePool(decode_workers, budget=budget)
 
 
 def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
@@ -545,7 +597,9 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     bearer token on every call but health checks, ``limits`` bounds what one client may ask."""
     from preprocess_service.reorder import ours
 
-    jobs = JobRegistry()
+    budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
+    metrics.watch_budget(budget)
+    jobs = JobRegistry(budget)
     if redis_url:
         import os
         import socket
@@ -555,10 +609,10 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
 
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
-                                 f"{os.getpid()}", reader=limits.shard_reader(), **(job_options or {}))
+                                 f"{os.getpid()}", reader=limits.shard_reader(), budget=budget, **(job_options or {}))
     ours.warm_up()
     wire.tune_malloc()
-    decoder = create_decoder(decode_workers)
+    decoder = create_decoder(decode_workers, budget)
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", limits.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,

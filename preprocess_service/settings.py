@@ -32,6 +32,11 @@ class ServiceSettings:
     host: str = _doc("address to listen on", "0.0.0.0")
     port: int = _doc("gRPC port (0: any free port)", 50051)
     metrics_port: int = _doc("Prometheus /metrics port (0: no metrics endpoint)", 9400)
+    metrics_host: str = _doc("address /metrics listens on: loopback by default; 0.0.0.0 to let another pod "
+                             "scrape it", "127.0.0.1")
+    metrics_auth_tokens: tuple[str, ...] = _doc("bearer tokens a /metrics scrape must present; empty: none "
+                                                "(its own tokens: a scraper gets no data-plane access)", ())
+    metrics_auth_tokens_file: str | None = _doc("file with one /metrics token per line, added to metrics_auth_tokens")
     prefetch: int = _doc("microbatches prepared ahead per stream", 2)
     decode_workers: int | None = _doc("decode processes (unset: one per core; 0: threads in the server)")
     max_workers: int = _doc("gRPC handler threads: the most concurrent calls (each stream holds one)", 256)
@@ -48,6 +53,11 @@ class ServiceSettings:
     max_request_bytes: int = _doc("largest request message in bytes", 4 << 20)
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
+    memory_budget_bytes: int = _doc("bytes all streams and jobs may hold for data: decode buffers and shared "
+                                    "memory, prepared microbatches, kept media; 0: half the machine's or "
+                                    "container's memory", 0)
+    memory_wait_s: float = _doc("seconds a running stream waits for room in the memory budget before it fails "
+                                "RESOURCE_EXHAUSTED (its client resumes it later)", 30.0)
     max_seq_len: int = _doc("longest packed sequence a job may ask for, tokens", 131_072)
     max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest), "
                                      "bytes", 512 << 20)
@@ -89,6 +99,9 @@ class ServiceSettings:
         for name in ("stream_stall_timeout_s", "shutdown_grace_s"):
             if not 0 < getattr(self, name) <= 86400:
                 raise ConfigError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
+        if self.memory_budget_bytes < 0 or not 0 < self.memory_wait_s <= 3600:
+            raise ConfigError(f"memory_budget_bytes must be >= 0 and memory_wait_s in (0, 3600], got "
+                              f"{self.memory_budget_bytes} and {self.memory_wait_s}")
         if not 1 <= self.job_idle_ttl_s <= 30 * 86400:
             raise ConfigError(f"job_idle_ttl_s must be in [1, 2592000], got {self.job_idle_ttl_s}")
         if not 0 < self.shard_read_timeout_s <= 3600:
@@ -99,15 +112,23 @@ class ServiceSettings:
 
     def tokens(self) -> tuple[str, ...]:
         """auth_tokens plus those of auth_tokens_file."""
-        extra = ()
-        if self.auth_tokens_file:
-            try:
-                extra = tuple(t.strip() for t in Path(self.auth_tokens_file).read_text().splitlines() if t.strip())
-            except OSError as exc:
-                raise ConfigError(f"auth_tokens_file {self.auth_tokens_file}: {exc.strerror}") from None
-            if not extra:
-                raise ConfigError(f"auth_tokens_file {self.auth_tokens_file} holds no token")
-        return self.auth_tokens + extra
+        return self.auth_tokens + _token_file(self.auth_tokens_file, "auth_tokens_file")
+
+    def metrics_tokens(self) -> tuple[str, ...]:
+        """metrics_auth_tokens plus those of metrics_auth_tokens_file."""
+        return self.metrics_auth_tokens + _token_file(self.metrics_auth_tokens_file, "metrics_auth_tokens_file")
+
+
+def _token_file(path: str | None, name: str) -> tuple[str, ...]:
+    if not path:
+        return ()
+    try:
+        tokens = tuple(t.strip() for t in Path(path).read_text().splitlines() if t.strip())
+    except OSError as exc:
+        raise ConfigError(f"{name} {path}: {exc.strerror}") from None
+    if not tokens:
+        raise ConfigError(f"{name} {path} holds no token")
+    return tokens
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServiceSettings)}

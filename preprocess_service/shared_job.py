@@ -32,6 +32,7 @@ import uuid
 
 from disttrain_api import preprocess_pb2 as pb
 from preprocess_service import metrics, plan_record, shards
+from preprocess_service.budget import UNLIMITED, MemoryBudget
 from preprocess_service.config import JobConfig
 from preprocess_service.errors import (DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
                                        ServiceUnavailableError, StreamSuperseded)
@@ -143,7 +144,8 @@ class SharedJob(Job):
                 seen_frontier = frontier
                 if plans is None:
                     _, epoch, next_step = self.store.resume_point(self.job_id, stop=stop)
-                    planner = Planner(self.config, self.shard_urls, self.tokenizer, self._planning_skip, self.reader)
+                    planner = Planner(self.config, self.shard_urls, self.tokenizer, self._planning_skip, self.reader,
+                                      keep_media=lambda doc: False)  # served from re-read samples: hold no bytes
                     plans, previous_epoch = planner.plans_from(epoch, next_step), None
                     log.info("job %s: planning from epoch %d (step %d), %d steps committed",
                              self.job_id, epoch, next_step, frontier)
@@ -357,8 +359,8 @@ class SharedJobRegistry(JobRegistry):
     finds its spec there and opens the same job here."""
 
     def __init__(self, store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
-                 **job_options):
-        super().__init__()
+                 budget: MemoryBudget = UNLIMITED, **job_options):
+        super().__init__(budget)
         self.store = store
         self.reader = reader
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""

@@ -1,0 +1,170 @@
+"""The global memory budget: every buffer, queued message and kept media byte is charged before
+it exists; new streams and jobs beyond it are refused with a retry hint; streams already running
+wait, and the charge never passes the budget, whatever clients do."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from disttrain_api import preprocess_pb2 as pb
+from disttrain_api import preprocess_pb2_grpc as pb_grpc
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service.budget import MemoryBudget
+from preprocess_service.config import JobConfig
+from preprocess_service.errors import ResourceExhausted
+from preprocess_service.server import CHANNEL_OPTIONS, Limits, create_server
+from preprocess_service.spec import spec_from_config
+from trainer import DataClient
+
+
+def test_reserve_waits_for_room_and_gives_up_with_a_retry_hint():
+    budget = MemoryBudget(100, wait_s=0.3)
+    budget.reserve(80, what="a")
+    assert not budget.try_reserve(30)
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as info:
+        budget.reserve(30, what="the second buffer")
+    assert 0.25 < time.monotonic() - started < 5 and info.value.retry_after_s and "second buffer" in str(info.value)
+    threading.Timer(0.1, budget.release, args=(80,)).start()
+    budget.reserve(30, what="c")  # room appears while it waits
+    assert budget.used == 30 and budget.peak == 80
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ResourceExhausted):
+        budget.reserve(90, what="d", stop=stop)  # a cancelled stream does not wait
+    with pytest.raises(ResourceExhausted, match="whole memory budget"):
+        budget.reserve(101, what="e")
+    with pytest.raises(ResourceExhausted, match="needs"):
+        budget.admit(80, "a stream")  # more than the streams' share (75 of 100)
+    end = budget.commit(50, "a stream")
+    with pytest.raises(ResourceExhausted, match="committed"):
+        budget.commit(30, "another")
+    end()
+    end()  # ending twice ends once
+    assert budget.committed == 0
+    assert budget.try_cache(20) and not budget.try_cache(10)  # the cache share is 25 of 100
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget")
+    paths = write_tiny_shards(root, num_shards=2, samples_per_shard=16)
+    return root, paths
+
+
+def _config(root, **kw):
+    fields = dict(shards=(str(root),), seq_len=4096, dp_size=4, num_microbatches=2, seqs_per_microbatch=1)
+    fields.update(kw)
+    return JobConfig(**fields)
+
+
+@pytest.mark.parametrize("decode_workers", [0, 1])
+def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arrives_once(shards, decode_workers):
+    root, paths = shards
+    budget_bytes = 48 << 20
+    server, port, servicer = create_server(
+        "127.0.0.1:0", decode_workers=decode_workers,
+        limits=Limits(memory_budget_bytes=budget_bytes, memory_wait_s=2.0, max_streams_per_client=0,
+                      stream_stall_timeout_s=3.0))
+    address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub = pb_grpc.PreprocessStub(channel)
+    try:
+        config = _config(root, num_epochs=2)
+        job_id = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=30).job_id
+        # clients that open streams and never read them, on a second job
+        hog = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(_config(root, num_epochs=1000, seed=9))),
+                           timeout=30).job_id
+        stalled = [stub.StreamMicrobatches(pb.StreamRequest(job_id=hog, dp_rank=r % 4)) for r in range(12)]
+        results: dict[int, Counter] = {}
+
+        def rank(r):
+            keys = Counter()
+            with DataClient(address, job_id, r, prefetch=2, reconnect_timeout_s=120) as client:
+                for mb in client:
+                    keys.update(mb.sample_keys)
+                    time.sleep(0.05)
+            results[r] = keys
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+        for t in threads:
+            t.start()
+        peak_seen = 0
+        while any(t.is_alive() for t in threads):
+            peak_seen = max(peak_seen, servicer.budget.used)
+            assert servicer.budget.used <= budget_bytes
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        report = stub.GetReport(pb.ReportRequest(job_id=job_id), timeout=30)
+        received = sum(results.values(), Counter())
+        lost = {s.key for s in report.skipped if s.key}
+        assert set(received) == shard_keys(paths) - lost and set(received.values()) == {2}
+        assert 0 < servicer.budget.peak <= budget_bytes
+        for call in stalled:
+            call.cancel()
+        for job in (job_id, hog):  # their kept media goes with them
+            stub.CloseJob(pb.CloseJobRequest(job_id=job), timeout=30)
+        deadline = time.monotonic() + 30
+        while servicer.budget.used and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if decode_workers == 0:
+            assert servicer.budget.used == 0  # every charge came back
+        else:  # the pool keeps a few idle arenas (charged) for reuse
+            assert servicer.budget.used == sum(a.size for a in servicer.decoder._free_arenas)
+    finally:
+        channel.close()
+        server.stop(0).wait()
+
+
+def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
+    root, _ = shards
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0,
+                                           limits=Limits(memory_budget_bytes=64 << 20, max_streams_per_client=0))
+    address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub = pb_grpc.PreprocessStub(channel)
+    try:
+        big = _config(root, seq_len=16384, seqs_per_microbatch=2, dp_size=1)  # up to ~100 MB a microbatch
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(big)), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in info.value.details()
+        job_id = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(_config(root, dp_size=1))), timeout=30).job_id
+        ballast = servicer.budget.commit(44 << 20, "a test's ballast")  # streams' share nearly all committed
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.StreamMicrobatches(pb.StreamRequest(job_id=job_id, dp_rank=0), timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry in" in info.value.details()
+        assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "5000"
+        ballast()
+        assert next(stub.StreamMicrobatches(pb.StreamRequest(job_id=job_id, dp_rank=0), timeout=30))
+    finally:
+        channel.close()
+        server.stop(0).wait()
+
+
+def test_kept_media_is_charged_and_dropped_when_it_does_not_fit(shards):
+    from preprocess_service.decode import InlineDecoder
+    from preprocess_service.job import Job
+
+    root, paths = shards
+    tight = MemoryBudget(200_000)  # room for a few encoded images only
+    job = Job(_config(root, dp_size=1), budget=tight)
+    decoder = InlineDecoder()
+    keys = Counter()
+    step = 0
+    while (plan := job.step_plan(step)) is not None:
+        assert tight.used <= tight.total
+        for index in range(plan.num_microbatches):
+            keys.update(job.microbatch(plan, 0, index, decoder).sample_keys)
+        job.mark_sent(0, step, plan.num_microbatches)
+        step += 1
+    assert set(keys) == shard_keys(paths) and set(keys.values()) == {1}  # dropped bytes were re-read
+    assert 0 < tight.peak <= tight.total
+    job.close()
+    assert tight.used == 0

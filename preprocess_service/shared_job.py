@@ -373,6 +373,13 @@ class SharedJobRegistry(JobRegistry):
         self.store.register_job(job.job_id, job.spec_bytes)
         return job
 
+    def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
+             reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
+        """As JobRegistry.open; the owner is whoever opened the job first on any replica (Redis)."""
+        job = super().open(config, shard_urls=shard_urls, reader=reader, client=client)
+        job.owner = self.store.job_owner(job.job_id, client)
+        return job
+
     def get(self, job_id: str) -> Job:
         with self._lock:
             job = self._jobs.get(job_id)

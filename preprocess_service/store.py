@@ -4,6 +4,7 @@ Keys of a job (the ``{job_id}`` hash tag keeps a job on one Redis Cluster slot):
 
   disttrain:jobs                     set of job ids (the registry)
   disttrain:{J}:spec                 the normalised JobSpec, serialized (the job's identity)
+  disttrain:{J}:owner                the client identity (a token digest with auth on) that opened it first
   disttrain:{J}:plan:K               committed plan of step K (plan_record bytes); written once, with SET NX,
                                      before any replica streams any of it
   disttrain:{J}:frontier             steps 0..frontier-1 are committed
@@ -272,6 +273,17 @@ class RedisStore:
             pipe.sadd("disttrain:jobs", job_id)
             pipe.execute()
         self._call(run, commands=2, deadline_s=deadline_s)
+
+    def job_owner(self, job_id: str, claim: str = "", *, deadline_s: float | None = None) -> str:
+        """The identity that opened the job first, on any replica; ``claim`` becomes it if none has."""
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            if claim:
+                pipe.set(self._key(job_id, "owner"), claim, nx=True)
+            pipe.get(self._key(job_id, "owner"))
+            return pipe.execute()[-1]
+        owner = self._call(run, commands=2 if claim else 1, deadline_s=deadline_s)
+        return owner.decode() if owner else ""
 
     def job_spec(self, job_id: str, *, deadline_s: float | None = None) -> bytes | None:
         return self._call(lambda r: r.get(self._key(job_id, "spec")), commands=1, deadline_s=deadline_s)

@@ -253,3 +253,28 @@ def test_a_job_with_an_open_stream_does_not_expire(shards, server):
         time.sleep(4)  # twice the idle TTL, the client reading nothing
         assert servicer.jobs.is_open(client.job_id)
         assert next(client).tokens.numel() > 0
+
+
+def test_with_replicas_a_job_belongs_to_the_token_that_opened_it_on_any_replica(shards, tmp_path):
+    from preprocess_service.localcluster import LocalRedis
+
+    with LocalRedis(tmp_path / "redis") as redis:
+        servers = [create_server("127.0.0.1:0", decode_workers=0, redis_url=redis.url, auth_tokens=("alice", "mallory"))
+                   for _ in range(2)]
+        a, b = (f"127.0.0.1:{port}" for _, port, _ in servers)
+        try:
+            with DataClient(a, _config(shards, seed=21), 0, credentials=Credentials(token="alice")) as alice:
+                next(alice)
+                channel, stub = _stub(b)  # the other replica learns the job from Redis
+                try:
+                    with pytest.raises(grpc.RpcError) as info:
+                        stub.DescribeJob(pb.DescribeJobRequest(job_id=alice.job_id),
+                                         metadata=(("authorization", "Bearer mallory"),), timeout=10)
+                    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert stub.DescribeJob(pb.DescribeJobRequest(job_id=alice.job_id),
+                                            metadata=(("authorization", "Bearer alice"),), timeout=10).job_id
+                finally:
+                    channel.close()
+        finally:
+            for server, _, _ in servers:
+                server.stop(0).wait()

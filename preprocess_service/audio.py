@@ -25,6 +25,8 @@ LOG_FLOOR = 1e-10
 
 
 MIN_SOURCE_RATE, MAX_SOURCE_RATE = 1000, 384_000
+MAX_AMPLITUDE = 1e4
+"""Float audio is nominally in [-1, 1]; far beyond that the file is corrupt (and its mel overflows)."""
 MAX_CHANNELS = 64
 MAX_RESAMPLE_PHASES = 1 << 22
 """Bound on (source rate / g) * (target rate / g), g their gcd: the resampling kernel has that many
@@ -66,7 +68,10 @@ def decode_waveform(data: bytes, config: AudioConfig) -> torch.Tensor:
     mono = torch.from_numpy(wave.mean(axis=1) if wave.shape[1] > 1 else wave[:, 0])
     if rate != config.sample_rate:
         mono = _resampler(rate, config.sample_rate)(mono)
-    return mono[: int(config.max_seconds * config.sample_rate)]
+    mono = mono[: int(config.max_seconds * config.sample_rate)]
+    if not torch.isfinite(mono).all() or mono.abs().max() > MAX_AMPLITUDE:
+        raise ValueError("the audio holds non-finite or absurd samples (NaN, inf, or beyond +-1e4)")
+    return mono
 
 
 def log_mel(wave: torch.Tensor, config: AudioConfig, num_frames: int) -> np.ndarray:

@@ -14,10 +14,12 @@ admitted streams do not starve each other, each holding part of what it needs an
 rest. Kept media, a cache, may use at most CACHE_SHARE and is the first to go. The charges
 themselves are a hard ceiling: a buffer that does not fit waits up to ``wait_s`` (less once its
 stream is cancelled), then its stream fails RESOURCE_EXHAUSTED and its client resumes it later at
-the same position. What is not charged is bounded separately: the
-interpreter and libraries (a fixed baseline), each shard reader's queue (two samples, each at most
-max_sample_bytes) and each decode worker's scratch memory (one sample's pixels, at most
-max_source_pixels x 4 bytes).
+the same position. A message stays charged until gRPC has taken the next one (gRPC
+keeps its own copy while it sends). What is not charged is bounded separately: the interpreter and
+libraries (a fixed baseline), heap memory glibc keeps after a burst (the server trims it every
+5 s), each shard reader's queue (four items, each at most max_sample_bytes) and each decode
+worker's scratch memory (one sample's pixels, at most max_source_pixels x 4 bytes). bench/soak.py
+measures the whole against the budget.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def read_header(data: bytes) -> ImageHeader:
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
-            orientation = img.getexif().get(0x0112, 1)  # any format: MPO (camera JPEG), TIFF-like, ...
+            orientation = _orientation(img)
             fmt = img.format or "unknown"
     except Image.DecompressionBombError as exc:
         raise DecompressionBomb(str(exc)) from None
@@ -87,7 +87,21 @@ def looks_truncated(data: bytes, fmt: str) -> bool:
 def orientation_of(data: bytes) -> int:
     """EXIF orientation (1-8, 1 = as stored) of an encoded image; 1 when it has none."""
     with Image.open(io.BytesIO(data)) as img:
-        return int(img.getexif().get(0x0112, 1))
+        return _orientation(img)
+
+
+def _orientation(img: Image.Image) -> int:
+    """EXIF orientation without decoding pixels. Pillow's getexif() on a PNG whose eXIf chunk is not
+    before the image data decodes the whole image to look for it (a 493 KB PNG bomb costs seconds
+    and gigabytes), so a PNG only uses an eXIf chunk found with the header."""
+    if img.format == "PNG":
+        raw = img.info.get("exif")
+        if not raw:
+            return 1
+        exif = Image.Exif()
+        exif.load(raw)
+        return int(exif.get(0x0112, 1))
+    return int(img.getexif().get(0x0112, 1))  # any other format: MPO (camera JPEG), TIFF-like, ...
 
 
 def decode_image(data: bytes, size_hw: tuple[int, int], orientation: int | None = None) -> np.ndarray:

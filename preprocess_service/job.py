@@ -249,10 +249,13 @@ class Job:
         self._largest_message = max(self._largest_message, nbytes)
 
     def stream_estimate(self, prefetch: int) -> int:
-        """Bytes a new stream of this job is likely to hold: its queue and two microbatches in
-        decode, at the largest message seen (before any: the config's bound, a quarter of it)."""
-        per = self._largest_message or self.config.max_microbatch_bytes() // 4
-        return (prefetch + 2) * per
+        """Bytes a stream of this job may hold: two microbatches in decode (each a shared-memory
+        arena rounded up to a power of two, with room for the encoded inputs), ``prefetch``
+        prepared messages, and two with gRPC (the one being sent and gRPC's copy of the one
+        before). Sized by the largest message seen, or before any by the config's bound."""
+        per = self._largest_message or self.config.max_microbatch_bytes()
+        arena = max(1 << 22, 1 << (int(per * 1.5) - 1).bit_length())
+        return 2 * arena + (prefetch + 2) * per
 
     # --- lifecycle --------------------------------------------------------------------------
     def touch(self) -> None:

@@ -256,7 +256,7 @@ def _parse_json(raw: bytes | None) -> dict:
         raise SampleError("", f"JSON metadata is {len(raw)} bytes, more than {MAX_JSON_BYTES}", kind="invalid_json")
     try:
         meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad UTF-8, bad JSON, an integer past Python's digit limit
         raise SampleError("", f"invalid JSON metadata ({exc})", kind="invalid_json") from None
     except RecursionError:
         raise SampleError("", "JSON metadata is nested too deeply", kind="invalid_json") from None

@@ -16,6 +16,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -384,8 +385,11 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _stream_job(self, job: Job, request, context, stop: threading.Event):
         try:
             past_end = job.step_plan(request.start_step, stop) is None and request.start_step > job.num_steps()
-        except (NotFoundError, ServiceUnavailableError) as exc:
+        except (NotFoundError, ServiceUnavailableError, DataQualityError) as exc:
             context.abort(_status_of(exc), str(exc))
+        except Exception as exc:  # noqa: BLE001 (a planning bug: INTERNAL, with the cause)
+            log.error("planning failed", exc_info=exc, extra={"job": job.job_id})
+            context.abort(grpc.StatusCode.INTERNAL, f"planning failed: {exc!r}")
         if past_end:
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                           f"start_step {request.start_step} is past the job's last step "
@@ -396,6 +400,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         self._count(active_streams=1)
         metrics.ACTIVE_STREAMS.inc()
         producer.start()
+        previous = None
         try:
             while True:
                 try:
@@ -417,11 +422,16 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 try:
                     yield item.data
                 finally:
-                    item.release()  # gRPC has taken it (or the stream ended): its charge goes back
+                    # gRPC has taken this message; its own copy of the previous one is gone now
+                    if previous is not None:
+                        previous.release()
+                    previous = item
                 self.watchdog.sent(id(stop))
                 self._count(sent_microbatches=1, sent_bytes=len(item.data))
         finally:
             stop.set()
+            if previous is not None:
+                previous.release()
             self.watchdog.sent(id(stop))
             self._count(active_streams=-1)
             metrics.ACTIVE_STREAMS.dec()
@@ -558,9 +568,16 @@ def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def _expire_idle_jobs(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -> None:
-    """Closes jobs nobody used for ``idle_ttl_s`` (abandoned by a crashed or finished trainer)."""
-    while not stop.wait(min(30.0, max(0.05, idle_ttl_s / 4))):
+def _housekeeping(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -> None:
+    """Closes jobs nobody used for ``idle_ttl_s`` (abandoned by a crashed or finished trainer), and
+    every few seconds hands the heap memory freed meanwhile back to the system."""
+    interval = min(5.0, max(0.05, idle_ttl_s / 4))
+    last_expiry = time.monotonic()
+    while not stop.wait(interval):
+        wire.trim_malloc()
+        if time.monotonic() - last_expiry < min(30.0, idle_ttl_s / 4):
+            continue
+        last_expiry = time.monotonic()
         for job_id in jobs.expire(idle_ttl_s):
             log.info("job expired after %g s without a stream or call; freed", idle_ttl_s, extra={"job": job_id})
 
@@ -620,8 +637,8 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits,
                                   authenticated=bool(auth_tokens))
     reaper_stop = threading.Event()
-    threading.Thread(target=_expire_idle_jobs, args=(jobs, limits.job_idle_ttl_s, reaper_stop), daemon=True,
-                     name="job-reaper").start()
+    threading.Thread(target=_housekeeping, args=(jobs, limits.job_idle_ttl_s, reaper_stop), daemon=True,
+                     name="housekeeping").start()
     _add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -52,7 +52,21 @@ class TarLimits:
 
 
 class _BoundedTarInfo(tarfile.TarInfo):
-    """A TarInfo that refuses oversized pax / GNU long-name blocks before tarfile reads them."""
+    """A TarInfo that refuses oversized pax / GNU long-name blocks before tarfile reads them, and
+    makes a cut or corrupt header an error: tarfile would take it for the end of the archive and
+    lose the rest of the shard unreported."""
+
+    @classmethod
+    def fromtarfile(cls, tarfile_):  # tarfile's own, with the error mapping
+        buf = tarfile_.fileobj.read(tarfile.BLOCKSIZE)
+        if 0 < len(buf) < tarfile.BLOCKSIZE and not buf.strip(b"\0"):
+            raise tarfile.EmptyHeaderError("end of file inside the end-of-archive blocks")  # a clean end
+        try:
+            obj = cls.frombuf(buf, tarfile_.encoding, tarfile_.errors)
+        except (tarfile.TruncatedHeaderError, tarfile.InvalidHeaderError) as exc:
+            raise tarfile.ReadError(f"corrupt or cut tar header at byte {tarfile_.offset}: {exc}") from None
+        obj.offset = tarfile_.fileobj.tell() - tarfile.BLOCKSIZE
+        return obj._proc_member(tarfile_)
 
     def _proc_member(self, tarfile_):
         if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
@@ -80,13 +94,20 @@ def iter_members(fileobj) -> Iterator[tuple[tarfile.TarInfo, tarfile.TarFile]]:
 
 
 def split_name(name: str) -> tuple[str | None, str | None]:
-    """(key, lower-case suffix) as webdataset groups members; (None, None) for names it skips."""
+    """(key, lower-case suffix) as webdataset groups members; (None, None) for names it skips:
+    meta members (``__*__``), and suffixes that would name a sample's own fields (``KEY.__key__``
+    must not overwrite its key or shard)."""
     if _META.match(name):
         return None, None
     key, suffix = base_plus_ext(name)
-    if key is None or suffix is None:
+    if key is None or suffix is None or suffix.startswith("__"):
         return None, None
     return key, suffix.lower()
+
+
+def _printable_key(key: str) -> str:
+    """A key as valid UTF-8 (tarfile keeps undecodable name bytes as lone surrogates)."""
+    return key.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink) -> Iterator[dict]:
@@ -107,8 +128,10 @@ def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink) 
                         yield sample
                 current = _Sample(key, {})
                 if len(key) > MAX_KEY_CHARS:
-                    current.problem = SampleError(key[:64] + "...", f"key is {len(key)} characters, more than "
-                                                  f"{MAX_KEY_CHARS}", url, "invalid_key")
+                    current.problem = SampleError(_printable_key(key[:64]) + "...", f"key is {len(key)} characters, "
+                                                  f"more than {MAX_KEY_CHARS}", url, "invalid_key")
+                elif _printable_key(key) != key:
+                    current.problem = SampleError(_printable_key(key), "key is not valid UTF-8", url, "invalid_key")
                 elif key in seen:
                     current.problem = SampleError(key, "the key appears again later in the shard; the first "
                                                   "sample with this key is kept", url, "duplicate_key")

@@ -169,3 +169,15 @@ def tune_malloc() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
+
+
+def trim_malloc() -> int:
+    """Gives freed heap memory back to the system (glibc's malloc_trim); tune_malloc's high trim
+    threshold otherwise keeps what a burst of messages freed. Returns 1 if memory was released."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return int(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return 0

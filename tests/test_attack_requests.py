@@ -278,3 +278,31 @@ def test_with_replicas_a_job_belongs_to_the_token_that_opened_it_on_any_replica(
         finally:
             for server, _, _ in servers:
                 server.stop(0).wait()
+
+
+def test_with_replicas_decode_failures_are_in_every_replicas_report(tmp_path):
+    import json
+
+    import webdataset as wds
+
+    from preprocess_service.localcluster import LocalRedis
+
+    root = tmp_path / "data"
+    write_tiny_shards(root, num_shards=1, samples_per_shard=6)
+    with wds.TarWriter(str(root / "00001.tar")) as writer:  # planned from its JSON duration, fails to decode
+        writer.write({"__key__": "bad-audio", "flac": b"not audio at all" * 64, "txt": b"a clip",
+                      "json": json.dumps({"duration": 2.0}).encode()})
+    with LocalRedis(tmp_path / "redis") as redis:
+        servers = [create_server("127.0.0.1:0", decode_workers=0, redis_url=redis.url) for _ in range(2)]
+        a, b = (f"127.0.0.1:{port}" for _, port, _ in servers)
+        try:
+            config = _config(root, seed=22)
+            with DataClient(a, config, 0) as client:
+                keys = [k for mb in client for k in mb.sample_keys]
+            assert "bad-audio" not in keys and len(keys) == 6
+            with DataClient(b, client.job_id, 0) as other:  # a replica that streamed nothing
+                skipped = {s.key: s.kind for s in other.report().skipped}
+            assert skipped.get("bad-audio") == "decode_failed", skipped
+        finally:
+            for server, _, _ in servers:
+                server.stop(0).wait()

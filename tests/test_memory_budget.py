@@ -66,7 +66,7 @@ def _config(root, **kw):
 @pytest.mark.parametrize("decode_workers", [0, 1])
 def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arrives_once(shards, decode_workers):
     root, paths = shards
-    budget_bytes = 48 << 20
+    budget_bytes = 160 << 20
     server, port, servicer = create_server(
         "127.0.0.1:0", decode_workers=decode_workers,
         limits=Limits(memory_budget_bytes=budget_bytes, memory_wait_s=2.0, max_streams_per_client=0,
@@ -125,17 +125,17 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
 def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
     root, _ = shards
     server, port, servicer = create_server("127.0.0.1:0", decode_workers=0,
-                                           limits=Limits(memory_budget_bytes=64 << 20, max_streams_per_client=0))
+                                           limits=Limits(memory_budget_bytes=512 << 20, max_streams_per_client=0))
     address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)
     try:
-        big = _config(root, seq_len=16384, seqs_per_microbatch=2, dp_size=1)  # up to ~100 MB a microbatch
+        big = _config(root, seq_len=65536, seqs_per_microbatch=2, dp_size=1)  # up to ~400 MB a microbatch
         with pytest.raises(grpc.RpcError) as info:
             stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(big)), timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in info.value.details()
         job_id = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(_config(root, dp_size=1))), timeout=30).job_id
-        ballast = servicer.budget.commit(44 << 20, "a test's ballast")  # streams' share nearly all committed
+        ballast = servicer.budget.commit(350 << 20, "a test's ballast")  # streams' share nearly all committed
         with pytest.raises(grpc.RpcError) as info:
             next(stub.StreamMicrobatches(pb.StreamRequest(job_id=job_id, dp_rank=0), timeout=30))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

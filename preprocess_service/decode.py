@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -140,9 +141,15 @@ def _worker_main(conn, worker_id: int) -> None:
     for module in ("preprocess_service.audio", "preprocess_service.imaging", "torchaudio"):
         importlib.import_module(module)  # every decoder loaded before "ready"
 
+    from preprocess_service.wire import trim_malloc
+
     arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
     conn.send(("ready", worker_id, os.getpid()))
+    last_trim = time.monotonic()
     while True:
+        if time.monotonic() - last_trim > 5.0:  # decoders free large buffers; give the heap back
+            trim_malloc()
+            last_trim = time.monotonic()
         try:
             message = conn.recv()
         except (EOFError, KeyboardInterrupt):

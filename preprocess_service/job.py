@@ -171,7 +171,11 @@ class Job:
         which may wait for room in the memory budget until ``stop`` is set."""
         sequences, skipped = self._resolve(plan.microbatch(rank, index))
         layout = self._layout(sequences)
-        return PendingMicrobatch(sequences, layout, decoder.submit(layout, stop), skipped)
+        future = decoder.submit(layout, stop)
+        for seq in sequences:  # copies of the plan's documents: the decoder has taken their bytes already
+            for doc in seq.documents:
+                doc.media_bytes = None
+        return PendingMicrobatch(sequences, layout, future, skipped)
 
     def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None]]:
         """Waits for the decode; returns the arrays (views of the decode buffer) and the function

@@ -629,6 +629,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
                                  f"{os.getpid()}", reader=limits.shard_reader(), budget=budget, **(job_options or {}))
     ours.warm_up()
     wire.tune_malloc()
+    wire.limit_malloc_arenas()
     decoder = create_decoder(decode_workers, budget)
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", limits.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]

@@ -181,3 +181,19 @@ def trim_malloc() -> int:
         return int(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return 0
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Caps glibc's malloc arenas (M_ARENA_MAX). A server runs dozens of threads (streams, shard
+    readers), and glibc gives each busy thread an arena of its own that keeps what it freed: the
+    soak measured the server's heap swinging by 700 MiB with the default (8 per core) and staying
+    within about 200 MiB with 2, at the same throughput. A no-op (False) off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_arena_max = -8
+    return bool(mallopt(m_arena_max, arenas))

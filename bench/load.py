@@ -31,24 +31,15 @@ sys.path.insert(0, str(REPO))
 from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
 from preprocess_service.config import JobConfig  # noqa: E402
 from preprocess_service.localcluster import LocalRedis, Replica  # noqa: E402
+from soak import tree_pids  # noqa: E402  (bench/ is on sys.path when this runs as a script)
 
 CLIENT_PROCESSES = 4
 
 
 def _tree_rss_bytes(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        stack += children.get(p, [])
+    total = 0
+    for p in tree_pids(pid):
         try:
             for line in open(f"/proc/{p}/status"):
                 if line.startswith("VmRSS:"):

@@ -269,13 +269,13 @@ def prepared_serve() -> None:
     Job.finish_microbatch = timers.timed("finish_microbatch", Job.finish_microbatch)  # wait, media views
     PreprocessServicer._message = timers.timed("serialize", PreprocessServicer._message)  # header + encode
     PreprocessServicer._put = timers.timed("queue_put", PreprocessServicer._put)  # waits while the queue is full
-    fetch_samples = shards.fetch_samples
+    scan = shards.ShardReader._scan  # re-reads a non-local shard to find a microbatch's samples
 
-    def counted_fetch(url, keys):
+    def counted_scan(self, url, keys):
         refetched[url] += len(keys)
-        return fetch_samples(url, keys)
+        return scan(self, url, keys)
 
-    shards.fetch_samples = counted_fetch
+    shards.ShardReader._scan = counted_scan
     produce = PreprocessServicer._produce
 
     def profiled_produce(self, *args):

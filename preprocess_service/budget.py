@@ -76,10 +76,6 @@ class MemoryBudget:
     def peak(self) -> int:
         return self._peak
 
-    def available(self) -> int:
-        with self._cond:
-            return self.total - self._used
-
     def try_reserve(self, nbytes: int) -> bool:
         """Reserves ``nbytes`` if they fit now; never waits."""
         with self._cond:

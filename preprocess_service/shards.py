@@ -261,12 +261,3 @@ def shuffle_buffer(items: Iterable, *, size: int, rng: np.random.Generator) -> I
         index = int(rng.integers(len(buffer)))
         buffer[index], buffer[-1] = buffer[-1], buffer[index]
         yield buffer.pop()
-
-
-def local_path(url: str) -> str | None:
-    """The filesystem path of a local shard name, else None."""
-    try:
-        source = sources.parse(url)
-    except ConfigError:
-        return None
-    return source.location if source.is_local else None

@@ -122,8 +122,7 @@ def _parse_braces(text: str, spec: str):
     """A sequence of str / ("alt", [sequences]) / ("range", values)."""
     if text.count("{") > MAX_BRACE_GROUPS:
         raise ConfigError(f"shard spec {spec!r} has more than {MAX_BRACE_GROUPS} brace groups")
-    seq, pos = _parse_seq(text, 0, spec, top=True)
-    return seq
+    return _parse_seq(text, 0, spec, top=True)[0]
 
 
 def _parse_seq(text: str, pos: int, spec: str, top: bool):

@@ -15,11 +15,16 @@ rest. Kept media, a cache, may use at most CACHE_SHARE and is the first to go. T
 themselves are a hard ceiling: a buffer that does not fit waits up to ``wait_s`` (less once its
 stream is cancelled), then its stream fails RESOURCE_EXHAUSTED and its client resumes it later at
 the same position. A message stays charged until gRPC has taken the next one (gRPC
-keeps its own copy while it sends). What is not charged is bounded separately: the interpreter and
-libraries (a fixed baseline), heap memory glibc keeps after a burst (the server trims it every
-5 s), each shard reader's queue (four items, each at most max_sample_bytes) and each decode
-worker's scratch memory (one sample's pixels, at most max_source_pixels x 4 bytes). bench/soak.py
-measures the whole against the budget.
+keeps its own copy while it sends).
+
+Measured on top (``observe``): the budget bounds the service's whole resident memory, not only
+what it charges. The server samples the resident memory of itself and its decode workers
+(procmem.py) twice a second; whatever is resident beyond the charges (the interpreter and
+libraries, which ``baseline`` records at start, heap glibc keeps after a burst, gRPC's copies,
+shard readers' queues, decode workers' scratch) counts as used until the next sample. So when
+uncharged memory grows, new charges wait (and the server trims its heap) instead of passing the
+budget. Streams and the cache share what is left above the baseline, and charges stop HEADROOM
+short of the total. bench/soak.py checks the whole (PSS) against the budget.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from preprocess_service.errors import ResourceExhausted
+from preprocess_service.errors import ConfigError, ResourceExhausted
 
 
 def default_budget_bytes(fraction: float = 0.5) -> int:
@@ -50,6 +55,9 @@ def default_budget_bytes(fraction: float = 0.5) -> int:
 
 STREAM_SHARE = 0.75
 CACHE_SHARE = 0.25
+HEADROOM = 0.10
+"""With memory measured, charges stop this fraction of the data room short of the budget: memory
+nobody charges (decode workers' scratch, gRPC's copies) grows between two samples."""
 
 
 class MemoryBudget:
@@ -65,12 +73,65 @@ class MemoryBudget:
         self._committed = 0
         self._cache = 0
         self._cond = threading.Condition()
+        self.baseline = 0
+        """Resident bytes of the idle service (set_baseline): not available to streams or the cache."""
+        self._uncharged = 0  # resident beyond the charges at the last observe()
+        self._ceiling = self.total  # charges stop here: HEADROOM short of the total once memory is measured
+        self._resident = 0
+        self._resident_peak = 0
         self.reclaimable: Callable[[], int] = lambda: 0
         """Bytes charged to idle caches (the decode pool's free arenas) that are given back on demand."""
+        self.on_pressure: Callable[[], None] = lambda: None
+        """Called (at most once a second, outside the lock) when a charge must wait while memory
+        nobody charged is resident: the server trims its heap."""
+        self._last_pressure = 0.0
 
     @property
     def used(self) -> int:
+        """Bytes charged now."""
         return self._used
+
+    @property
+    def uncharged(self) -> int:
+        """Resident bytes beyond the charges at the last sample (0 until one is observed)."""
+        return self._uncharged
+
+    @property
+    def resident(self) -> int:
+        return self._resident
+
+    @property
+    def resident_peak(self) -> int:
+        return self._resident_peak
+
+    def set_baseline(self, resident: int) -> None:
+        """Records the idle service's resident bytes; ConfigError if they leave too little of the
+        budget for data (less than a quarter of it)."""
+        if self.total - resident < self.total / 4:
+            raise ConfigError(f"memory_budget_bytes {self.total} leaves too little for data: the idle service "
+                              f"already holds {resident} bytes (its interpreter, libraries and decode workers); "
+                              f"raise it to at least {resident * 4 // 3 + 1}")
+        with self._cond:
+            self.baseline = int(resident)
+            self._ceiling = self.total - int(HEADROOM * self.data_total)
+        self.observe(resident)
+
+    def observe(self, resident: int) -> None:
+        """Counts what the service holds beyond its charges (a sample of its resident memory) as
+        used until the next sample."""
+        with self._cond:
+            self._resident = int(resident)
+            self._resident_peak = max(self._resident_peak, self._resident)
+            self._uncharged = max(0, self._resident - self._used)
+            self._cond.notify_all()
+
+    def _in_use(self) -> int:
+        return self._used + self._uncharged
+
+    @property
+    def data_total(self) -> int:
+        """What streams and the cache may hold: the budget above the idle service."""
+        return self.total - self.baseline
 
     @property
     def peak(self) -> int:
@@ -79,7 +140,7 @@ class MemoryBudget:
     def try_reserve(self, nbytes: int) -> bool:
         """Reserves ``nbytes`` if they fit now; never waits."""
         with self._cond:
-            if self._used + nbytes > self.total:
+            if self._in_use() + nbytes > self._ceiling:
                 return False
             self._take(nbytes)
             return True
@@ -87,18 +148,28 @@ class MemoryBudget:
     def reserve(self, nbytes: int, *, what: str, stop: threading.Event | None = None) -> None:
         """Reserves ``nbytes``, waiting up to wait_s for room (less if ``stop`` is set);
         ResourceExhausted naming ``what`` otherwise. A request larger than the whole budget fails at once."""
-        if nbytes > self.total:
+        if nbytes > self.data_total:
             raise ResourceExhausted(f"{what} needs {nbytes} bytes, more than the server's whole memory budget "
-                                    f"({self.total} bytes, memory_budget_bytes)")
+                                    f"leaves for data ({self.data_total} of {self.total} bytes, memory_budget_bytes)")
         deadline = time.monotonic() + self.wait_s
-        with self._cond:
-            while self._used + nbytes > self.total:
+        while True:
+            with self._cond:
+                if self._in_use() + nbytes <= self._ceiling:
+                    self._take(nbytes)
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0 or (stop is not None and stop.is_set()):
-                    raise ResourceExhausted(f"the server's memory budget is in use ({self._used} of {self.total} "
-                                            f"bytes); {what} needs {nbytes} more", retry_after_s=5.0)
-                self._cond.wait(min(left, 0.2))
-            self._take(nbytes)
+                    raise ResourceExhausted(f"the server's memory budget is in use ({self._used} bytes charged, "
+                                            f"{self._uncharged} more resident: the idle service's {self.baseline} "
+                                            f"and memory nobody charged; of {self.total}); {what} needs {nbytes} "
+                                            "more", retry_after_s=5.0)
+                pressed = self._uncharged > self.baseline and time.monotonic() - self._last_pressure >= 1.0
+                if pressed:
+                    self._last_pressure = time.monotonic()
+                else:
+                    self._cond.wait(min(left, 0.2))
+            if pressed:
+                self.on_pressure()
 
     def _take(self, nbytes: int) -> None:
         self._used += nbytes
@@ -117,10 +188,11 @@ class MemoryBudget:
     def commit(self, nbytes: int, what: str) -> Callable[[], None]:
         """Admits a stream expected to hold up to ``nbytes``; returns the function that ends its
         commitment. ResourceExhausted while the open streams' commitments leave no room."""
-        capacity = int(self.total * STREAM_SHARE)
+        capacity = int(self.data_total * STREAM_SHARE)
         if nbytes > capacity:
             raise ResourceExhausted(f"{what} may hold about {nbytes} bytes, more than this server admits for any "
-                                    f"stream ({capacity}: {STREAM_SHARE:.0%} of memory_budget_bytes {self.total}); "
+                                    f"stream ({capacity}: {STREAM_SHARE:.0%} of what memory_budget_bytes {self.total} "
+                                    f"leaves above the idle service, {self.baseline}); "
                                     "lower prefetch, seq_len or seqs_per_microbatch")
         with self._cond:
             if self._committed + nbytes > capacity:
@@ -136,7 +208,7 @@ class MemoryBudget:
 
     def admit(self, nbytes: int, what: str) -> None:
         """ResourceExhausted unless a stream of ``nbytes`` could be admitted now; reserves nothing."""
-        capacity = int(self.total * STREAM_SHARE)
+        capacity = int(self.data_total * STREAM_SHARE)
         with self._cond:
             room = capacity - self._committed
         if nbytes > room:
@@ -147,7 +219,7 @@ class MemoryBudget:
     def try_cache(self, nbytes: int) -> bool:
         """Charges cache bytes (kept media) if they fit in the cache share and the budget; never waits."""
         with self._cond:
-            if self._cache + nbytes > self.total * CACHE_SHARE or self._used + nbytes > self.total:
+            if self._cache + nbytes > self.data_total * CACHE_SHARE or self._in_use() + nbytes > self._ceiling:
                 return False
             self._cache += nbytes
             self._take(nbytes)

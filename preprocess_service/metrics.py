@@ -247,8 +247,10 @@ class StreamLag:
             STREAM_LAG.labels(job_id, str(r)).set(front - s)
 
 
-MEMORY_BUDGET = Gauge("disttrain_memory_budget_bytes", "The server's memory budget for client data: its size "
-                      "(total), what is charged now (used) and the most ever charged (peak)", ["kind"])
+MEMORY_BUDGET = Gauge("disttrain_memory_budget_bytes", "The server's memory budget: its size (total), the idle "
+                      "service's resident memory (baseline), what is charged now (used) and the most ever "
+                      "charged (peak), the last sample of the service's resident memory (resident) and its "
+                      "highest (resident_peak)", ["kind"])
 
 
 def watch_budget(budget) -> None:
@@ -256,3 +258,6 @@ def watch_budget(budget) -> None:
     MEMORY_BUDGET.labels("total").set_function(lambda: budget.total)
     MEMORY_BUDGET.labels("used").set_function(lambda: budget.used)
     MEMORY_BUDGET.labels("peak").set_function(lambda: budget.peak)
+    MEMORY_BUDGET.labels("baseline").set_function(lambda: budget.baseline)
+    MEMORY_BUDGET.labels("resident").set_function(lambda: budget.resident)
+    MEMORY_BUDGET.labels("resident_peak").set_function(lambda: budget.resident_peak)

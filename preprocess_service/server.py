@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service import metrics, sources, wire
+from preprocess_service import metrics, procmem, sources, wire
 from preprocess_service.budget import MemoryBudget, call_once, default_budget_bytes
 from preprocess_service.decode import DecodePool, InlineDecoder
 from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
@@ -115,6 +115,10 @@ class Limits:
     container's) memory."""
     memory_wait_s: float = 30.0
     """Seconds a running stream waits for room in the budget before it fails RESOURCE_EXHAUSTED."""
+    memory_sample_s: float = 0.5
+    """Seconds between samples of the service's resident memory (this process and its decode
+    workers), which the budget counts beyond its charges (budget.py); 0: charges only (a server
+    embedded in a process that holds other things)."""
     stream_stall_timeout_s: float = 300.0
     """A stream whose client takes no message for this long is cancelled (its memory freed)."""
 
@@ -582,6 +586,32 @@ def _housekeeping(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -
             log.info("job expired after %g s without a stream or call; freed", idle_ttl_s, extra={"job": job_id})
 
 
+def _guard_memory(budget: MemoryBudget, decoder, interval_s: float, stop: threading.Event) -> None:
+    """Records the idle service's resident memory as the budget's baseline (ConfigError if the
+    budget leaves too little above it), then feeds the budget a sample every ``interval_s``
+    (procmem.py) on a daemon thread until ``stop``. A no-op where /proc cannot be read."""
+    import os
+
+    def pids() -> list[int]:
+        return [os.getpid(), *(decoder.worker_pids() if hasattr(decoder, "worker_pids") else ())]
+
+    measure = procmem.Calibrated(pids)
+    idle = measure()
+    if idle is None:
+        log.warning("cannot read this platform's process memory: the memory budget counts its charges only")
+        return
+    budget.set_baseline(idle)
+    budget.on_pressure = wire.trim_malloc
+
+    def sample() -> None:
+        while not stop.wait(interval_s):
+            resident = measure()
+            if resident is not None:
+                budget.observe(resident)
+
+    threading.Thread(target=sample, daemon=True, name="memory-guard").start()
+
+
 def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None):
     """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
     on threads in this process for 0; its buffers are charged to ``budget``."""
@@ -631,13 +661,20 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     wire.tune_malloc()
     wire.limit_malloc_arenas()
     decoder = create_decoder(decode_workers, budget)
+    reaper_stop = threading.Event()
+    if limits.memory_sample_s > 0:
+        try:
+            _guard_memory(budget, decoder, limits.memory_sample_s, reaper_stop)
+        except ConfigError:
+            decoder.close()
+            jobs.close()
+            raise
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", limits.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                          interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
     servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits,
                                   authenticated=bool(auth_tokens))
-    reaper_stop = threading.Event()
     threading.Thread(target=_housekeeping, args=(jobs, limits.job_idle_ttl_s, reaper_stop), daemon=True,
                      name="housekeeping").start()
     _add_servicer(servicer, server)

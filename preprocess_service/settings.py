@@ -58,6 +58,8 @@ class ServiceSettings:
                                     "container's memory", 0)
     memory_wait_s: float = _doc("seconds a running stream waits for room in the memory budget before it fails "
                                 "RESOURCE_EXHAUSTED (its client resumes it later)", 30.0)
+    memory_sample_s: float = _doc("seconds between samples of the service's resident memory (server and decode "
+                                  "workers), which the memory budget counts beyond its charges; 0: charges only", 0.5)
     max_seq_len: int = _doc("longest packed sequence a job may ask for, tokens", 131_072)
     max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest), "
                                      "bytes", 512 << 20)
@@ -99,6 +101,8 @@ class ServiceSettings:
         for name in ("stream_stall_timeout_s", "shutdown_grace_s"):
             if not 0 < getattr(self, name) <= 86400:
                 raise ConfigError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
+        if not 0 <= self.memory_sample_s <= 60:
+            raise ConfigError(f"memory_sample_s must be in [0, 60], got {self.memory_sample_s}")
         if self.memory_budget_bytes < 0 or not 0 < self.memory_wait_s <= 3600:
             raise ConfigError(f"memory_budget_bytes must be >= 0 and memory_wait_s in (0, 3600], got "
                               f"{self.memory_budget_bytes} and {self.memory_wait_s}")

@@ -1,6 +1,7 @@
 """The global memory budget: every buffer, queued message and kept media byte is charged before
 it exists; new streams and jobs beyond it are refused with a retry hint; streams already running
-wait, and the charge never passes the budget, whatever clients do."""
+wait, and the charge never passes the budget, whatever clients do. On top, the service's measured
+resident memory counts: what nobody charged (the idle service, heap, copies) holds new charges back."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from collections import Counter
 
 import grpc
+import numpy as np
 import pytest
 
 from disttrain_api import preprocess_pb2 as pb
@@ -16,7 +18,8 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service.budget import MemoryBudget
 from preprocess_service.config import JobConfig
-from preprocess_service.errors import ResourceExhausted
+from preprocess_service.errors import ConfigError, ResourceExhausted
+from preprocess_service.procmem import Calibrated, pss_bytes, resident_bytes
 from preprocess_service.server import CHANNEL_OPTIONS, Limits, create_server
 from preprocess_service.spec import spec_from_config
 from trainer import DataClient
@@ -50,6 +53,96 @@ def test_reserve_waits_for_room_and_gives_up_with_a_retry_hint():
     assert budget.try_cache(20) and not budget.try_cache(10)  # the cache share is 25 of 100
 
 
+def test_measured_memory_beyond_the_charges_counts_as_used():
+    budget = MemoryBudget(1000, wait_s=0.5)
+    with pytest.raises(ConfigError, match="leaves too little for data.*already holds 900"):
+        budget.set_baseline(900)
+    budget.set_baseline(400)  # the idle service: streams and cache share the other 600
+    assert budget.data_total == 600 and budget.resident == 400 and budget.uncharged == 400
+    with pytest.raises(ResourceExhausted, match=r"admits for any stream \(450"):
+        budget.commit(451, "a stream")  # 75% of 600
+    end = budget.commit(450, "a stream")
+    end()
+    assert budget.try_reserve(500) and not budget.try_reserve(100)  # 400 + 500 + 100 > 940
+    budget.observe(950)  # the 500 were allocated: 450 resident beyond them
+    assert budget.uncharged == 450 and not budget.try_reserve(60)
+    budget.release(500)
+    budget.observe(700)  # freed, but glibc kept 300 of it
+    assert budget.uncharged == 700 and not budget.try_reserve(241)  # charges stop 10% of 600 short of 1000
+    assert budget.try_reserve(240)
+    budget.release(240)
+    pressed = []
+    budget.on_pressure = lambda: (pressed.append(1), budget.observe(400))  # a trim gives the heap back
+    budget.reserve(500, what="a microbatch")  # waits, asks for a trim, fits
+    assert pressed and budget.used == 500 and budget.resident_peak == 950
+    budget.release(500)
+    budget.on_pressure = lambda: None
+    budget.observe(900)
+    with pytest.raises(ResourceExhausted, match="900 more resident: the idle service's 400"):
+        budget.reserve(200, what="a microbatch")
+    threading.Timer(0.1, budget.observe, args=(400,)).start()
+    budget.wait_s = 5
+    budget.reserve(200, what="a microbatch")  # the next sample makes room
+    assert budget.used == 200
+
+
+def _touch_mib(mib: int) -> np.ndarray:
+    return np.ones(mib << 17)  # float64: 8 bytes each, every page written
+
+
+def test_resident_bytes_counts_private_memory_per_process_and_shared_memory_once():
+    import multiprocessing as mp
+    import os
+    from multiprocessing import shared_memory
+
+    me = os.getpid()
+    before = resident_bytes([me])
+    ballast = _touch_mib(200)
+    assert resident_bytes([me]) - before > 180 << 20  # kept to the end: freed heap may be reused without a fault
+    shm = shared_memory.SharedMemory(create=True, size=150 << 20)
+    try:
+        shm.buf[:] = b"\1" * len(shm.buf)
+        ctx = mp.get_context("spawn")
+        ready, done = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_map_and_touch, args=(shm.name, ready, done))
+        child.start()
+        try:
+            assert ready.wait(60)
+            mine, both = resident_bytes([me]), resident_bytes([me, child.pid])
+            assert both - mine < (60 << 20) + 150 << 20  # the child's own memory, the arena not twice
+            assert both - mine > 60 << 20  # its 60 MiB of private memory counts
+        finally:
+            done.set()
+            child.join(30)
+    finally:
+        shm.close()
+        shm.unlink()
+    assert resident_bytes([2**22 + 12345]) is None and pss_bytes([2**22 + 12345]) is None  # no such process
+    measure = Calibrated(lambda: [me], every_s=3600)
+    first = measure()  # calibrated: the exact PSS
+    assert abs(first - pss_bytes([me])) < 16 << 20
+    more = _touch_mib(100)
+    assert 90 << 20 < measure() - first < 120 << 20  # the cheap estimate, corrected
+    del ballast, more
+
+
+def _map_and_touch(name, ready, done):
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    _ = bytes(shm.buf)  # every page of the arena read in this process too
+    ballast = _touch_mib(60)
+    ready.set()
+    done.wait(60)
+    del ballast, _
+    shm.close()
+
+
+def test_a_budget_below_the_idle_service_is_refused_at_start():
+    with pytest.raises(ConfigError, match="leaves too little for data"):
+        create_server("127.0.0.1:0", decode_workers=0, limits=Limits(memory_budget_bytes=64 << 20))
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("budget")
@@ -70,7 +163,7 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
     server, port, servicer = create_server(
         "127.0.0.1:0", decode_workers=decode_workers,
         limits=Limits(memory_budget_bytes=budget_bytes, memory_wait_s=2.0, max_streams_per_client=0,
-                      stream_stall_timeout_s=3.0))
+                      stream_stall_timeout_s=3.0, memory_sample_s=0))  # charges only: pytest's memory is not the server's
     address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)
@@ -125,7 +218,8 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
 def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
     root, _ = shards
     server, port, servicer = create_server("127.0.0.1:0", decode_workers=0,
-                                           limits=Limits(memory_budget_bytes=512 << 20, max_streams_per_client=0))
+                                           limits=Limits(memory_budget_bytes=512 << 20, max_streams_per_client=0,
+                                                         memory_sample_s=0))
     address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)

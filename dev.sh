@@ -2,7 +2,7 @@
 # One entry point for a fresh machine:
 #   ./dev.sh run [ARGS...]   set up, then run the main job (embedded default: synthetic LAION shards,
 #                            in-process service, 2 trainer-client ranks, one epoch)
-#   ./dev.sh test [ARGS...]  set up, then run the test suite (ARGS go to pytest)
+#   ./dev.sh test [ARGS...]  set up, then check the layer contracts and run the test suite (ARGS go to pytest)
 #   ./dev.sh setup           only set up
 # Any other first word is passed to `python -m preprocess_service` (serve, synth, run ...).
 set -euo pipefail
@@ -20,7 +20,7 @@ setup() {
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     # torch first and pinned, so that nothing later can pull the CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
-    "$VENV/bin/python" -m pip install -q -e ".[dev]" >&2
+    "$VENV/bin/python" -m pip install -q -e ".[service,trainer,dev]" >&2
     # torchaudio 2.11.0 on PyPI is a CUDA build: its three C++ extension libraries link libtorch_cuda,
     # which CPU torch lacks, and `import torchaudio` fails while they are present. Without them the
     # pure-PyTorch parts we use (resample, MelSpectrogram) work; a CUDA image keeps them.
@@ -64,6 +64,9 @@ cmd=${1:-run}
 setup
 case "$cmd" in
     setup) ensure_redis; ensure_compose ;;
-    test) ensure_redis; ensure_compose; exec "$VENV/bin/python" -m pytest "$@" ;;
+    test) ensure_redis; ensure_compose
+          echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
+          "$VENV/bin/lint-imports" --no-cache >&2
+          exec "$VENV/bin/python" -m pytest "$@" ;;
     *) exec "$VENV/bin/python" -m preprocess_service "$cmd" "$@" ;;
 esac

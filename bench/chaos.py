@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
-from preprocess_service.config import JobConfig  # noqa: E402
+from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.job import Job  # noqa: E402
 from preprocess_service.localcluster import LocalRedis, Replica  # noqa: E402
 

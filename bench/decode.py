@@ -51,9 +51,9 @@ from PIL import Image  # noqa: E402
 from preprocess_service import imaging, shards  # noqa: E402
 from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
 from preprocess_service.assemble import layout_microbatch  # noqa: E402
-from preprocess_service.config import JobConfig  # noqa: E402
+from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.decode import DecodePool, decode_item  # noqa: E402
-from preprocess_service.errors import SampleError  # noqa: E402
+from disttrain_api.errors import SampleError  # noqa: E402
 from preprocess_service.packing import PackedSequence  # noqa: E402
 from preprocess_service.sample import GenImageRef, ImageRef, parse_document  # noqa: E402
 from preprocess_service.tokenizer import ByteTokenizer  # noqa: E402

@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
-from preprocess_service.config import JobConfig  # noqa: E402
+from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.localcluster import free_port  # noqa: E402
 
 MIB = 1 << 20
@@ -244,7 +244,7 @@ def stalled_process(ranks: list[int], address: str, job_id: str, deadline: float
     import grpc
 
     from disttrain_api import preprocess_pb2 as pb
-    from preprocess_service.server import SERVICE_NAME, channel_options
+    from disttrain_api.channel import SERVICE_NAME, channel_options
 
     codes: dict[str, int] = {}
     lock = threading.Lock()
@@ -345,7 +345,7 @@ def open_job(address: str, config: JobConfig) -> str:
 
     from disttrain_api import preprocess_pb2 as pb
     from disttrain_api import preprocess_pb2_grpc as pb_grpc
-    from preprocess_service.spec import spec_from_config
+    from disttrain_api.spec import spec_from_config
 
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.PreprocessStub(channel).OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)),

@@ -62,9 +62,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
-from preprocess_service.config import JobConfig  # noqa: E402
+from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.runner import RunResult, run_job  # noqa: E402
-from preprocess_service.server import CHANNEL_OPTIONS  # noqa: E402
+from disttrain_api.channel import CHANNEL_OPTIONS  # noqa: E402
 
 BARE_METHOD = "/bench.Bare/Stream"
 PROFILE_ENV = "DISTTRAIN_STREAM_PROFILE"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import ConfigError, DisttrainError
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ConfigError, DisttrainError
 
 DEMO_DIR = Path("data/laion-demo")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from preprocess_service.config import AudioConfig
+from disttrain_api.config import AudioConfig
 from preprocess_service.packing import PackedSequence
 from preprocess_service.sample import AudioRef, Document, GenImageRef, ImageRef
 from preprocess_service.tokenizer import Tokenizer

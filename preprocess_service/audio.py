@@ -17,7 +17,7 @@ import numpy as np
 import soundfile
 import torch
 
-from preprocess_service.config import AudioConfig
+from disttrain_api.config import AudioConfig
 
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg")
 LOG_FLOOR = 1e-10

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from preprocess_service.simulate import StageModel
+from disttrain_api.layout import StageModel
 
 
 def slot_lower_bound(costs: np.ndarray, num_ranks: int, per_rank: int) -> float:

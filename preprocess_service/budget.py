@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from preprocess_service.errors import ConfigError, ResourceExhausted
+from disttrain_api.errors import ConfigError, ResourceExhausted
 
 
 def default_budget_bytes(fraction: float = 0.5) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocess_service.config import CostConfig
+from disttrain_api.config import CostConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preprocess_service.config import CostConfig
+from disttrain_api.config import CostConfig
 
 
 @dataclass(frozen=True, slots=True)

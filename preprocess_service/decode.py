@@ -67,7 +67,7 @@ def warm_up_decoders() -> None:
 
     from PIL import Image
 
-    from preprocess_service.config import AudioConfig
+    from disttrain_api.config import AudioConfig
 
     try:
         pixels = (np.arange(96 * 128 * 3) % 251).astype(np.uint8).reshape(96, 128, 3)
@@ -170,7 +170,7 @@ def _worker_main(conn, worker_id: int) -> None:
         importlib.import_module(module)  # every decoder loaded before "ready"
     warm_up_decoders()
 
-    from preprocess_service.wire import trim_malloc
+    from disttrain_api.wire import trim_malloc
 
     arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
     conn.send(("ready", worker_id, os.getpid()))

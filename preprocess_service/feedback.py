@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from preprocess_service.calibrate import fit_nonnegative
-from preprocess_service.config import CostConfig
+from disttrain_api.config import CostConfig
 
 MODULES = ("encoder", "backbone", "generator")
 

@@ -15,7 +15,7 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from preprocess_service.config import ImageConfig
+from disttrain_api.config import ImageConfig
 
 # EXIF orientations that swap width and height (rotations by 90/270 degrees, transposes).
 _SWAPPING_ORIENTATIONS = {5, 6, 7, 8}

@@ -17,8 +17,8 @@ from preprocess_service import metrics, shards
 from preprocess_service.budget import UNLIMITED, MemoryBudget
 from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.decode import WORKER_DIED, Decoded
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
                                        ServiceUnavailableError)
 from preprocess_service.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.packing import PackedSequence

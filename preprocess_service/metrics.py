@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
-from preprocess_service.errors import ConfigError
+from disttrain_api.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from preprocess_service.config import CostConfig
+from disttrain_api.config import CostConfig
 from preprocess_service.cost import ZERO_COST, SequenceCost, price_sequence
 from preprocess_service.sample import Document
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from preprocess_service import reorder, shards
 from preprocess_service.reorder.instance import PLANNERS, Instance, evaluate
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import DataQualityError, SampleError
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import DataQualityError, SampleError
 from preprocess_service.packing import PackedSequence, pack_documents, price
 from preprocess_service.sample import Document, parse_document
 from preprocess_service.tokenizer import Tokenizer

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from preprocess_service import audio, imaging
-from preprocess_service.config import AudioConfig, GenerationConfig, ImageConfig
-from preprocess_service.errors import SampleError
+from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
+from disttrain_api.errors import SampleError
 from preprocess_service.tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")

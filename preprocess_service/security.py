@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from preprocess_service.errors import DisttrainError, ResourceExhausted
+from disttrain_api.errors import DisttrainError, ResourceExhausted
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 log = logging.getLogger(__name__)
@@ -53,13 +53,6 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     client_ca = _read(tls.client_ca, "client CA") if tls.client_ca else None
     return grpc.ssl_server_credentials([(_read(tls.key, "key"), _read(tls.cert, "certificate"))],
                                        root_certificates=client_ca, require_client_auth=client_ca is not None)
-
-
-def channel_credentials(ca: Path | None = None, cert: Path | None = None, key: Path | None = None):
-    """Client side: trust ``ca`` (default: the system roots); present ``cert``/``key`` for mutual TLS."""
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA") if ca else None,
-                                        private_key=_read(key, "client key") if key else None,
-                                        certificate_chain=_read(cert, "client certificate") if cert else None)
 
 
 def client_identity(context, *, authenticated: bool) -> str:

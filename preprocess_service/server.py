@@ -27,10 +27,12 @@ from grpc_reflection.v1alpha import reflection
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service import metrics, procmem, sources, wire
+from disttrain_api import wire
+from disttrain_api.channel import MAX_MESSAGE_BYTES, SERVICE_NAME
+from preprocess_service import metrics, procmem, sources
 from preprocess_service.budget import MemoryBudget, call_once, default_budget_bytes
 from preprocess_service.decode import DecodePool, InlineDecoder
-from preprocess_service.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
+from disttrain_api.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
                                        ResourceExhausted, ServiceUnavailableError, StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
 from preprocess_service.security import (StallWatchdog, StreamLimiter, TlsFiles, TokenAuth, client_identity,
@@ -38,35 +40,10 @@ from preprocess_service.security import (StallWatchdog, StreamLimiter, TlsFiles,
 from preprocess_service.shards import ShardReader
 from preprocess_service.sources import ShardPolicy
 from preprocess_service.tarstream import TarLimits
-from preprocess_service.spec import config_from_spec, spec_from_config
+from disttrain_api.spec import config_from_spec, spec_from_config
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Preprocess"].full_name
-MAX_MESSAGE_BYTES = 1 << 30
-"""Both directions; a microbatch of 8 x 8192 tokens of 1024-token images is ~150 MiB."""
-KEEPALIVE_S = 15.0
-"""Clients ping an idle connection this often; a server that does not answer within
-KEEPALIVE_TIMEOUT_S (stopped, partitioned, its host gone) fails the call, and the client moves on."""
-KEEPALIVE_TIMEOUT_S = 5.0
-
-
-def channel_options(keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list:
-    """Client channel options: large messages both ways, and keepalive pings even while no data flows."""
-    return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            # without this a client waits 5 minutes between pings once data stops: a stopped server
-            # would go unnoticed that long
-            ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive_s * 1000)),
-            # and gRPC core gives any ping 60 s unless told otherwise
-            ("grpc.http2.ping_timeout_ms", int(keepalive_timeout_s * 1000))]
-
-
-CHANNEL_OPTIONS = channel_options()
 SERVER_KEEPALIVE_OPTIONS = [
     # the server pings its clients too: a vanished peer's connection (and its stream) is closed
     ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000), ("grpc.http2.ping_timeout_ms", 20_000),

@@ -18,7 +18,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from preprocess_service.errors import ConfigError
+from disttrain_api.errors import ConfigError
 
 ENV_PREFIX = "DISTTRAIN_"
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from preprocess_service import sources, tarstream
-from preprocess_service.errors import ConfigError, PermissionDenied, SampleError
+from disttrain_api.errors import ConfigError, PermissionDenied, SampleError
 from preprocess_service.sources import ShardPolicy
 from preprocess_service.tarstream import TarLimits
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from preprocess_service.errors import ConfigError, PermissionDenied
+from disttrain_api.errors import ConfigError, PermissionDenied
 
 LOCAL_SCHEMES = ("file",)
 DEFAULT_SCHEMES = ("file", "http", "https")

@@ -47,7 +47,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from preprocess_service.errors import ServiceUnavailableError
+from disttrain_api.errors import ServiceUnavailableError
 from preprocess_service.metrics import REDIS_LATENCY
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from webdataset.tariterators import base_plus_ext
 
-from preprocess_service.errors import SampleError
+from disttrain_api.errors import SampleError
 
 MAX_HEADER_BLOCK_BYTES = 1 << 20
 """Largest pax extended header or GNU long name this reader accepts (tarfile would read any size)."""

@@ -14,10 +14,11 @@ import pytest
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import write_tiny_shards
-from preprocess_service.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
-from preprocess_service.errors import ConfigError, ServiceUnavailableError
-from preprocess_service.server import CHANNEL_OPTIONS, Limits, create_server
-from preprocess_service.spec import spec_from_config
+from disttrain_api.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
+from disttrain_api.errors import ConfigError, ServiceUnavailableError
+from disttrain_api.channel import CHANNEL_OPTIONS
+from preprocess_service.server import Limits, create_server
+from disttrain_api.spec import spec_from_config
 from trainer import Credentials, DataClient
 
 

@@ -67,8 +67,8 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import jpeg_bytes
 from preprocess_service import imaging
-from preprocess_service.config import ImageConfig, JobConfig
-from preprocess_service.errors import SampleError, ServiceUnavailableError
+from disttrain_api.config import ImageConfig, JobConfig
+from disttrain_api.errors import SampleError, ServiceUnavailableError
 from preprocess_service.server import Limits, create_server
 from preprocess_service.tarstream import TarLimits, iter_samples
 from trainer import DataClient
@@ -487,7 +487,7 @@ def _mel_check(frames: int) -> Callable[[dict], None]:
 
 def _frames(seconds: float) -> int:
     """Mel frames delivered for a clip priced at ``seconds`` (default AudioConfig)."""
-    from preprocess_service.config import AudioConfig
+    from disttrain_api.config import AudioConfig
 
     config = AudioConfig()
     return config.num_tokens(seconds) * config.token_stride
@@ -1293,7 +1293,7 @@ def test_the_planning_read_of_a_png_decodes_no_pixels(monkeypatch):
 
 def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
     from preprocess_service.audio import decode_audio
-    from preprocess_service.config import AudioConfig
+    from disttrain_api.config import AudioConfig
 
     for value in (np.nan, np.inf, 1e30):
         wave = np.zeros(4800, np.float32)

@@ -16,8 +16,8 @@ import pytest
 
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service import sources
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import ConfigError, PermissionDenied
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ConfigError, PermissionDenied
 from preprocess_service.server import Limits, create_server
 from preprocess_service.shards import ShardReader
 from preprocess_service.sources import ShardPolicy

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from preprocess_service import calibrate
-from preprocess_service.config import CostConfig
+from disttrain_api.config import CostConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 import pytest
 
 from helpers import make_document
-from preprocess_service.config import CostConfig
+from disttrain_api.config import CostConfig
 from preprocess_service.cost import price_sequence
 from preprocess_service.packing import PackedSequence, price
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 from helpers import write_tiny_shards
 from preprocess_service.assemble import layout_microbatch
-from preprocess_service.config import AudioConfig, ImageConfig, JobConfig
+from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
 from preprocess_service.decode import WORKER_DIED, DecodePool, InlineDecoder
 from preprocess_service.packing import PackedSequence
 from preprocess_service.runner import RunResult, consume_rank, all_keys
@@ -104,8 +104,9 @@ def test_stream_survives_a_killed_decode_worker_with_every_sample_once(tmp_path)
 
     from disttrain_api import preprocess_pb2 as pb
     from disttrain_api import preprocess_pb2_grpc as pb_grpc
-    from preprocess_service.server import CHANNEL_OPTIONS, create_server
-    from preprocess_service.spec import spec_from_config
+    from disttrain_api.channel import CHANNEL_OPTIONS
+    from preprocess_service.server import create_server
+    from disttrain_api.spec import spec_from_config
 
     write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=40)
     config = JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2, seed=3)

@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -152,8 +153,15 @@ def test_images_install_the_right_torch_and_run_commands_that_exist():
     service = (DOCKER / "service.Dockerfile").read_text()
     trainer = (DOCKER / "trainer.Dockerfile").read_text()
     assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in service  # before `pip install .`
-    assert service.index("whl/cpu") < service.index("pip install .")
+    assert service.index("whl/cpu") < service.index('pip install ".[service]"')
     assert "pip install torch==2.13.0" in trainer and "whl/cpu" not in trainer and "torch.version.cuda" in trainer
+    # the trainer image gets the client and the model pipeline without the service or its dependencies
+    assert 'pip install ".[trainer]"' in trainer and "COPY preprocess_service" not in trainer
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[=<>\[]", d)[0].lower() for d in project["dependencies"]}
+    assert base == {"torch", "numpy", "grpcio", "protobuf"}, base  # what trainer.client imports
+    assert {"numba", "webdataset", "pillow", "redis"} <= {re.split(r"[=<>]", d)[0].lower()
+                                                          for d in project["optional-dependencies"]["service"]}
     # the commands the images and compose run exist: `serve`, `health`, `synth` with its flags
     with pytest.raises(SystemExit) as done:
         service_cli(["health", "--help"])

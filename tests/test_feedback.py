@@ -10,7 +10,7 @@ import pytest
 
 from helpers import write_tiny_shards
 from preprocess_service import synth
-from preprocess_service.config import CostConfig, JobConfig
+from disttrain_api.config import CostConfig, JobConfig
 from preprocess_service.cost import price_sequence
 from preprocess_service.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.job import Job

@@ -32,12 +32,13 @@ from PIL import Image, ImageOps
 
 from helpers import jpeg_bytes
 from disttrain_api import preprocess_pb2 as pb
-from preprocess_service import audio, imaging, wire
+from disttrain_api import wire
+from preprocess_service import audio, imaging
 from preprocess_service.assemble import (MODALITY_AUDIO, MODALITY_GEN, MODALITY_IMAGE, MODALITY_PAD,
                                          MODALITY_TEXT, finish, layout_microbatch)
-from preprocess_service.config import AudioConfig, GenerationConfig, ImageConfig
+from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from preprocess_service.decode import DecodePool, InlineDecoder
-from preprocess_service.errors import SampleError
+from disttrain_api.errors import SampleError
 from preprocess_service.packing import PackedSequence
 from preprocess_service.sample import AudioRef, GenImageRef, ImageRef, TextSegment, parse_document
 from preprocess_service.tokenizer import ByteTokenizer

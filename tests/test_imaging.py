@@ -6,7 +6,7 @@ from PIL import Image, ImageOps
 
 from helpers import jpeg_bytes
 from preprocess_service import imaging
-from preprocess_service.config import ImageConfig
+from disttrain_api.config import ImageConfig
 
 CFG = ImageConfig()
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from helpers import write_tiny_shards
-from preprocess_service.config import JobConfig
+from disttrain_api.config import JobConfig
 from preprocess_service.decode import InlineDecoder
 from preprocess_service.job import Job
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from preprocess_service import metrics
-from preprocess_service.errors import ConfigError
+from disttrain_api.errors import ConfigError
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from preprocess_service import synth
-from preprocess_service.config import JobConfig
+from disttrain_api.config import JobConfig
 from preprocess_service.server import create_server
 from trainer import DataClient
 from trainer.models.backbone import Backbone, lm_targets, spans_index, stage_layers

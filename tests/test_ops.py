@@ -16,8 +16,8 @@ import pytest
 
 from helpers import write_tiny_shards
 from preprocess_service import synth
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import ConfigError
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ConfigError
 from preprocess_service.localcluster import LocalRedis, free_port
 from preprocess_service.metrics import REDIS_LATENCY
 from preprocess_service.settings import ENV_NAMES, load

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from preprocess_service.errors import ServiceUnavailableError
+from disttrain_api.errors import ServiceUnavailableError
 from preprocess_service.localcluster import LocalRedis, free_port
 from preprocess_service.store import RedisStore
 

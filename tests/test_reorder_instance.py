@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from preprocess_service.reorder.instance import (PLANNERS, Instance, check_plan, evaluate, plan_instance)
-from preprocess_service.simulate import StageModel
+from disttrain_api.layout import StageModel
 
 REPO = Path(__file__).resolve().parent.parent
 

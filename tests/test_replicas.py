@@ -15,11 +15,12 @@ from disttrain_api import preprocess_pb2 as pb
 from helpers import write_tiny_shards
 from preprocess_service import synth
 from preprocess_service.__main__ import main as cli_main
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import ServiceUnavailableError
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ServiceUnavailableError
 from preprocess_service.job import Job
 from preprocess_service.localcluster import LocalRedis, Replica, free_port
-from preprocess_service.server import CHANNEL_OPTIONS, SERVICE_NAME, create_server
+from disttrain_api.channel import CHANNEL_OPTIONS, SERVICE_NAME
+from preprocess_service.server import create_server
 from preprocess_service.store import RedisStore
 from trainer import DataClient
 

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from helpers import jpeg_bytes
-from preprocess_service.config import ImageConfig
-from preprocess_service.errors import SampleError
+from disttrain_api.config import ImageConfig
+from disttrain_api.errors import SampleError
 from preprocess_service.sample import parse_document
 from preprocess_service.tokenizer import ByteTokenizer
 

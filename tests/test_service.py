@@ -17,11 +17,12 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service import imaging, synth
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import ServiceUnavailableError
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ServiceUnavailableError
 from preprocess_service.planner import batch_instance
 from preprocess_service.reorder.instance import PLANNERS
-from preprocess_service.server import CHANNEL_OPTIONS, create_server
+from disttrain_api.channel import CHANNEL_OPTIONS
+from preprocess_service.server import create_server
 from trainer import DataClient
 
 SYNTH_KIND_TO_OURS = {"truncated_image": "truncated_image", "random_bytes_image": "unreadable_image",
@@ -241,7 +242,7 @@ def _producers():
 
 
 def _spec(config):
-    from preprocess_service.spec import spec_from_config
+    from disttrain_api.spec import spec_from_config
 
     return spec_from_config(config)
 

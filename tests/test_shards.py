@@ -3,7 +3,7 @@ import pytest
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service import shards
 from preprocess_service.sources import ShardPolicy
-from preprocess_service.errors import ConfigError
+from disttrain_api.errors import ConfigError
 
 
 def test_directory_expands_to_its_tars_only(tmp_path):

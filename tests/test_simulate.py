@@ -5,8 +5,9 @@ import pytest
 
 from preprocess_service import reorder
 from preprocess_service.bounds import batch_lower_bound, pipeline_lower_bounds, rank_lower_bound, slot_lower_bound
-from preprocess_service.simulate import (StageModel, component_makespans, iteration_time, makespans, rank_makespan,
-                                         simulate_1f1b, simulate_coupled, stage_order)
+from disttrain_api.layout import StageModel, stage_order
+from preprocess_service.simulate import (component_makespans, iteration_time, makespans, rank_makespan,
+                                         simulate_1f1b, simulate_coupled)
 
 
 @pytest.mark.parametrize("P,M,f,b", [(1, 4, 1.0, 2.0), (4, 8, 1.0, 2.0), (4, 2, 1.0, 1.0), (8, 32, 0.5, 1.0),

@@ -31,11 +31,11 @@ import torch
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service import wire
-from preprocess_service.config import JobConfig
-from preprocess_service.errors import ServiceUnavailableError
-from preprocess_service.server import SERVICE_NAME, channel_options
-from preprocess_service.spec import spec_from_config
+from disttrain_api import wire
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ServiceUnavailableError
+from disttrain_api.channel import SERVICE_NAME, channel_credentials, channel_options
+from disttrain_api.spec import spec_from_config
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -159,8 +159,6 @@ class Credentials:
     def channel(self, address: str, options: list | None = None):
         options = channel_options() if options is None else options
         if self.tls or self.tls_ca or self.tls_cert:
-            from preprocess_service.security import channel_credentials
-
             creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
             channel = grpc.secure_channel(address, creds, options=options)
         else:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from preprocess_service.config import JobConfig
+from disttrain_api.config import JobConfig
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel
 from trainer.runtime.layout import RuntimeLayout

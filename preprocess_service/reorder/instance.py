@@ -20,7 +20,8 @@ import numpy as np
 
 from preprocess_service import reorder
 from preprocess_service.bounds import batch_lower_bound
-from preprocess_service.simulate import MODULES, StageModel, component_makespans
+from disttrain_api.layout import MODULES, StageModel
+from preprocess_service.simulate import component_makespans
 
 INSTANCE_FORMAT = "disttrain-reorder-instance/1"
 PLAN_FORMAT = "disttrain-reorder-plan/1"

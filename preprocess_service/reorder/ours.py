@@ -154,7 +154,7 @@ def warm_up() -> None:
     """Loads the compiled search kernels (or compiles them, seconds, once per installation: numba
     caches them beside the module), so that a service's first step is planned at full speed."""
     from preprocess_service.reorder.instance import Instance
-    from preprocess_service.simulate import StageModel
+    from disttrain_api.layout import StageModel
 
     for shared in ((1, 1, 1), (2, 1, 1)):
         model = StageModel(stage_map=("enc", "bb", "gen"), shared_by=shared)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preprocess_service.schedule import stage_order
+from disttrain_api.layout import stage_order
 
 
 def one_f_one_b(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The op order of ``stage``: the service simulator's (schedule.stage_order), so the plans it
+    """The op order of ``stage``: the service simulator's (disttrain_api.layout.stage_order), so the plans it
     judges are run in the order it judged them."""
     return stage_order(num_stages, num_microbatches, stage)
 

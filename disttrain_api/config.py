@@ -8,7 +8,11 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from preprocess_service.errors import ConfigError
+from disttrain_api.errors import ConfigError
+
+PLANNER_NAMES = ("arrival", "lpt", "ours", "ours-deep", "paper", "random")
+"""The balancing/ordering algorithms a job may name (the service's registry, reorder/instance.py
+PLANNERS, holds exactly these: a test checks)."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -221,10 +225,8 @@ class JobConfig:
                  f"more than {MAX_GLOBAL_BATCH}")
         _require(len(self.stage_map) <= MAX_STAGES and all(isinstance(s, str) and len(s) <= 32 for s in self.stage_map),
                  f"stage_map may hold at most {MAX_STAGES} stages of at most 32 characters each")
-        from preprocess_service.reorder.instance import PLANNERS
-
-        _require(self.reorder_algorithm in PLANNERS,
-                 f"unknown reorder_algorithm {self.reorder_algorithm!r}; known: {sorted(PLANNERS)}")
+        _require(self.reorder_algorithm in PLANNER_NAMES,
+                 f"unknown reorder_algorithm {self.reorder_algorithm!r}; known: {list(PLANNER_NAMES)}")
         try:
             model = self.stage_model()
         except ValueError as exc:
@@ -236,7 +238,7 @@ class JobConfig:
 
     def stage_model(self):
         """The simulator's model of one DP rank's pipeline (simulate.StageModel)."""
-        from preprocess_service.simulate import StageModel
+        from disttrain_api.layout import StageModel
 
         if not self.stage_map:
             raise ValueError("at least one stage is needed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from disttrain_api import preprocess_pb2 as pb
-from preprocess_service.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
+from disttrain_api.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
 
 # Scalar fields with the same name in JobSpec and JobConfig. The boolean no_shard_shuffle is negated
 # by hand so that proto3's default false means our default (shuffle).

@@ -1,0 +1,41 @@
+"""The layers a newcomer reads in the tree hold in the imports: the trainer's client loads the
+light API package and none of the service (numba, webdataset, Pillow, Redis, the server); the
+API's list of planner names is the service's registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_importing_the_client_loads_no_service_module_or_heavy_dependency():
+    code = ("import json, sys, time\n"
+            "t = time.perf_counter()\n"
+            "import trainer.client\n"
+            "print(json.dumps({'s': time.perf_counter() - t, 'modules': sorted(sys.modules)}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True)
+    modules = set(json.loads(out.stdout)["modules"])
+    heavy = {"numba", "webdataset", "PIL", "redis", "torchaudio", "simplejpeg", "soundfile", "prometheus_client"}
+    assert not heavy & modules, f"import trainer.client loads {sorted(heavy & modules)}"
+    service = sorted(m for m in modules if m == "preprocess_service" or m.startswith("preprocess_service."))
+    assert not service, f"import trainer.client loads service modules {service}"
+    assert "disttrain_api.channel" in modules and "disttrain_api.config" in modules  # it does load the API
+
+
+def test_the_api_names_exactly_the_registered_planners():
+    from disttrain_api.config import PLANNER_NAMES
+    from preprocess_service.reorder.instance import PLANNERS
+
+    assert sorted(PLANNER_NAMES) == sorted(PLANNERS)
+
+
+def test_the_layer_contracts_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "broken" not in out.stdout.lower().replace("0 broken", "")

@@ -96,7 +96,10 @@ def test_resident_bytes_counts_private_memory_per_process_and_shared_memory_once
     import os
     from multiprocessing import shared_memory
 
+    from disttrain_api.wire import trim_malloc
+
     me = os.getpid()
+    trim_malloc()  # free heap earlier tests left resident would be reused without a page fault
     before = resident_bytes([me])
     ballast = _touch_mib(200)
     assert resident_bytes([me]) - before > 180 << 20  # kept to the end: freed heap may be reused without a fault
@@ -120,6 +123,7 @@ def test_resident_bytes_counts_private_memory_per_process_and_shared_memory_once
         shm.unlink()
     assert resident_bytes([2**22 + 12345]) is None and pss_bytes([2**22 + 12345]) is None  # no such process
     measure = Calibrated(lambda: [me], every_s=3600)
+    trim_malloc()
     first = measure()  # calibrated: the exact PSS
     assert abs(first - pss_bytes([me])) < 16 << 20
     more = _touch_mib(100)

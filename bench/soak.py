@@ -58,9 +58,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
-from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.localcluster import free_port  # noqa: E402
+from disttrain_api.config import JobConfig
+from preprocess_service.__main__ import ensure_demo_dataset
+from preprocess_service.localcluster import free_port
 
 MIB = 1 << 20
 STALL_LINE = "the client took no message"
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             samples.append(sample)
             last_t, last_mb, last_samples = now, c[C_MICROBATCHES], c[C_SAMPLES]
-            g = lambda k: "-" if sample[k] is None else _mib(sample[k])  # noqa: E731
+            g = lambda k: "-" if sample[k] is None else _mib(sample[k])
             print(f"{sample['t_s']:5.0f} {_mib(sample['rss']):>6} {_mib(sample['rss_above_idle']):>6} "
                   f"{_mib(sample['pss']):>6} {_mib(sample['anon']):>6} {_mib(sample['shm_service']):>5} "
                   f"{_mib(sample['dev_shm_used']):>8} {g('budget_used'):>6} {g('budget_peak'):>6} {g('budget_resident'):>6} "
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(server, known_pids)
 
     leaked = sorted(p for p in seen_shm if os.path.exists(p))
-    peak = lambda k: max((s[k] for s in samples if s[k] is not None), default=0)  # noqa: E731
+    peak = lambda k: max((s[k] for s in samples if s[k] is not None), default=0)
     errors = [e for r in results.values() for e in r["errors"]]
     served = sum(1 for r in results.values() if r["microbatches"])
     error_lines = [line for line in log_text.splitlines() if " ERROR " in line or line.startswith("Traceback")]

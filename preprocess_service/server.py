@@ -29,18 +29,32 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api import wire
 from disttrain_api.channel import MAX_MESSAGE_BYTES, SERVICE_NAME
+from disttrain_api.errors import (
+    ConfigError,
+    DataQualityError,
+    FeedbackDisabled,
+    NotFoundError,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceUnavailableError,
+    StreamSuperseded,
+)
+from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service import metrics, procmem, sources
 from preprocess_service.budget import MemoryBudget, call_once, default_budget_bytes
 from preprocess_service.decode import DecodePool, InlineDecoder
-from disttrain_api.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, PermissionDenied,
-                                       ResourceExhausted, ServiceUnavailableError, StreamSuperseded)
 from preprocess_service.job import Job, JobRegistry
-from preprocess_service.security import (StallWatchdog, StreamLimiter, TlsFiles, TokenAuth, client_identity,
-                                         server_credentials)
+from preprocess_service.security import (
+    StallWatchdog,
+    StreamLimiter,
+    TlsFiles,
+    TokenAuth,
+    client_identity,
+    server_credentials,
+)
 from preprocess_service.shards import ShardReader
 from preprocess_service.sources import ShardPolicy
 from preprocess_service.tarstream import TarLimits
-from disttrain_api.spec import config_from_spec, spec_from_config
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from disttrain_api.layout import MODULES, StageModel, stage_order
+from disttrain_api.layout import StageModel, stage_order
 from preprocess_service import simkernels
+
 
 @dataclass(slots=True)
 class Timeline:

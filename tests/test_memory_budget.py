@@ -12,17 +12,17 @@ from collections import Counter
 import grpc
 import numpy as np
 import pytest
+from helpers import shard_keys, write_tiny_shards
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from helpers import shard_keys, write_tiny_shards
-from preprocess_service.budget import MemoryBudget
+from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, ResourceExhausted
-from preprocess_service.procmem import Calibrated, pss_bytes, resident_bytes
-from disttrain_api.channel import CHANNEL_OPTIONS
-from preprocess_service.server import Limits, create_server
 from disttrain_api.spec import spec_from_config
+from preprocess_service.budget import MemoryBudget
+from preprocess_service.procmem import Calibrated, pss_bytes, resident_bytes
+from preprocess_service.server import Limits, create_server
 from trainer import DataClient
 
 

@@ -32,9 +32,9 @@ import torch
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api import wire
+from disttrain_api.channel import SERVICE_NAME, channel_credentials, channel_options
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
-from disttrain_api.channel import SERVICE_NAME, channel_credentials, channel_options
 from disttrain_api.spec import spec_from_config
 
 log = logging.getLogger(__name__)

@@ -48,15 +48,15 @@ import simplejpeg  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from preprocess_service import imaging, shards  # noqa: E402
-from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
-from preprocess_service.assemble import layout_microbatch  # noqa: E402
+from preprocess_service.adapters import imaging, shards  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
+from preprocess_service.core.assemble import layout_microbatch  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.decode import DecodePool, decode_item  # noqa: E402
+from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
 from disttrain_api.errors import SampleError  # noqa: E402
-from preprocess_service.packing import PackedSequence  # noqa: E402
-from preprocess_service.sample import GenImageRef, ImageRef, parse_document  # noqa: E402
-from preprocess_service.tokenizer import ByteTokenizer  # noqa: E402
+from preprocess_service.core.packing import PackedSequence  # noqa: E402
+from preprocess_service.core.sample import GenImageRef, ImageRef, parse_document  # noqa: E402
+from preprocess_service.core.tokenizer import ByteTokenizer  # noqa: E402
 
 TOKENIZER = ByteTokenizer()
 DOCS_PER_MICROBATCH = 16
@@ -291,7 +291,7 @@ def dataloader_epoch(urls: list[str]) -> tuple[int, float]:
 
 
 def service_epoch(urls: list[str]) -> tuple[int, float]:
-    from preprocess_service.runner import run_job
+    from preprocess_service.service.runner import run_job
 
     config = JobConfig(shards=tuple(urls), dp_size=1, num_microbatches=4, seqs_per_microbatch=2)
     result = run_job(config, progress=False)

@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from preprocess_service.reorder.instance import Instance, evaluate, plan_instance  # noqa: E402
+from preprocess_service.core.reorder.instance import Instance, evaluate, plan_instance  # noqa: E402
 from disttrain_api.layout import StageModel  # noqa: E402
 
 STAGE_MAPS = {4: ("enc", "bb/2", "bb/2", "gen"), 8: ("enc", *["bb/6"] * 6, "gen")}
@@ -169,7 +169,7 @@ def plot(path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from preprocess_service.simulate import simulate_1f1b
+    from preprocess_service.core.simulate import simulate_1f1b
 
     instance = make_instance(*PLOT_CONFIG, seed=0)
     D, M, P, S = PLOT_CONFIG

@@ -59,8 +59,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from disttrain_api.config import JobConfig
-from preprocess_service.__main__ import ensure_demo_dataset
-from preprocess_service.localcluster import free_port
+from preprocess_service.service.cli import ensure_demo_dataset
+from preprocess_service.service.localcluster import free_port
 
 MIB = 1 << 20
 STALL_LINE = "the client took no message"

@@ -61,9 +61,9 @@ import grpc
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.runner import RunResult, run_job  # noqa: E402
+from preprocess_service.service.runner import RunResult, run_job  # noqa: E402
 from disttrain_api.channel import CHANNEL_OPTIONS  # noqa: E402
 
 BARE_METHOD = "/bench.Bare/Stream"
@@ -157,7 +157,7 @@ class ReplayDecoder:
         self.misses = 0
 
     def submit(self, layout) -> futures.Future:
-        from preprocess_service.decode import Decoded
+        from preprocess_service.adapters.decode import Decoded
 
         key = (tuple(layout.sample_keys), layout.nbytes)
         with self._lock:
@@ -255,9 +255,9 @@ def prepared_serve() -> None:
     """The wire path's server: the real service, its decoder wrapped in a ReplayDecoder and its jobs
     keeping their encoded bytes. Section timers (and, with DISTTRAIN_STREAM_PROFILE, cProfile) are
     kept per pass; SIGUSR1 starts the next pass; on SIGTERM it prints one stats line and exits."""
-    from preprocess_service import shards
-    from preprocess_service.job import Job
-    from preprocess_service.server import PreprocessServicer, create_server
+    from preprocess_service.adapters import shards
+    from preprocess_service.service.job import Job
+    from preprocess_service.service.server import PreprocessServicer, create_server
 
     timers = SectionTimers()
     profile_prefix = os.environ.get(PROFILE_ENV)

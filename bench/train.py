@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from preprocess_service.__main__ import ensure_demo_dataset  # noqa: E402
-from preprocess_service.server import create_server  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
+from preprocess_service.service.server import create_server  # noqa: E402
 from trainer import DataClient  # noqa: E402
 from trainer.models.backbone import lm_loss, lm_targets, spans_index  # noqa: E402
 from trainer.models.config import ModelConfig  # noqa: E402

@@ -1,1 +1,1 @@
-"""Generated gRPC modules for protos/disttrain_api/*.proto (do not edit; see preprocess_service.protogen)."""
+"""Generated gRPC modules for protos/disttrain_api/*.proto (do not edit; see disttrain_api.protogen)."""

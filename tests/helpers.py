@@ -10,7 +10,7 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from preprocess_service.sample import Document, ImageRef, TextSegment
+from preprocess_service.core.sample import Document, ImageRef, TextSegment
 
 
 def make_document(key: str, *, image_tokens: list[int] = (), text_tokens: int = 10) -> Document:

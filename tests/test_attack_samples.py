@@ -66,11 +66,11 @@ import soundfile
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import jpeg_bytes
-from preprocess_service import imaging
+from preprocess_service.adapters import imaging
 from disttrain_api.config import ImageConfig, JobConfig
 from disttrain_api.errors import SampleError, ServiceUnavailableError
-from preprocess_service.server import Limits, create_server
-from preprocess_service.tarstream import TarLimits, iter_samples
+from preprocess_service.service.server import Limits, create_server
+from preprocess_service.adapters.tarstream import TarLimits, iter_samples
 from trainer import DataClient
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
@@ -1292,7 +1292,7 @@ def test_the_planning_read_of_a_png_decodes_no_pixels(monkeypatch):
 
 
 def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
-    from preprocess_service.audio import decode_audio
+    from preprocess_service.adapters.audio import decode_audio
     from disttrain_api.config import AudioConfig
 
     for value in (np.nan, np.inf, 1e30):
@@ -1306,8 +1306,8 @@ def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
             continue  # refused: the sample is skipped as decode_failed
         assert np.isfinite(mel).all(), f"{value}: {np.isnan(mel).sum()} NaN values delivered"
 def test_json_with_a_huge_integer_is_invalid_json():
-    from preprocess_service.sample import parse_document
-    from preprocess_service.tokenizer import ByteTokenizer
+    from preprocess_service.core.sample import parse_document
+    from preprocess_service.core.tokenizer import ByteTokenizer
 
     with pytest.raises(SampleError) as info:
         parse_document({"__key__": "k", "txt": b"x", "json": b'{"w": 1' + b"0" * 5000 + b"}"},

@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service import sources
+from preprocess_service.adapters import sources
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, PermissionDenied
-from preprocess_service.server import Limits, create_server
-from preprocess_service.shards import ShardReader
-from preprocess_service.sources import ShardPolicy
+from preprocess_service.service.server import Limits, create_server
+from preprocess_service.adapters.shards import ShardReader
+from preprocess_service.adapters.sources import ShardPolicy
 from trainer import DataClient
 
 PROGRAM_SCHEMES = ["pipe", "PIPE", "Pipe", "gs", "s3", "ais", "sftp", "scp", "hf", "htgs", "gsutil", "ftp",

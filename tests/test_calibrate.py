@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocess_service import calibrate
+from preprocess_service.adapters import calibrate
 from disttrain_api.config import CostConfig
 
 REPO = Path(__file__).resolve().parent.parent

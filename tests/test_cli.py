@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service import synth
+from preprocess_service.adapters import synth
 
 REPO = Path(__file__).resolve().parent.parent
 

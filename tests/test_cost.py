@@ -2,8 +2,8 @@ import pytest
 
 from helpers import make_document
 from disttrain_api.config import CostConfig
-from preprocess_service.cost import price_sequence
-from preprocess_service.packing import PackedSequence, price
+from preprocess_service.core.cost import price_sequence
+from preprocess_service.core.packing import PackedSequence, price
 
 
 def test_price_follows_the_documented_formula():

@@ -12,13 +12,13 @@ import pytest
 from PIL import Image
 
 from helpers import write_tiny_shards
-from preprocess_service.assemble import layout_microbatch
+from preprocess_service.core.assemble import layout_microbatch
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
-from preprocess_service.decode import WORKER_DIED, DecodePool, InlineDecoder
-from preprocess_service.packing import PackedSequence
-from preprocess_service.runner import RunResult, consume_rank, all_keys
-from preprocess_service.sample import parse_document
-from preprocess_service.tokenizer import ByteTokenizer
+from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, InlineDecoder
+from preprocess_service.core.packing import PackedSequence
+from preprocess_service.service.runner import RunResult, consume_rank, all_keys
+from preprocess_service.core.sample import parse_document
+from preprocess_service.core.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 CFG = ImageConfig(max_pixels=4096 * 28 * 28)
@@ -105,7 +105,7 @@ def test_stream_survives_a_killed_decode_worker_with_every_sample_once(tmp_path)
     from disttrain_api import preprocess_pb2 as pb
     from disttrain_api import preprocess_pb2_grpc as pb_grpc
     from disttrain_api.channel import CHANNEL_OPTIONS
-    from preprocess_service.server import create_server
+    from preprocess_service.service.server import create_server
     from disttrain_api.spec import spec_from_config
 
     write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=40)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from preprocess_service import settings
-from preprocess_service.__main__ import main as service_cli
+from preprocess_service.service import settings
+from preprocess_service.service.cli import main as service_cli
 from trainer.train import parse as trainer_parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_every_variable_and_port_named_in_the_deployment_exists_in_the_code():
     names = _env_names()
     assert {"DISTTRAIN_REDIS_URL", "DISTTRAIN_CONFIG", "DISTTRAIN_ADDRESS", "DISTTRAIN_TRAIN_ARGS"} <= names
     assert names <= KNOWN_ENV, f"unknown to the code: {sorted(names - KNOWN_ENV)}"
-    source = "".join(p.read_text() for p in [*REPO.glob("preprocess_service/*.py"), *REPO.glob("trainer/*.py")])
+    source = "".join(p.read_text() for p in [*REPO.glob("preprocess_service/**/*.py"), *REPO.glob("trainer/**/*.py")])
     for name in names:
         assert name in source or name.removeprefix("DISTTRAIN_").lower() in settings.FIELDS, name
     # ports: compose's container ports, Kubernetes' containerPorts and the Dockerfiles' EXPOSE
@@ -168,7 +168,7 @@ def test_images_install_the_right_torch_and_run_commands_that_exist():
     assert done.value.code == 0
     demo = _compose()["services"]["demo-data"]
     assert demo["entrypoint"][-1] == "synth"
-    from preprocess_service import synth
+    from preprocess_service.adapters import synth
 
     flags = synth.build_parser().parse_args(demo["command"])
     assert flags.num_shards == 4 and flags.corrupt

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from helpers import write_tiny_shards
-from preprocess_service import synth
+from preprocess_service.adapters import synth
 from disttrain_api.config import CostConfig, JobConfig
-from preprocess_service.cost import price_sequence
-from preprocess_service.feedback import CostRefitter, Observation, microbatch_features
-from preprocess_service.job import Job
-from preprocess_service.packing import price
-from preprocess_service.server import create_server
+from preprocess_service.core.cost import price_sequence
+from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
+from preprocess_service.service.job import Job
+from preprocess_service.core.packing import price
+from preprocess_service.service.server import create_server
 from trainer import DataClient
 
 TRUE = CostConfig(enc_linear_s=3e-5, enc_quadratic_s=4e-8, bb_linear_s=2e-5, bb_quadratic_s=5e-9,
@@ -111,10 +111,10 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
 
     import redis
 
-    from preprocess_service import plan_record
-    from preprocess_service.localcluster import LocalRedis
+    from preprocess_service.core import plan_record
+    from preprocess_service.service.localcluster import LocalRedis
 
-    caplog.set_level(logging.INFO, logger="preprocess_service.shared_job")
+    caplog.set_level(logging.INFO, logger="preprocess_service.service.shared_job")
     # a stream reads about 8 one-microbatch steps ahead of its trainer (gRPC buffers) and the
     # planner plans 2 beyond: 500 samples leave steps to plan after two reports
     dataset = tmp_path / "shards"

@@ -33,15 +33,15 @@ from PIL import Image, ImageOps
 from helpers import jpeg_bytes
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import wire
-from preprocess_service import audio, imaging
-from preprocess_service.assemble import (MODALITY_AUDIO, MODALITY_GEN, MODALITY_IMAGE, MODALITY_PAD,
+from preprocess_service.adapters import audio, imaging
+from preprocess_service.core.assemble import (MODALITY_AUDIO, MODALITY_GEN, MODALITY_IMAGE, MODALITY_PAD,
                                          MODALITY_TEXT, finish, layout_microbatch)
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
-from preprocess_service.decode import DecodePool, InlineDecoder
+from preprocess_service.adapters.decode import DecodePool, InlineDecoder
 from disttrain_api.errors import SampleError
-from preprocess_service.packing import PackedSequence
-from preprocess_service.sample import AudioRef, GenImageRef, ImageRef, TextSegment, parse_document
-from preprocess_service.tokenizer import ByteTokenizer
+from preprocess_service.core.packing import PackedSequence
+from preprocess_service.core.sample import AudioRef, GenImageRef, ImageRef, TextSegment, parse_document
+from preprocess_service.core.tokenizer import ByteTokenizer
 from trainer.client import to_microbatch
 
 TOK = ByteTokenizer()

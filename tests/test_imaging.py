@@ -5,7 +5,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from helpers import jpeg_bytes
-from preprocess_service import imaging
+from preprocess_service.adapters import imaging
 from disttrain_api.config import ImageConfig
 
 CFG = ImageConfig()

@@ -4,8 +4,8 @@ import numpy as np
 
 from helpers import write_tiny_shards
 from disttrain_api.config import JobConfig
-from preprocess_service.decode import InlineDecoder
-from preprocess_service.job import Job
+from preprocess_service.adapters.decode import InlineDecoder
+from preprocess_service.service.job import Job
 
 DECODER = InlineDecoder()
 

@@ -29,7 +29,7 @@ def test_importing_the_client_loads_no_service_module_or_heavy_dependency():
 
 def test_the_api_names_exactly_the_registered_planners():
     from disttrain_api.config import PLANNER_NAMES
-    from preprocess_service.reorder.instance import PLANNERS
+    from preprocess_service.core.reorder.instance import PLANNERS
 
     assert sorted(PLANNER_NAMES) == sorted(PLANNERS)
 

@@ -20,9 +20,9 @@ from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, ResourceExhausted
 from disttrain_api.spec import spec_from_config
-from preprocess_service.budget import MemoryBudget
-from preprocess_service.procmem import Calibrated, pss_bytes, resident_bytes
-from preprocess_service.server import Limits, create_server
+from preprocess_service.adapters.budget import MemoryBudget
+from preprocess_service.adapters.procmem import Calibrated, pss_bytes, resident_bytes
+from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
 
@@ -248,8 +248,8 @@ def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
 
 
 def test_kept_media_is_charged_and_dropped_when_it_does_not_fit(shards):
-    from preprocess_service.decode import InlineDecoder
-    from preprocess_service.job import Job
+    from preprocess_service.adapters.decode import InlineDecoder
+    from preprocess_service.service.job import Job
 
     root, paths = shards
     tight = MemoryBudget(200_000)  # room for a few encoded images only

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from preprocess_service import metrics
+from preprocess_service.adapters import metrics
 from disttrain_api.errors import ConfigError
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preprocess_service import synth
+from preprocess_service.adapters import synth
 from disttrain_api.config import JobConfig
-from preprocess_service.server import create_server
+from preprocess_service.service.server import create_server
 from trainer import DataClient
 from trainer.models.backbone import Backbone, lm_targets, spans_index, stage_layers
 from trainer.models.config import ModelConfig

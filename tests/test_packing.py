@@ -1,7 +1,7 @@
 import pytest
 
 from helpers import make_document
-from preprocess_service.packing import pack_documents
+from preprocess_service.core.packing import pack_documents
 
 
 def _pack(lengths, seq_len=100, window=4):

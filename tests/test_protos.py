@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from preprocess_service import protogen
+from disttrain_api import protogen
 
 
 def test_generated_code_is_fresh(tmp_path: Path):
@@ -10,9 +10,9 @@ def test_generated_code_is_fresh(tmp_path: Path):
     assert written, "protoc generated nothing"
     for fresh in written:
         committed = protogen.REPO_ROOT / protogen.GENERATED_PACKAGE / fresh.name
-        assert committed.exists(), f"{committed} is missing: run python -m preprocess_service.protogen"
+        assert committed.exists(), f"{committed} is missing: run python -m disttrain_api.protogen"
         assert committed.read_text() == fresh.read_text(), (
-            f"{committed.name} is stale: run python -m preprocess_service.protogen and commit the result")
+            f"{committed.name} is stale: run python -m disttrain_api.protogen and commit the result")
 
 
 def test_every_rpc_field_and_enum_value_is_commented():

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from preprocess_service import reorder
+from preprocess_service.core import reorder
 
 
 def _costs(n, seed=0):

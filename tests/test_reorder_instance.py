@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocess_service.reorder.instance import (PLANNERS, Instance, check_plan, evaluate, plan_instance)
+from preprocess_service.core.reorder.instance import (PLANNERS, Instance, check_plan, evaluate, plan_instance)
 from disttrain_api.layout import StageModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,15 +59,15 @@ def test_cli_plans_and_evaluates(tmp_path):
     path = tmp_path / "inst.json"
     path.write_text(json.dumps(_instance().to_json()))
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "preprocess_service.reorder", "plan", str(path), "--algorithm",
+    run = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "plan", str(path), "--algorithm",
                           "paper", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     plan = json.loads(out.read_text())
     assert sorted(np.array(plan["plan"]).ravel().tolist()) == list(range(48))
-    judged = subprocess.run([sys.executable, "-m", "preprocess_service.reorder", "evaluate", str(path), str(out)],
+    judged = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "evaluate", str(path), str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert judged.returncode == 0 and json.loads(judged.stdout)["ratio_to_bound"] >= 1.0
-    unknown = subprocess.run([sys.executable, "-m", "preprocess_service.reorder", "plan", str(path), "--algorithm",
+    unknown = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "plan", str(path), "--algorithm",
                               "magic", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "unknown algorithm 'magic'" in unknown.stderr
 

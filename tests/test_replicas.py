@@ -13,15 +13,15 @@ import redis
 
 from disttrain_api import preprocess_pb2 as pb
 from helpers import write_tiny_shards
-from preprocess_service import synth
-from preprocess_service.__main__ import main as cli_main
+from preprocess_service.adapters import synth
+from preprocess_service.service.cli import main as cli_main
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
-from preprocess_service.job import Job
-from preprocess_service.localcluster import LocalRedis, Replica, free_port
+from preprocess_service.service.job import Job
+from preprocess_service.service.localcluster import LocalRedis, Replica, free_port
 from disttrain_api.channel import CHANNEL_OPTIONS, SERVICE_NAME
-from preprocess_service.server import create_server
-from preprocess_service.store import RedisStore
+from preprocess_service.service.server import create_server
+from preprocess_service.adapters.store import RedisStore
 from trainer import DataClient
 
 

@@ -5,8 +5,8 @@ import pytest
 from helpers import jpeg_bytes
 from disttrain_api.config import ImageConfig
 from disttrain_api.errors import SampleError
-from preprocess_service.sample import parse_document
-from preprocess_service.tokenizer import ByteTokenizer
+from preprocess_service.core.sample import parse_document
+from preprocess_service.core.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import write_tiny_shards
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
-from preprocess_service.security import TlsFiles
-from preprocess_service.server import Limits, create_server
+from preprocess_service.service.security import TlsFiles
+from preprocess_service.service.server import Limits, create_server
 from trainer import Credentials, DataClient
 
 TOKEN = "s3cret-token-for-tests"

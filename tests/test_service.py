@@ -16,13 +16,13 @@ from PIL import Image, ImageOps
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service import imaging, synth
+from preprocess_service.adapters import imaging, synth
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
-from preprocess_service.planner import batch_instance
-from preprocess_service.reorder.instance import PLANNERS
+from preprocess_service.core.planner import batch_instance
+from preprocess_service.core.reorder.instance import PLANNERS
 from disttrain_api.channel import CHANNEL_OPTIONS
-from preprocess_service.server import create_server
+from preprocess_service.service.server import create_server
 from trainer import DataClient
 
 SYNTH_KIND_TO_OURS = {"truncated_image": "truncated_image", "random_bytes_image": "unreadable_image",

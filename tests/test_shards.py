@@ -1,8 +1,8 @@
 import pytest
 
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service import shards
-from preprocess_service.sources import ShardPolicy
+from preprocess_service.adapters import shards
+from preprocess_service.adapters.sources import ShardPolicy
 from disttrain_api.errors import ConfigError
 
 

@@ -3,10 +3,10 @@ import itertools
 import numpy as np
 import pytest
 
-from preprocess_service import reorder
-from preprocess_service.bounds import batch_lower_bound, pipeline_lower_bounds, rank_lower_bound, slot_lower_bound
+from preprocess_service.core import reorder
+from preprocess_service.core.bounds import batch_lower_bound, pipeline_lower_bounds, rank_lower_bound, slot_lower_bound
 from disttrain_api.layout import StageModel, stage_order
-from preprocess_service.simulate import (component_makespans, iteration_time, makespans, rank_makespan,
+from preprocess_service.core.simulate import (component_makespans, iteration_time, makespans, rank_makespan,
                                          simulate_1f1b, simulate_coupled)
 
 

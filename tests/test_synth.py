@@ -1,4 +1,4 @@
-"""Tests for preprocess_service.synth: layout, metadata consistency, determinism, skew, corrupt shard,
+"""Tests for preprocess_service.adapters.synth: layout, metadata consistency, determinism, skew, corrupt shard,
 audio / interleaved / generation samples."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import soundfile
 from PIL import Image
 
-from preprocess_service import synth
+from preprocess_service.adapters import synth
 
 MEMBER = re.compile(r"^(\d{5})(\d{4})\.(?:(\d+)\.)?(jpg|png|webp|flac|wav|mp3|ogg|txt|json)$")
 IMAGE_EXTS = ("jpg", "png", "webp")

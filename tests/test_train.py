@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from preprocess_service import synth
-from preprocess_service.server import create_server
+from preprocess_service.adapters import synth
+from preprocess_service.service.server import create_server
 from trainer import DataClient
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel, microbatch_seed, step_loss
@@ -135,7 +135,7 @@ def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
     assert job.refitter.num_observations >= 24 * 2
     assert job.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
     # and its measured bubble reached the service's metrics, beside the simulator's prediction
-    from preprocess_service.metrics import BUBBLE
+    from preprocess_service.adapters.metrics import BUBBLE
 
     assert 0 < BUBBLE.labels(job.job_id, "measured")._value.get() < 1
 

@@ -22,11 +22,11 @@ import numpy as np
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service import shards
+from preprocess_service.adapters import shards
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
 from disttrain_api.channel import CHANNEL_OPTIONS
-from preprocess_service.server import Limits, create_server
+from preprocess_service.service.server import Limits, create_server
 from disttrain_api.spec import spec_from_config
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocess_service import reorder
-from preprocess_service.bounds import batch_lower_bound
+from preprocess_service.core import reorder
+from preprocess_service.core.bounds import batch_lower_bound
 from disttrain_api.layout import MODULES, StageModel
-from preprocess_service.simulate import component_makespans
+from preprocess_service.core.simulate import component_makespans
 
 INSTANCE_FORMAT = "disttrain-reorder-instance/1"
 PLAN_FORMAT = "disttrain-reorder-plan/1"
@@ -128,7 +128,7 @@ def _deep_ops(instance: Instance) -> float:
 
 
 def _ours():
-    from preprocess_service.reorder import ours  # imported late: ours imports this package
+    from preprocess_service.core.reorder import ours  # imported late: ours imports this package
 
     return ours
 

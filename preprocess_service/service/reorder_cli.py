@@ -1,6 +1,6 @@
-"""``python -m preprocess_service.reorder plan INSTANCE.json --algorithm NAME -o PLAN.json``
+"""``python -m preprocess_service reorder plan INSTANCE.json --algorithm NAME -o PLAN.json``
 and ``... evaluate INSTANCE.json PLAN.json``: plan or judge any instance in the JSON forms of
-preprocess_service.reorder.instance."""
+preprocess_service.core.reorder.instance."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocess_service.reorder.instance import PLAN_FORMAT, PLANNERS, Instance, evaluate, load_json, plan_instance
+from preprocess_service.core.reorder.instance import PLAN_FORMAT, PLANNERS, Instance, evaluate, load_json, plan_instance
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m preprocess_service.reorder", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m preprocess_service reorder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan an instance")
     plan.add_argument("instance", type=Path)

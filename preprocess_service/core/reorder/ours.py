@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from preprocess_service import reorder, simkernels
-from preprocess_service.simulate import _topological_order
+from preprocess_service.core import reorder, simkernels
+from preprocess_service.core.simulate import _topological_order
 
 
 def _load_terms(seq_fwd: np.ndarray, seq_bwd: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +153,7 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
 def warm_up() -> None:
     """Loads the compiled search kernels (or compiles them, seconds, once per installation: numba
     caches them beside the module), so that a service's first step is planned at full speed."""
-    from preprocess_service.reorder.instance import Instance
+    from preprocess_service.core.reorder.instance import Instance
     from disttrain_api.layout import StageModel
 
     for shared in ((1, 1, 1), (2, 1, 1)):

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from preprocess_service import sources, tarstream
+from preprocess_service.adapters import sources, tarstream
 from disttrain_api.errors import ConfigError, PermissionDenied, SampleError
-from preprocess_service.sources import ShardPolicy
-from preprocess_service.tarstream import TarLimits
+from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.adapters.tarstream import TarLimits
 
 ProblemSink = Callable[[SampleError], None]
 """Called with a SampleError for every sample or shard problem (key empty when none is known)."""

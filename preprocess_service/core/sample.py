@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from preprocess_service import audio, imaging
+from preprocess_service.adapters import audio, imaging
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
-from preprocess_service.tokenizer import Tokenizer
+from preprocess_service.core.tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 _MEMBER = re.compile(r"^(?:(\d+)\.)?(txt|jpg|jpeg|png|webp|flac|wav|mp3|ogg)$")

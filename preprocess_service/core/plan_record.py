@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocess_service.cost import SequenceCost
-from preprocess_service.packing import PackedSequence
-from preprocess_service.planner import StepPlan
+from preprocess_service.core.cost import SequenceCost
+from preprocess_service.core.packing import PackedSequence
+from preprocess_service.core.planner import StepPlan
 
 RECORD_VERSION = 1
 

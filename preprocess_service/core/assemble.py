@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from disttrain_api.config import AudioConfig
-from preprocess_service.packing import PackedSequence
-from preprocess_service.sample import AudioRef, Document, GenImageRef, ImageRef
-from preprocess_service.tokenizer import Tokenizer
+from preprocess_service.core.packing import PackedSequence
+from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef
+from preprocess_service.core.tokenizer import Tokenizer
 
 MODALITY_PAD, MODALITY_TEXT, MODALITY_IMAGE, MODALITY_AUDIO, MODALITY_GEN = 0, 1, 2, 3, 4
 _ALIGN = 64

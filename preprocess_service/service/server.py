@@ -40,11 +40,11 @@ from disttrain_api.errors import (
     StreamSuperseded,
 )
 from disttrain_api.spec import config_from_spec, spec_from_config
-from preprocess_service import metrics, procmem, sources
-from preprocess_service.budget import MemoryBudget, call_once, default_budget_bytes
-from preprocess_service.decode import DecodePool, InlineDecoder
-from preprocess_service.job import Job, JobRegistry
-from preprocess_service.security import (
+from preprocess_service.adapters import metrics, procmem, sources
+from preprocess_service.adapters.budget import MemoryBudget, call_once, default_budget_bytes
+from preprocess_service.adapters.decode import DecodePool, InlineDecoder
+from preprocess_service.service.job import Job, JobRegistry
+from preprocess_service.service.security import (
     StallWatchdog,
     StreamLimiter,
     TlsFiles,
@@ -52,9 +52,9 @@ from preprocess_service.security import (
     client_identity,
     server_credentials,
 )
-from preprocess_service.shards import ShardReader
-from preprocess_service.sources import ShardPolicy
-from preprocess_service.tarstream import TarLimits
+from preprocess_service.adapters.shards import ShardReader
+from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.adapters.tarstream import TarLimits
 
 log = logging.getLogger(__name__)
 
@@ -606,7 +606,7 @@ def _guard_memory(budget: MemoryBudget, decoder, interval_s: float, stop: thread
 def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None):
     """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
     on threads in this process for 0; its buffers are charged to ``budget``."""
-    from preprocess_service.budget import UNLIMITED
+    from preprocess_service.adapters.budget import UNLIMITED
 
     budget = budget or UNLIMITED
     if decode_workers == 0:
@@ -633,7 +633,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
 
     ``tls`` serves TLS (mutual TLS with a client CA), ``auth_tokens`` requires one of them as a
     bearer token on every call but health checks, ``limits`` bounds what one client may ask."""
-    from preprocess_service.reorder import ours
+    from preprocess_service.core.reorder import ours
 
     budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
     metrics.watch_budget(budget)
@@ -642,8 +642,8 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
         import os
         import socket
 
-        from preprocess_service.shared_job import SharedJobRegistry
-        from preprocess_service.store import RedisStore
+        from preprocess_service.service.shared_job import SharedJobRegistry
+        from preprocess_service.adapters.store import RedisStore
 
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"

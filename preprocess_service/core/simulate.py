@@ -36,7 +36,7 @@ from functools import lru_cache
 import numpy as np
 
 from disttrain_api.layout import StageModel, stage_order
-from preprocess_service import simkernels
+from preprocess_service.core import simkernels
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocess_service.calibrate import fit_nonnegative
+from preprocess_service.adapters.calibrate import fit_nonnegative
 from disttrain_api.config import CostConfig
 
 MODULES = ("encoder", "backbone", "generator")

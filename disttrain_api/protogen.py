@@ -1,4 +1,4 @@
-"""Regenerates the gRPC modules in disttrain_api/ from protos/ (``python -m preprocess_service.protogen``).
+"""Regenerates the gRPC modules in disttrain_api/ from protos/ (``python -m disttrain_api.protogen``).
 
 The generated files are committed; tests/test_protos.py regenerates into a temporary folder and
 fails when the committed copies differ.

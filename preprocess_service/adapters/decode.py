@@ -31,8 +31,8 @@ from multiprocessing import connection, shared_memory
 
 import numpy as np
 
-from preprocess_service.assemble import Layout, MediaItem
-from preprocess_service.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.core.assemble import Layout, MediaItem
+from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
@@ -41,17 +41,17 @@ WORKER_DIED = "decode worker died twice while decoding this sample"
 def decode_item(kind: str, data: bytes, params: tuple) -> np.ndarray:
     """One member decoded to the array its slot holds (shape and dtype fixed by the layout)."""
     if kind == "image":
-        from preprocess_service.imaging import decode_image
+        from preprocess_service.adapters.imaging import decode_image
 
         height, width, orientation = params
         return decode_image(data, (height, width), orientation)
     if kind == "gen":
-        from preprocess_service.imaging import decode_square
+        from preprocess_service.adapters.imaging import decode_square
 
         size, orientation = params
         return decode_square(data, size, orientation)
     if kind == "audio":
-        from preprocess_service.audio import decode_audio
+        from preprocess_service.adapters.audio import decode_audio
 
         frames, config = params
         return decode_audio(data, config, frames)
@@ -166,7 +166,7 @@ def _worker_main(conn, worker_id: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core: intra-op threads would only contend
-    for module in ("preprocess_service.audio", "preprocess_service.imaging", "torchaudio"):
+    for module in ("preprocess_service.adapters.audio", "preprocess_service.adapters.imaging", "torchaudio"):
         importlib.import_module(module)  # every decoder loaded before "ready"
     warm_up_decoders()
 

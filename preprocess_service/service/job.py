@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocess_service import metrics, shards
-from preprocess_service.budget import UNLIMITED, MemoryBudget
-from preprocess_service.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
-from preprocess_service.decode import WORKER_DIED, Decoded
+from preprocess_service.adapters import metrics, shards
+from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
+from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
+from preprocess_service.adapters.decode import WORKER_DIED, Decoded
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
                                        ServiceUnavailableError)
-from preprocess_service.feedback import CostRefitter, Observation, microbatch_features
-from preprocess_service.packing import PackedSequence
-from preprocess_service.planner import Planner, StepPlan
-from preprocess_service.tokenizer import ByteTokenizer, Tokenizer
+from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
+from preprocess_service.core.packing import PackedSequence
+from preprocess_service.core.planner import Planner, StepPlan
+from preprocess_service.core.tokenizer import ByteTokenizer, Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocess_service import reorder, shards
-from preprocess_service.reorder.instance import PLANNERS, Instance, evaluate
+from preprocess_service.core import reorder
+
+from preprocess_service.adapters import shards
+from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import DataQualityError, SampleError
-from preprocess_service.packing import PackedSequence, pack_documents, price
-from preprocess_service.sample import Document, parse_document
-from preprocess_service.tokenizer import Tokenizer
+from preprocess_service.core.packing import PackedSequence, pack_documents, price
+from preprocess_service.core.sample import Document, parse_document
+from preprocess_service.core.tokenizer import Tokenizer
 
 SkipSink = Callable[[SampleError], None]
 

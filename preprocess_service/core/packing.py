@@ -6,8 +6,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from disttrain_api.config import CostConfig
-from preprocess_service.cost import ZERO_COST, SequenceCost, price_sequence
-from preprocess_service.sample import Document
+from preprocess_service.core.cost import ZERO_COST, SequenceCost, price_sequence
+from preprocess_service.core.sample import Document
 
 
 @dataclass(slots=True)

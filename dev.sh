@@ -68,5 +68,6 @@ case "$cmd" in
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
           exec "$VENV/bin/python" -m pytest "$@" ;;
+    run) exec "$VENV/bin/python" -m preprocess_service run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
     *) exec "$VENV/bin/python" -m preprocess_service "$cmd" "$@" ;;
 esac

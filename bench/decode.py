@@ -55,7 +55,8 @@ from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
 from disttrain_api.errors import SampleError  # noqa: E402
 from preprocess_service.core.packing import PackedSequence  # noqa: E402
-from preprocess_service.core.sample import GenImageRef, ImageRef, parse_document  # noqa: E402
+from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.sample import GenImageRef, ImageRef  # noqa: E402
 from preprocess_service.core.tokenizer import ByteTokenizer  # noqa: E402
 
 TOKENIZER = ByteTokenizer()

@@ -169,7 +169,9 @@ class JobConfig:
     seqs_per_microbatch: int = 1
     """Packed sequences per microbatch."""
     seed: int = 0
+    """Seed of every random choice: shard order, sample shuffle, random planners."""
     num_epochs: int = 1
+    """Passes over the data."""
     shuffle_buffer: int = 256
     """Samples in the seeded shuffle buffer (1 = keep shard order)."""
     shard_shuffle: bool = True
@@ -270,3 +272,31 @@ class JobConfig:
         """Stable id: a hash of the normalised config, so ranks sending the same config share a job."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return "job-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def field_help(cls) -> dict[str, str]:
+    """{field: its docstring} of a config dataclass, read from this module's source: the help text
+    every CLI and the proto comments take from here (the one definition of a job's fields)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    out = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) \
+                and isinstance(following.value.value, str):
+            out[node.target.id] = " ".join(following.value.value.split())
+    return out
+
+
+def field_defaults(cls) -> dict:
+    """{field: default} of a config dataclass (fields without a default are left out)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out

@@ -1,4 +1,12 @@
-"""Conversions between the protobuf JobSpec and the typed JobConfig (zero means default)."""
+"""Conversions between the protobuf JobSpec and the typed JobConfig.
+
+JobConfig is the definition of a job's fields; the proto mirrors it and this module maps them by
+name (tests/test_config.py fails on any drift). A proto field with presence (proto3 ``optional``)
+is taken when set, whatever its value, so a fitted cost coefficient of 0 stays 0; a field without
+presence means "the default" when it is zero. Two fields are mapped by hand: ``no_shard_shuffle``
+is the negation of ``shard_shuffle`` (so proto3's false means our default, shuffling), and the
+repeated fields ``shards`` and ``stage_map``.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +15,38 @@ import dataclasses
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
 
-# Scalar fields with the same name in JobSpec and JobConfig. The boolean no_shard_shuffle is negated
-# by hand so that proto3's default false means our default (shuffle).
-_JOB_FIELDS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
-               "shuffle_buffer", "reorder_algorithm", "pack_window", "enc_shared_by", "gen_shared_by",
-               "cost_feedback", "max_consecutive_errors", "max_error_fraction")
+NESTED = {"image": (ImageConfig, pb.ImageSpec), "audio": (AudioConfig, pb.AudioSpec),
+          "generation": (GenerationConfig, pb.GenerationSpec), "cost": (CostConfig, pb.CostSpec)}
+"""JobConfig's nested configs and their messages: the same field names inside."""
+BY_HAND = ("shards", "stage_map", "shard_shuffle")
+
+_JOB_FIELDS = tuple(f.name for f in dataclasses.fields(JobConfig) if f.name not in NESTED and f.name not in BY_HAND)
+"""Scalar fields with the same name in JobSpec and JobConfig."""
 
 
-def _nonzero_fields(message, names) -> dict:
-    return {name: getattr(message, name) for name in names if getattr(message, name)}
+def _given(message, names) -> dict:
+    """The fields of ``message`` that carry a value: set ones with presence, non-zero ones without."""
+    out = {}
+    for name in names:
+        descriptor = message.DESCRIPTOR.fields_by_name[name]
+        if descriptor.has_presence:
+            if message.HasField(name):
+                out[name] = getattr(message, name)
+        elif getattr(message, name):
+            out[name] = getattr(message, name)
+    return out
+
+
+def _names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def config_from_spec(spec: pb.JobSpec) -> JobConfig:
-    """Fills defaults for zero fields; raises ConfigError on invalid values."""
-    image = ImageConfig(**_nonzero_fields(spec.image, [f.name for f in dataclasses.fields(ImageConfig)]))
-    cost_names = [f.name for f in dataclasses.fields(CostConfig)]
-    cost = CostConfig(**_nonzero_fields(spec.cost, cost_names))
-    audio = AudioConfig(**_nonzero_fields(spec.audio, [f.name for f in dataclasses.fields(AudioConfig)]))
-    generation = GenerationConfig(**_nonzero_fields(spec.generation,
-                                                    [f.name for f in dataclasses.fields(GenerationConfig)]))
+    """Fills defaults for fields not given; raises ConfigError on invalid values."""
+    nested = {name: cls(**_given(getattr(spec, name), _names(cls))) for name, (cls, _) in NESTED.items()}
     extra = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
-    return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle,
-                     image=image, audio=audio, generation=generation, cost=cost, **extra,
-                     **_nonzero_fields(spec, _JOB_FIELDS))
+    return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle, **nested, **extra,
+                     **_given(spec, _JOB_FIELDS))
 
 
 def spec_from_config(config: JobConfig) -> pb.JobSpec:
@@ -38,9 +55,6 @@ def spec_from_config(config: JobConfig) -> pb.JobSpec:
         shards=list(config.shards),
         stage_map=list(config.stage_map),
         no_shard_shuffle=not config.shard_shuffle,
-        image=pb.ImageSpec(**dataclasses.asdict(config.image)),
-        audio=pb.AudioSpec(**dataclasses.asdict(config.audio)),
-        generation=pb.GenerationSpec(**dataclasses.asdict(config.generation)),
-        cost=pb.CostSpec(**dataclasses.asdict(config.cost)),
+        **{name: message(**dataclasses.asdict(getattr(config, name))) for name, (_, message) in NESTED.items()},
         **{name: getattr(config, name) for name in _JOB_FIELDS},
     )

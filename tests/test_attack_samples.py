@@ -1306,7 +1306,7 @@ def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
             continue  # refused: the sample is skipped as decode_failed
         assert np.isfinite(mel).all(), f"{value}: {np.isnan(mel).sum()} NaN values delivered"
 def test_json_with_a_huge_integer_is_invalid_json():
-    from preprocess_service.core.sample import parse_document
+    from preprocess_service.adapters.samples import parse_document
     from preprocess_service.core.tokenizer import ByteTokenizer
 
     with pytest.raises(SampleError) as info:

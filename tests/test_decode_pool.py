@@ -17,7 +17,7 @@ from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
 from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, InlineDecoder
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.service.runner import RunResult, consume_rank, all_keys
-from preprocess_service.core.sample import parse_document
+from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

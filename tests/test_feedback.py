@@ -107,6 +107,7 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
     planning replica stops, the other one replays the epoch with each step's recorded prices
     (byte-identical plans, not today's refit) and finishes the job."""
     import logging
+    import re
     import threading
 
     import redis
@@ -197,7 +198,12 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
             for rank in (0, 1):
                 assert received[rank] + tail[rank] == list(range(num_steps)), "every step once, through the takeover"
             messages = [rec.getMessage() for rec in caplog.records]
-            assert sum("planning from epoch 0" in m for m in messages) == 2, "the survivor replayed the epoch"
+            starts = [re.search(r"planning from step (\d+) .*, (\d+) steps committed", m) for m in messages]
+            starts = [(int(m[1]), int(m[2])) for m in starts if m]
+            assert len(starts) == 2 and starts[0][0] == 0, starts
+            (start, committed) = starts[1]
+            assert 0 < start <= committed < start + 16, \
+                f"the survivor resumed from the planner state stored at or before step {committed}, not step 0"
             assert not any("different plan" in m for m in messages), "the replay reproduced every committed plan"
             assert cost_model(num_steps - 1)["bb_linear_s"] == pytest.approx(second.cost.bb_linear_s), \
                 "the survivor refits from the same observations"

@@ -40,7 +40,8 @@ from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from preprocess_service.adapters.decode import DecodePool, InlineDecoder
 from disttrain_api.errors import SampleError
 from preprocess_service.core.packing import PackedSequence
-from preprocess_service.core.sample import AudioRef, GenImageRef, ImageRef, TextSegment, parse_document
+from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.sample import AudioRef, GenImageRef, ImageRef, TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 from trainer.client import to_microbatch
 

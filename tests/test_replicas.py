@@ -125,7 +125,11 @@ def test_leases_commits_and_acks_against_real_redis(redis_server):
     assert store.commit_plan("j", 0, 0, True, b"plan0", 3, {"k": "{}"}, "b", 5)
     assert not store.commit_plan("j", 0, 0, True, b"other", 3, {}, "b", 5), "a step is committed once"
     assert store.read_plan("j", 0) == (b"plan0", 1, None)
-    assert store.resume_point("j") == (1, 0, 0)
+    assert store.resume_state("j") is None, "no planner state stored: a new planner starts at step 0"
+    store.save_state("j", 0, '{"step": 0}')
+    store.save_state("j", 0, '{"step": "again"}')
+    store.save_state("j", 16, '{"step": 16}')
+    assert store.resume_state("j") == b'{"step": 0}', "the newest state at or before the frontier, stored once"
     assert store.acknowledge("j", 0, 4, dp_size=2) == 0  # rank 1 has not acknowledged
     assert store.acknowledge("j", 1, 3, dp_size=2) == 3
     assert store.acknowledge("j", 1, 2, dp_size=2) == 3, "acknowledgements never go back"
@@ -280,7 +284,7 @@ def test_sigkill_of_the_planning_replica_mid_epoch_loses_and_repeats_nothing(dat
         for r in (0, 1):
             assert [x for x, _ in out[r]] == _planned(reference, r)
         survivor = next(r for r in replicas if r is not killed[0])
-        assert b"planning from epoch" in survivor.log_path.read_bytes(), "the survivor took the planning over"
+        assert b"planning from step" in survivor.log_path.read_bytes(), "the survivor took the planning over"
     finally:
         for replica in replicas:
             replica.kill()
@@ -289,11 +293,13 @@ def test_sigkill_of_the_planning_replica_mid_epoch_loses_and_repeats_nothing(dat
 def test_chaos_random_replica_kills_lose_and_repeat_nothing(tmp_path):
     """bench/chaos.py, shortened: 3 replica processes, 4 ranks, a random replica SIGKILLed and
     restarted every 2-4 s for 30 s."""
-    import sys
+    import importlib.util
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from chaos import chaos
+    spec = importlib.util.spec_from_file_location("bench_chaos", Path(__file__).resolve().parent.parent / "bench/chaos.py")
+    bench_chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_chaos)
+    chaos = bench_chaos.chaos
 
     figures = chaos(num_replicas=3, num_ranks=4, duration_s=30, kill_every_s=(2.0, 4.0), seed=1,
                     workdir=tmp_path, log=lambda _line: None)

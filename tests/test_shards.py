@@ -44,9 +44,11 @@ def test_a_broken_tar_is_reported_not_raised(tmp_path):
     assert errors and errors[0].shard == str(bad) and errors[0].kind == "truncated_shard"
 
 
-def test_shuffle_buffer_is_a_seeded_permutation():
-    import numpy as np
+def test_shard_order_is_a_seeded_permutation_per_epoch():
+    from preprocess_service.core.planner import shard_order
 
-    out1 = list(shards.shuffle_buffer(range(100), size=16, rng=np.random.default_rng(1)))
-    out2 = list(shards.shuffle_buffer(range(100), size=16, rng=np.random.default_rng(1)))
-    assert out1 == out2 and sorted(out1) == list(range(100)) and out1 != list(range(100))
+    urls = [f"s{i}" for i in range(20)]
+    first = shard_order(urls, seed=1, epoch=0, shuffle=True)
+    assert first == shard_order(urls, seed=1, epoch=0, shuffle=True) and sorted(first) == sorted(urls)
+    assert first != urls and first != shard_order(urls, seed=1, epoch=1, shuffle=True)
+    assert shard_order(urls, seed=1, epoch=0, shuffle=False) == urls

@@ -27,12 +27,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from disttrain_api.cli_args import add_job_arguments, job_fields
 from disttrain_api.config import JobConfig
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel
 from trainer.runtime.layout import RuntimeLayout
 from trainer.runtime.tensor_parallel import TPGroup
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
+
+
+TRAINER_JOB_ARGUMENTS = ("seq_len", "num_microbatches", "seqs_per_microbatch", "seed", "reorder_algorithm",
+                         "shuffle_buffer", "pack_window", "max_consecutive_errors", "max_error_fraction")
+"""The job fields the trainer's command line sets; dp_size comes from --bb-dp, the rest from JobConfig."""
 
 
 def parse(argv):
@@ -45,10 +51,7 @@ def parse(argv):
                    help="preprocessing service address(es), comma-separated, or dns:///NAME:PORT "
                         "($DISTTRAIN_ADDRESS)")
     p.add_argument("--shards", nargs="+", required=True)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--seqs-per-microbatch", type=int, default=1)
-    p.add_argument("--reorder", default="ours")
+    add_job_arguments(p, TRAINER_JOB_ARGUMENTS)  # JobConfig's names, defaults and help
     p.add_argument("--enc-dp", type=int, default=1)
     p.add_argument("--bb-dp", type=int, default=1)
     p.add_argument("--bb-pp", type=int, default=1)
@@ -58,7 +61,6 @@ def parse(argv):
     p.add_argument("--gen-tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-layers", type=int, default=4)
     p.add_argument("--checkpoint-dir", type=Path)
     p.add_argument("--checkpoint-every", type=int, default=5)
@@ -70,9 +72,8 @@ def parse(argv):
 
 
 def job_config(args) -> JobConfig:
-    return JobConfig(shards=tuple(args.shards), seq_len=args.seq_len, dp_size=args.bb_dp,
-                     num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
-                     seed=args.seed, reorder_algorithm=args.reorder, num_epochs=1000, cost_feedback=args.feedback)
+    return JobConfig(shards=tuple(args.shards), dp_size=args.bb_dp, num_epochs=1000, cost_feedback=args.feedback,
+                     **job_fields(args, TRAINER_JOB_ARGUMENTS))
 
 
 def runtime_layout(args) -> RuntimeLayout:

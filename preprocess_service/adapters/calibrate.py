@@ -24,36 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_api.config import CostConfig
-
-
-@dataclass(frozen=True, slots=True)
-class Fit:
-    """Non-negative least-squares fit of seconds = features @ coef."""
-
-    coef: np.ndarray
-    mean_rel_error: float
-    max_rel_error: float
-
-
-def fit_nonnegative(features: np.ndarray, seconds: np.ndarray) -> Fit:
-    """Least squares with coef >= 0 (by active set over the few columns), weighted to minimise the
-    relative error, since timings span orders of magnitude."""
-    features, seconds = np.asarray(features, float), np.asarray(seconds, float)
-    w = 1.0 / seconds
-    best = None
-    cols = features.shape[1]
-    for mask in range(1, 2 ** cols):
-        active = [c for c in range(cols) if mask >> c & 1]
-        sol, *_ = np.linalg.lstsq(features[:, active] * w[:, None], seconds * w, rcond=None)
-        if (sol < 0).any():
-            continue
-        coef = np.zeros(cols)
-        coef[active] = sol
-        err = np.abs(features @ coef - seconds) / seconds
-        if best is None or err.mean() < best.mean_rel_error:
-            best = Fit(coef, float(err.mean()), float(err.max()))
-    assert best is not None
-    return best
+from preprocess_service.core.cost import Fit, fit_nonnegative  # noqa: F401 (part of this module's API)
 
 
 def _time(fn, repeats: int) -> float:

@@ -20,6 +20,7 @@ NNNNN.parquet and NNNNN_stats.json files img2dataset writes beside each tar are 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import queue
 import stat
@@ -29,7 +30,6 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from preprocess_service.adapters import sources, tarstream
 from disttrain_api.errors import ConfigError, PermissionDenied, SampleError
@@ -81,12 +81,31 @@ class ShardReader:
             raise ShardReadError(f"cannot fetch {url}: {getattr(exc, 'reason', exc)}") from None
 
     # --- reading ------------------------------------------------------------------------------
-    def iter_shard(self, url: str, on_problem: ProblemSink) -> Iterator[dict]:
-        """Raw samples of one shard (``__key__``, ``__url__``, suffix -> bytes). Problems with a
-        sample or the shard go to ``on_problem``; none ends the caller's iteration with an error."""
+    def iter_shard(self, url: str, on_problem: ProblemSink, start: dict | None = None) -> Iterator[dict]:
+        """Raw samples of one shard (``__key__``, ``__url__``, suffix -> bytes; NEXT_OFFSET where
+        the next sample starts, for a local uncompressed tar). Problems with a sample or the shard
+        go to ``on_problem``; none ends the caller's iteration with an error.
+
+        ``start`` resumes after the first ``start["samples"]`` samples: a local shard seeks to
+        ``start["offset"]`` (NEXT_OFFSET of the last sample read; -1: nothing is left), any other
+        reads and drops those samples."""
+        offset = (start or {}).get("offset")
+        skip = int((start or {}).get("samples", 0))
+        local = sources.parse(url).is_local
+        if offset == -1:
+            return
+        if not (local and isinstance(offset, int) and offset >= 0):
+            offset = None
+
         def produce(report: ProblemSink):
             with self.open(url) as f:
-                yield from tarstream.iter_samples(f, url, self.limits, report)
+                if offset is not None:
+                    f.seek(offset)
+                samples = tarstream.iter_samples(f, url, self.limits, report,
+                                                 base_offset=(offset or 0) if local else None)
+                if offset is None and skip:
+                    samples = itertools.islice(samples, skip, None)
+                yield from samples
 
         yield from self._watched(produce, url, on_problem)
 
@@ -235,29 +254,3 @@ def expand_shards(specs: Iterable[str], policy: ShardPolicy = ShardPolicy()) -> 
 
 def iter_shard(url: str, on_problem: ProblemSink, reader: ShardReader = DEFAULT_READER) -> Iterator[dict]:
     return reader.iter_shard(url, on_problem)
-
-
-def shard_order(urls: list[str], *, seed: int, epoch: int, shuffle: bool) -> list[str]:
-    """The epoch's shard order: a seeded permutation (or the given order)."""
-    if not shuffle:
-        return list(urls)
-    rng = np.random.default_rng([seed, epoch, 0x5A4D])
-    return [urls[i] for i in rng.permutation(len(urls))]
-
-
-def shuffle_buffer(items: Iterable, *, size: int, rng: np.random.Generator) -> Iterator:
-    """Seeded streaming shuffle: fill a buffer of ``size`` items, emit a random one per new item."""
-    if size <= 1:
-        yield from items
-        return
-    buffer: list = []
-    for item in items:
-        buffer.append(item)
-        if len(buffer) >= size:
-            index = int(rng.integers(len(buffer)))
-            buffer[index], buffer[-1] = buffer[-1], buffer[index]
-            yield buffer.pop()
-    while buffer:
-        index = int(rng.integers(len(buffer)))
-        buffer[index], buffer[-1] = buffer[-1], buffer[index]
-        yield buffer.pop()

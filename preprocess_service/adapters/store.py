@@ -9,7 +9,9 @@ Keys of a job (the ``{job_id}`` hash tag keeps a job on one Redis Cluster slot):
                                      before any replica streams any of it
   disttrain:{J}:frontier             steps 0..frontier-1 are committed
   disttrain:{J}:done                 number of steps, once planning has reached the end
-  disttrain:{J}:epoch_start          hash epoch -> first step (a new planner resumes at an epoch start)
+  disttrain:{J}:epoch_start          hash epoch -> first step
+  disttrain:{J}:state                hash step -> planner state (JSON) before that step, every few steps: a
+                                     planner that takes over loads the newest one at or before the frontier
   disttrain:{J}:wants                the highest step a stream waits for (sorted set, member "max")
   disttrain:{J}:wake                 list a waiting stream pushes to, the planner blocks on (BLPOP)
   disttrain:{J}:planner              planning lease: the token of the replica that plans ahead (PX expiry)
@@ -324,18 +326,23 @@ class RedisStore:
         """Blocks until a stream wants a plan (read_plan with want) or ``timeout_s`` passes."""
         self._call(lambda r: r.blpop([self._key(job_id, "wake")], timeout=timeout_s), commands=1, stop=stop)
 
-    def resume_point(self, job_id: str, *, stop=None) -> tuple[int, int, int]:
-        """(frontier, epoch, first step of that epoch): where a new planner starts replaying."""
-        def run(r):
+    def resume_state(self, job_id: str, *, stop=None) -> bytes | None:
+        """The planner state a new planner continues from: the newest stored at or before the
+        frontier (None: start at step 0). Two round trips: the steps, then that one state."""
+        def steps(r):
             pipe = r.pipeline(transaction=False)
             pipe.get(self._key(job_id, "frontier"))
-            pipe.hgetall(self._key(job_id, "epoch_start"))
+            pipe.hkeys(self._key(job_id, "state"))
             return pipe.execute()
-        frontier, starts = self._call(run, commands=2, stop=stop)
-        frontier = int(frontier or 0)
-        known = sorted((int(e), int(s)) for e, s in starts.items() if int(s) <= frontier)
-        epoch, first = known[-1] if known else (0, 0)
-        return frontier, epoch, first
+        frontier, stored = self._call(steps, commands=2, stop=stop)
+        usable = [int(s) for s in stored if int(s) <= int(frontier or 0)]
+        if not usable:
+            return None
+        return self._call(lambda r: r.hget(self._key(job_id, "state"), max(usable)), commands=1, stop=stop)
+
+    def save_state(self, job_id: str, step: int, state: str, *, stop=None) -> None:
+        """Stores the planner state before ``step`` (once: HSETNX; planning is deterministic)."""
+        self._call(lambda r: r.hsetnx(self._key(job_id, "state"), step, state), commands=1, stop=stop)
 
     def commit_plan(self, job_id: str, step: int, epoch: int, first_of_epoch: bool, plan: bytes,
                     num_samples: int, skipped: dict[str, str], token: str, ttl_s: float, *, stop=None) -> bool:
@@ -357,10 +364,24 @@ class RedisStore:
     def committed_plan(self, job_id: str, step: int, *, stop=None) -> bytes | None:
         return self._call(lambda r: r.get(self._key(job_id, "plan", step)), commands=1, stop=stop)
 
-    def drop_plans(self, job_id: str, steps: range, *, deadline_s: float = 10.0) -> None:
-        if steps:
-            self._call(lambda r: r.delete(*(self._key(job_id, "plan", k) for k in steps)), commands=1,
-                       deadline_s=deadline_s)
+    def drop_plans(self, job_id: str, steps: range, *, keep_state_from: int | None = None,
+                   deadline_s: float = 10.0) -> None:
+        """Deletes the plans of ``steps``, and the planner states older than the newest one at or
+        before ``keep_state_from`` (no planner needs them: every rank acknowledged a later step)."""
+        if not steps:
+            return
+
+        def run(r):
+            pipe = r.pipeline(transaction=False)
+            pipe.delete(*(self._key(job_id, "plan", k) for k in steps))
+            if keep_state_from is not None:
+                stored = sorted(int(s) for s in r.hkeys(self._key(job_id, "state")))
+                base = max((s for s in stored if s <= keep_state_from), default=None)
+                old = [s for s in stored if base is not None and s < base]
+                if old:
+                    pipe.hdel(self._key(job_id, "state"), *old)
+            pipe.execute()
+        self._call(run, commands=3, deadline_s=deadline_s)
 
     # --- leases -------------------------------------------------------------------------------
     def acquire(self, job_id: str, name: str, token: str, ttl_s: float, *, stop=None) -> bool:

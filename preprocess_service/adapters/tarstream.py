@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from webdataset.tariterators import base_plus_ext
 
 from disttrain_api.errors import SampleError
+from preprocess_service.core.sample import NEXT_OFFSET
 
 MAX_HEADER_BLOCK_BYTES = 1 << 20
 """Largest pax extended header or GNU long name this reader accepts (tarfile would read any size)."""
@@ -110,10 +111,12 @@ def _printable_key(key: str) -> str:
     return key.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink) -> Iterator[dict]:
+def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink,
+                 base_offset: int | None = None) -> Iterator[dict]:
     """Raw samples of one tar stream; problems go to ``on_problem`` (SampleError, with key where
     known) and never end the stream early, except a broken or cut tar, which ends it after
-    reporting the sample it was reading."""
+    reporting the sample it was reading. With ``base_offset`` (where ``fileobj`` starts in the
+    shard file), an uncompressed tar's samples carry NEXT_OFFSET: where the next sample starts."""
     current: _Sample | None = None
     seen: set[str] = set()
     try:
@@ -125,6 +128,8 @@ def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink) 
                 if current is not None:
                     sample = _finish(current, url, on_problem)
                     if sample is not None:
+                        if base_offset is not None and getattr(tar.fileobj, "comptype", "") == "tar":
+                            sample[NEXT_OFFSET] = base_offset + info.offset
                         yield sample
                 current = _Sample(key, {})
                 if len(key) > MAX_KEY_CHARS:
@@ -146,6 +151,8 @@ def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink) 
     if current is not None:
         sample = _finish(current, url, on_problem)
         if sample is not None:
+            if base_offset is not None:
+                sample[NEXT_OFFSET] = -1
             yield sample
 
 

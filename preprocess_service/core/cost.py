@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from disttrain_api.config import CostConfig
 
 
@@ -37,3 +39,33 @@ def price_sequence(*, image_tokens: list[int], document_lengths: list[int], num_
     total = (encoder * (1.0 + enc_bwd) + backbone * (1.0 + config.bb_backward_factor)
              + generator * (1.0 + config.gen_backward_factor))
     return SequenceCost(encoder, backbone, generator, total)
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """Non-negative least-squares fit of seconds = features @ coef."""
+
+    coef: np.ndarray
+    mean_rel_error: float
+    max_rel_error: float
+
+
+def fit_nonnegative(features: np.ndarray, seconds: np.ndarray) -> Fit:
+    """Least squares with coef >= 0 (by active set over the few columns), weighted to minimise the
+    relative error, since timings span orders of magnitude."""
+    features, seconds = np.asarray(features, float), np.asarray(seconds, float)
+    w = 1.0 / seconds
+    best = None
+    cols = features.shape[1]
+    for mask in range(1, 2 ** cols):
+        active = [c for c in range(cols) if mask >> c & 1]
+        sol, *_ = np.linalg.lstsq(features[:, active] * w[:, None], seconds * w, rcond=None)
+        if (sol < 0).any():
+            continue
+        coef = np.zeros(cols)
+        coef[active] = sol
+        err = np.abs(features @ coef - seconds) / seconds
+        if best is None or err.mean() < best.mean_rel_error:
+            best = Fit(coef, float(err.mean()), float(err.max()))
+    assert best is not None
+    return best

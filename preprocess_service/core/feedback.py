@@ -4,7 +4,7 @@ An observation is one microbatch: the forward + backward seconds a trainer measu
 module, and the features the cost model prices it by (cost.py): for the encoder the sums of t and
 t^2 over its images and clips (t their tokens), for the backbone the sums of n and n^2 over its
 documents, for the generator the number of images to generate. Over the last ``window``
-observations each module is refit by non-negative least squares (calibrate.fit_nonnegative) as
+observations each module is refit by non-negative least squares (cost.fit_nonnegative) as
 forward seconds = measured / (1 + backward factor); the backward factors stay as configured. A
 module is refit once ``min_observations`` of them have non-zero features; until then its
 coefficients stay as they were. Steps planned after a refit are priced with the new coefficients.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocess_service.adapters.calibrate import fit_nonnegative
+from preprocess_service.core.cost import fit_nonnegative
 from disttrain_api.config import CostConfig
 
 MODULES = ("encoder", "backbone", "generator")

@@ -1,42 +1,24 @@
-"""The sample model: a LAION-style webdataset sample parsed into a planned document.
-
-A document is priced from metadata only (JSON, captions, image and audio headers): its token count
-and every media size are fixed here, before any pixel or sample is decoded, and decoding later
-produces exactly these sizes.
+"""The document model: a sample accepted for planning, as segments whose sizes are final.
 
 A document is a sequence of segments laid out as ``[BOS] segment ... segment [EOS]``:
-  text   ``txt``, ``1.txt``, ...                  token ids (the JSON "caption" if there is no txt member)
-  image  ``jpg|jpeg|png|webp``, ``1.jpg``, ...     pixels for the encoder, dynamic resolution
-  audio  ``flac|wav|mp3|ogg``, ``1.flac``, ...     log-mel frames for the audio encoder
-  gen    an image the generator must produce     query tokens in the sequence, pixels at a fixed size
-Segment order: the JSON's ``"order"`` (a list of member names) when it gives one, members it does
-not list following in the default order; the default order is images, then audio clips, then
-texts, each by member index (``jpg`` before ``1.jpg`` before ``2.png``): media first, as for
-captioning. An image is a generation target when the job's generation.select is "all", or it is
-"listed" and the JSON's ``"generate"`` names the member. Audio clips are priced from the JSON's
-``"durations"`` (seconds, one per clip in member order) or ``"duration"`` (the first clip), else
-from the file header.
+  text   token ids
+  image  pixels for the encoder at a planned (dynamic) resolution
+  audio  log-mel frames for the audio encoder
+  gen    an image the generator must produce: query tokens in the sequence, pixels at a fixed size
+Every size is fixed when the document is made (adapters/samples.py prices a webdataset sample from
+its metadata and media headers) and decoding later produces exactly these sizes. Pure data: no I/O.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from preprocess_service.adapters import audio, imaging
-from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
-from disttrain_api.errors import SampleError
-from preprocess_service.core.tokenizer import Tokenizer
-
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-_MEMBER = re.compile(r"^(?:(\d+)\.)?(txt|jpg|jpeg|png|webp|flac|wav|mp3|ogg)$")
-_KIND_OF_EXT = {"txt": "text", **{e: "image" for e in IMAGE_EXTENSIONS}, **{e: "audio" for e in audio.AUDIO_EXTENSIONS}}
-_DEFAULT_RANK = {"image": 0, "audio": 1, "text": 2}
-CAPTION_MEMBER = "json:caption"
-"""Pseudo member of a caption taken from the JSON (no txt member)."""
+NEXT_OFFSET = "__next__"
+"""Optional field of a raw sample: where its shard's next sample starts (a byte offset the reader
+can seek to; -1 at the end of the shard). The planner keeps it in its shard cursor, so a resume
+seeks instead of scanning the shard."""
 
 
 @dataclass(slots=True)
@@ -131,172 +113,3 @@ class Document:
     @property
     def num_tokens(self) -> int:
         return 2 + sum(s.tokens for s in self.segments)
-
-
-def classify_members(sample: dict) -> dict[str, str]:
-    """{member: "text" | "image" | "audio"} of a raw sample's content members."""
-    return {ext: _KIND_OF_EXT[m.group(2)] for ext in sample if isinstance(ext, str) and (m := _MEMBER.match(ext))}
-
-
-def _member_index(member: str) -> int:
-    match = _MEMBER.match(member)
-    return int(match.group(1) or 0) if match else 0
-
-
-def _default_order(kinds: dict[str, str]) -> list[str]:
-    return sorted(kinds, key=lambda m: (_DEFAULT_RANK[kinds[m]], _member_index(m), m))
-
-
-def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokenizer, seq_len: int,
-                   audio_config: AudioConfig = AudioConfig(),
-                   generation: GenerationConfig = GenerationConfig()) -> Document:
-    """Turns a raw webdataset sample (``__key__``, ``__url__``, ext -> bytes) into a Document.
-
-    Raises SampleError naming the problem for anything that makes the sample unusable.
-    """
-    key, shard = sample["__key__"], sample.get("__url__", "")
-    try:
-        meta = _parse_json(sample.get("json"))
-        kinds = classify_members(sample)
-        order = _segment_order(meta, kinds)
-        generate = _generation_targets(meta, kinds, generation)
-        durations = _json_durations(meta, [m for m in _default_order(kinds) if kinds[m] == "audio"])
-        segments, texts = [], []
-        for member in order:
-            kind = kinds[member]
-            if kind == "text":
-                texts.append((len(segments), member, _decode_text(sample[member], member)))
-                segments.append(None)
-            elif member in generate:
-                segments.append(_gen_ref(member, sample[member], image_config, generation))
-            elif kind == "image":
-                segments.append(_image_ref(member, sample[member], image_config))
-            else:
-                segments.append(_audio_ref(member, sample[member], durations.get(member), audio_config))
-        if not texts and isinstance(meta.get("caption"), str) and meta["caption"]:
-            texts.append((len(segments), CAPTION_MEMBER, meta["caption"]))
-            segments.append(None)
-    except SampleError as exc:
-        raise SampleError(key, exc.reason, shard, exc.kind) from None
-    if not segments:
-        raise SampleError(key, "has no image, audio or text", shard, "empty")
-    media_tokens = sum(s.tokens for s in segments if s is not None)
-    room = seq_len - 2 - media_tokens
-    if room < 0:
-        raise SampleError(key, f"needs {media_tokens + 2} tokens for its media alone, "
-                               f"more than seq_len {seq_len}", shard, "too_long")
-    truncated = False
-    for index, member, text in texts:
-        limit = seq_len * TEXT_CHARS_PER_TOKEN
-        truncated = truncated or len(text) > limit
-        ids = tokenizer.encode(text[:limit])
-        truncated = truncated or len(ids) > room
-        segments[index] = TextSegment(member=member, ids=ids[:room])
-        room -= len(segments[index].ids)
-    media = {s.member: sample[s.member] for s in segments if not isinstance(s, TextSegment)}
-    return Document(key=key, shard=shard, segments=tuple(segments), truncated=truncated, media_bytes=media)
-
-
-def _segment_order(meta: dict, kinds: dict[str, str]) -> list[str]:
-    listed = meta.get("order")
-    if listed is None:
-        return _default_order(kinds)
-    if not isinstance(listed, list) or not all(isinstance(m, str) for m in listed):
-        raise SampleError("", f'JSON "order" must be a list of member names, got {listed!r}', kind="invalid_order")
-    unknown = [m for m in listed if m not in kinds]
-    if unknown or len(set(listed)) != len(listed):
-        problem = f"names members the sample does not hold: {unknown}" if unknown else "lists a member twice"
-        raise SampleError("", f'JSON "order" {listed} {problem} (members: {sorted(kinds)})', kind="invalid_order")
-    return listed + [m for m in _default_order(kinds) if m not in listed]
-
-
-def _generation_targets(meta: dict, kinds: dict[str, str], generation: GenerationConfig) -> set[str]:
-    images = {m for m, kind in kinds.items() if kind == "image"}
-    if generation.select == "none":
-        return set()
-    if generation.select == "all":
-        return images
-    listed = meta.get("generate", [])
-    if not isinstance(listed, list) or not all(isinstance(m, str) and m in images for m in listed):
-        raise SampleError("", f'JSON "generate" must list image members of the sample, got {listed!r} '
-                              f"(images: {sorted(images)})", kind="invalid_order")
-    return set(listed)
-
-
-def _json_durations(meta: dict, audio_members: list[str]) -> dict[str, float]:
-    """Durations the JSON declares, by member; absent or unusable values fall back to the header."""
-    values = meta.get("durations")
-    if not isinstance(values, list):
-        values = [meta.get("duration")]
-    out = {}
-    for member, value in zip(audio_members, values):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e6:
-            out[member] = float(value)
-    return out
-
-
-MAX_JSON_BYTES = 1 << 20
-"""Larger .json members are refused: LAION metadata is a few hundred bytes."""
-TEXT_CHARS_PER_TOKEN = 16
-"""Text beyond seq_len * this many characters cannot fit a sequence with any tokenizer we use, and
-is cut before tokenizing (a 64 MB caption costs nothing)."""
-
-
-def _decode_text(raw: bytes, member: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SampleError("", f"{member} is not valid UTF-8 ({exc})", kind="bad_utf8") from None
-
-
-def _parse_json(raw: bytes | None) -> dict:
-    if raw is None:
-        return {}
-    if len(raw) > MAX_JSON_BYTES:
-        raise SampleError("", f"JSON metadata is {len(raw)} bytes, more than {MAX_JSON_BYTES}", kind="invalid_json")
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except ValueError as exc:  # bad UTF-8, bad JSON, an integer past Python's digit limit
-        raise SampleError("", f"invalid JSON metadata ({exc})", kind="invalid_json") from None
-    except RecursionError:
-        raise SampleError("", "JSON metadata is nested too deeply", kind="invalid_json") from None
-    if not isinstance(meta, dict):
-        raise SampleError("", f"JSON metadata is a {type(meta).__name__}, expected an object", kind="invalid_json")
-    return meta
-
-
-def _image_ref(ext: str, data: bytes, config: ImageConfig) -> ImageRef:
-    try:
-        header = imaging.read_header(data)
-    except imaging.DecompressionBomb as exc:
-        raise SampleError("", f"image {ext}: decompression bomb: {exc}", kind="decompression_bomb") from None
-    except ValueError as exc:
-        raise SampleError("", f"image {ext}: {exc}", kind="unreadable_image") from None
-    pixels = header.width * header.height
-    if pixels > config.max_source_pixels:
-        raise SampleError("", f"image {ext}: decompression bomb: {header.width}x{header.height} = "
-                              f"{pixels} pixels exceeds max_source_pixels {config.max_source_pixels}",
-                          kind="decompression_bomb")
-    if imaging.looks_truncated(data, header.format):
-        raise SampleError("", f"image {ext}: truncated {header.format} file ({len(data)} bytes, no end marker)",
-                          kind="truncated_image")
-    height, width = imaging.target_size(header.width, header.height, config)
-    return ImageRef(member=ext, height=height, width=width, orientation=header.orientation,
-                    tokens=imaging.num_image_tokens(height, width, config))
-
-
-def _gen_ref(ext: str, data: bytes, config: ImageConfig, generation: GenerationConfig) -> GenImageRef:
-    """A generation target is checked like an encoder image, then sized by the job, not the file."""
-    ref = _image_ref(ext, data, config)
-    return GenImageRef(member=ext, size=generation.image_size, tokens=generation.query_tokens,
-                       orientation=ref.orientation)
-
-
-def _audio_ref(ext: str, data: bytes, seconds: float | None, config: AudioConfig) -> AudioRef:
-    if seconds is None:
-        try:
-            seconds = audio.header_seconds(data, config.sample_rate)
-        except ValueError as exc:
-            raise SampleError("", f"audio {ext}: {exc}", kind="unreadable_audio") from None
-    tokens = config.num_tokens(seconds)
-    return AudioRef(member=ext, seconds=seconds, frames=tokens * config.token_stride, tokens=tokens)

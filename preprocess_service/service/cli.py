@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from disttrain_api.cli_args import add_job_arguments, job_fields
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, DisttrainError
 
@@ -33,19 +34,7 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", nargs="+", metavar="SPEC",
                         help="shard paths/URLs, brace patterns allowed (\"data/{00000..00009}.tar\"), or a "
                              f"directory of tars (default: a synthetic LAION-style set in {DEMO_DIR}/)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens per packed sequence")
-    parser.add_argument("--dp-size", type=int, default=2, help="data-parallel ranks (client processes)")
-    parser.add_argument("--num-microbatches", type=int, default=4, help="microbatches per rank per step")
-    parser.add_argument("--seqs-per-microbatch", type=int, default=2, help="packed sequences per microbatch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reorder", default="ours",
-                        help="batch planner: ours (default), lpt, paper, arrival or random")
-    parser.add_argument("--stage-map", default="enc,bb,gen",
-                        help="the trainer's pipeline stages per rank, comma-separated (e.g. enc,bb/2,bb/2,gen)")
-    parser.add_argument("--enc-shared-by", type=int, default=1,
-                        help="backbone DP ranks one encoder replica serves (a disaggregated encoder; default 1)")
-    parser.add_argument("--gen-shared-by", type=int, default=1,
-                        help="backbone DP ranks one generator replica serves (default 1)")
+    add_job_arguments(parser)
     parser.add_argument("--cost", type=Path, help="cost coefficients JSON, as `calibrate --out` writes")
 
 
@@ -59,11 +48,7 @@ def _job_config(args) -> JobConfig:
             extra["cost"] = calibrate.load(args.cost)
         except (OSError, ValueError, TypeError) as exc:
             raise ConfigError(f"--cost {args.cost}: {exc}") from None
-    return JobConfig(**extra, shards=tuple(shard_specs), seq_len=args.seq_len, dp_size=args.dp_size,
-                     num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch,
-                     seed=args.seed, reorder_algorithm=args.reorder,
-                     stage_map=tuple(args.stage_map.split(",")), enc_shared_by=args.enc_shared_by,
-                     gen_shared_by=args.gen_shared_by)
+    return JobConfig(**extra, shards=tuple(shard_specs), **job_fields(args))
 
 
 def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
@@ -114,7 +99,7 @@ def cmd_serve(args) -> int:
     server, port, _ = create_server(f"{cfg.host}:{cfg.port}", prefetch=cfg.prefetch, max_workers=cfg.max_workers,
                                     decode_workers=cfg.decode_workers, redis_url=cfg.redis_url,
                                     replica_id=cfg.replica_id, job_options={"lease_ttl_s": cfg.lease_ttl_s},
-                                    tls=tls, auth_tokens=cfg.tokens(), limits=limits)
+                                    tls=tls, auth_tokens=cfg.tokens(), limits=limits, state_dir=cfg.state_dir)
     metrics_port = 0
     if cfg.metrics_port:
         _, _, metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host, cfg.metrics_tokens())
@@ -202,7 +187,7 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m preprocess_service", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
@@ -236,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
     cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "synth":

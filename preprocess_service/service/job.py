@@ -1,15 +1,26 @@
-"""A job inside one service process: lazily planned steps, encoded media held only while needed,
-the skipped-sample report, acknowledgements and counters. Thread-safe."""
+"""A job inside one service process: lazily planned steps in a bounded window, encoded media held
+only while needed, the skipped-sample report, acknowledgements and counters. Thread-safe.
+
+Plans live from the lowest step every rank may still resume at (the acknowledged step) to the
+planning frontier; acknowledging drops the plans before it. ``state_dict()`` is what a restarted
+node needs to continue at the acknowledged step without replanning from step 0: the planner's
+state at a snapshot step at or before it (core/planner.py: taken every ``snapshot_every`` steps),
+the acknowledgements and the counters."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import logging
+import os
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -22,8 +33,11 @@ from disttrain_api.errors import (ConfigError, DataQualityError, FeedbackDisable
                                        ServiceUnavailableError)
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.core.packing import PackedSequence
-from preprocess_service.core.planner import Planner, StepPlan
+from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.planner import EpochPlanner, StepPlan
 from preprocess_service.core.tokenizer import ByteTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +68,17 @@ class PendingMicrobatch:
     """Planned documents that could not even be re-read (they are not in ``sequences``)."""
 
 
+STATE_VERSION = 1
+
+
 class Job:
-    """Plans on demand (the first stream that needs step k plans it) and keeps every plan, which
-    is small; the encoded image bytes of a step are dropped once every rank has been sent it,
-    and re-read from the shard if a resumed stream needs that step again."""
+    """Plans on demand (the first stream that needs step k plans it) and keeps the plans no rank
+    has acknowledged yet; the encoded image bytes of a step are dropped once every rank has been
+    sent it, and re-read from the shard if a resumed stream needs that step again."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4,
                  reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[str] | None = None,
-                 budget: MemoryBudget = UNLIMITED):
+                 budget: MemoryBudget = UNLIMITED, snapshot_every: int = 16):
         self.config = config
         self.budget = budget
         """Encoded media kept from planning to decoding is charged to it; what does not fit is
@@ -74,10 +91,16 @@ class Job:
         self.tokenizer = tokenizer or ByteTokenizer()
         self._lock = threading.Lock()
         self._skipped: dict[str, SkippedRecord] = {}
-        self._plans: list[StepPlan] = []
-        self.planner = Planner(config, self.shard_urls, self.tokenizer, self._record_skip, reader,
-                               keep_media=self._keep_media)
-        self._planner = iter(self.planner)
+        self._plans: dict[int, StepPlan] = {}
+        """Held plans by step: from ``_first_held`` to ``_next_step`` - 1."""
+        self._first_held = 0
+        self._next_step = 0
+        self.snapshot_every = snapshot_every
+        self._snapshots: dict[int, dict] = {}
+        """Planner states before every ``snapshot_every``-th step, from the newest one at or before
+        the acknowledged step: what ``state_dict()`` resumes from."""
+        self.planner = EpochPlanner(config, self.shard_urls, reader, self._parse, self._record_skip,
+                                    keep_media=self._keep_media)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
         self._sent_through: dict[int, int] = defaultdict(lambda: -1)  # rank -> last step fully sent
@@ -98,6 +121,8 @@ class Job:
         """Why planning stopped for good (too many bad samples, a bug); raised to every stream."""
         self.num_sent_microbatches = 0
         self.num_planned_samples = 0
+        self.on_acknowledged: Callable[[int], None] | None = None
+        """Called (outside the job's lock) when the lowest acknowledged step moves (JobRegistry saves the state)."""
 
     # --- planning -------------------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
@@ -110,8 +135,11 @@ class Job:
             with self._lock:
                 if self._failure is not None:
                     raise self._failure
-                if step < len(self._plans) or self._planning_done:
-                    return self._plans[step] if step < len(self._plans) else None
+                if step < self._first_held:
+                    raise NotFoundError(f"the plan of step {step} was dropped: every rank acknowledged step "
+                                        f"{self._first_held} or later, so no rank may resume before it")
+                if step < self._next_step or self._planning_done:
+                    return self._plans.get(step)
             if not self._plan_lock.acquire(timeout=0.2):
                 if stop is not None and stop.is_set():
                     raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
@@ -127,8 +155,12 @@ class Job:
             if self._failure is not None or self._planning_done:
                 return
         try:
-            plan = next(self._planner, None)
-        except Exception as exc:  # the generator is dead: every later call must see why
+            if self.planner.step % self.snapshot_every == 0 and not self.planner.done:
+                snapshot = self.planner.state_dict()
+                with self._lock:
+                    self._snapshots[self.planner.step] = snapshot
+            plan = self.planner.next_plan()
+        except Exception as exc:  # the planner is broken: every later call must see why
             with self._lock:
                 self._failure = exc if isinstance(exc, DataQualityError) else \
                     RuntimeError(f"planning job {self.job_id} failed: {type(exc).__name__}: {exc}")
@@ -137,14 +169,56 @@ class Job:
             if plan is None:
                 self._planning_done = True
                 return
-            self._plans.append(plan)
+            self._plans[plan.step] = plan
+            self._next_step = plan.step + 1
             self.num_planned_samples += sum(1 for _ in plan.documents())
-            self._release_through(len(self._plans) - 1 - self.retain_steps)
+            self._release_through(self._next_step - 1 - self.retain_steps)
+
+    def _parse(self, sample: dict):
+        cfg = self.config
+        return parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer, seq_len=cfg.seq_len,
+                              audio_config=cfg.audio, generation=cfg.generation)
 
     def num_steps(self) -> int:
         """Steps of the whole job, or -1 while planning has not reached the end."""
         with self._lock:
-            return len(self._plans) if self._planning_done else -1
+            return self._next_step if self._planning_done else -1
+
+    def num_held_plans(self) -> int:
+        with self._lock:
+            return len(self._plans)
+
+    # --- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a restarted node needs to continue this job at its acknowledged step: versioned,
+        JSON-serialisable, its size independent of the position in the epoch (but for the
+        planner's key hashes, 8 bytes per sample read this epoch)."""
+        with self._lock:
+            acked = min((self._acked.get(r, 0) for r in range(self.config.dp_size)), default=0)
+            base = max((s for s in self._snapshots if s <= acked), default=None)
+            return {"version": STATE_VERSION, "job_id": self.job_id,
+                    "acked": {str(r): s for r, s in self._acked.items()},
+                    "snapshot_step": base, "planner": self._snapshots.get(base)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from ``state`` (before any plan was made): the planner resumes at the snapshot
+        step, so the acknowledged step is reached by planning at most ``snapshot_every`` steps."""
+        if state.get("version") != STATE_VERSION or state.get("job_id") != self.job_id:
+            raise ValueError(f"job state (version {state.get('version')}, job {state.get('job_id')!r}) does not "
+                             f"belong to job {self.job_id!r} version {STATE_VERSION}")
+        with self._plan_lock:  # not the job's lock: the planner charges re-read media under it
+            if self._next_step:
+                raise RuntimeError("load_state_dict() must be called before planning")
+            if state["planner"] is not None:
+                self.planner.load_state_dict(state["planner"])
+            with self._lock:
+                self._acked = {int(r): int(s) for r, s in state["acked"].items()}
+                if state["planner"] is not None:
+                    step = int(state["snapshot_step"])
+                    self._snapshots = {step: state["planner"]}
+                    self._first_held = self._next_step = step
+                    self._released_through = step - 1
+                    self._planning_done = self.planner.done
 
     def plan_all(self) -> int:
         """Plans every step (reads every shard once); returns the number of steps."""
@@ -289,10 +363,11 @@ class Job:
         with self._lock:
             self.closed.set()
             stops = list(self._stream_stops)
-            for plan in self._plans:
+            for plan in self._plans.values():
                 for doc in plan.documents():
                     self._drop_media(doc)
             self._plans.clear()
+            self._snapshots.clear()
             self._planning_done = True
             # documents the planner still held (shuffle buffer, open sequences) go with it
             self.budget.release_cache(self._media_held)
@@ -327,10 +402,11 @@ class Job:
 
     def _release_through(self, step: int) -> None:
         """Drops the encoded bytes of every planned step <= ``step`` (caller holds the lock)."""
-        step = min(step, len(self._plans) - 1)
+        step = min(step, self._next_step - 1)
         while self._released_through < step:
             self._released_through += 1
-            for doc in self._plans[self._released_through].documents():
+            plan = self._plans.get(self._released_through)
+            for doc in plan.documents() if plan is not None else ():
                 self._drop_media(doc)
 
     # --- feedback ----------------------------------------------------------------------------
@@ -342,32 +418,59 @@ class Job:
                                    "take measured timings")
         with self._lock:
             for step, rank, index, *seconds in timings:
-                if step < len(self._plans) and 0 <= rank < self.config.dp_size \
+                if step in self._plans and 0 <= rank < self.config.dp_size \
                         and 0 <= index < self._plans[step].num_microbatches:
                     features = microbatch_features(self._plans[step].microbatch(rank, index))
                     self.refitter.add(Observation(features, tuple(seconds)))
             self.planner.cost = self.refitter.refit()
             return {"cost": self.planner.cost, "num_observations": self.refitter.num_observations,
-                    "first_step_priced": len(self._plans), "errors": dict(self.refitter.errors)}
+                    "first_step_priced": self._next_step, "errors": dict(self.refitter.errors)}
 
     # --- acknowledgements and report -------------------------------------------------------
     def acknowledge(self, rank: int, next_step: int) -> int:
+        """``rank`` checkpointed its state before ``next_step``: it never resumes before it. Plans of
+        steps every rank acknowledged are dropped (beyond the planning frontier only once planned),
+        and so are snapshots older than the newest one at or before that step."""
         self.check_rank(rank)
         with self._lock:
+            before = min(self._acked.get(r, 0) for r in range(self.config.dp_size))
             self._acked[rank] = max(self._acked.get(rank, 0), next_step)
-            return min(self._acked.get(r, 0) for r in range(self.config.dp_size))
+            low = min(self._acked.get(r, 0) for r in range(self.config.dp_size))
+            self._drop_before(low)
+        if low > before and self.on_acknowledged is not None:
+            self.on_acknowledged(low)
+        return low
+
+    def _drop_before(self, step: int) -> None:
+        """Drops held plans of steps < ``step`` and snapshots no resume can need (caller holds the lock)."""
+        step = min(step, self._next_step)
+        self._release_through(step - 1)
+        for s in range(self._first_held, step):
+            self._plans.pop(s, None)
+        self._first_held = max(self._first_held, step)
+        keep = max((s for s in self._snapshots if s <= step), default=None)
+        for s in [s for s in self._snapshots if keep is not None and s < keep]:
+            del self._snapshots[s]
 
     def report(self) -> dict:
         with self._lock:
             return {
                 "skipped": list(self._skipped.values()),
                 "num_planned_samples": self.num_planned_samples,
-                "num_planned_steps": len(self._plans),
+                "num_planned_steps": self._next_step,
                 "planning_done": self._planning_done,
                 "num_sent_microbatches": self.num_sent_microbatches,
-                "step_balance": [_balance(plan) for plan in self._plans],
+                "step_balance": [_balance(self._plans[s]) for s in sorted(self._plans)],
                 "failure": "" if self._failure is None else str(self._failure),
             }
+
+
+def _save_state(job: Job, path: Path, lock: threading.Lock, _low: int) -> None:
+    """Writes the job's state next to ``path`` and renames it over ``path`` (never half written)."""
+    with lock:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(job.state_dict()))
+        os.replace(tmp, path)
 
 
 def _media_nbytes(doc) -> int:
@@ -398,12 +501,20 @@ def _balance(plan: StepPlan) -> dict:
 
 
 class JobRegistry:
-    """Open jobs by id; opening an identical config returns the same job."""
+    """Open jobs by id; opening an identical config returns the same job.
 
-    def __init__(self, budget: MemoryBudget = UNLIMITED):
+    With ``state_dir``, every acknowledgement that moves a job's lowest acknowledged step writes
+    the job's state (``Job.state_dict()``) to ``state_dir/JOB_ID.json`` (atomically), and a job
+    opened again (the same config, after a restart of this node) continues from it: at the
+    acknowledged step, planning at most ``snapshot_every`` steps, not from step 0."""
+
+    def __init__(self, budget: MemoryBudget = UNLIMITED, state_dir: str | Path | None = None):
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self.budget = budget
+        self.state_dir = Path(state_dir) if state_dir else None
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
 
     def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
              reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
@@ -423,7 +534,21 @@ class JobRegistry:
         return job
 
     def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[str] | None) -> Job:
-        return Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
+        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
+        if self.state_dir is not None:
+            path = self.state_dir / f"{job.job_id}.json"
+            job.on_acknowledged = functools.partial(_save_state, job, path, threading.Lock())
+            try:
+                state = json.loads(path.read_text())
+            except FileNotFoundError:
+                state = None
+            except (OSError, ValueError) as exc:
+                log.warning("job %s: ignoring its saved state %s (%s); planning from step 0", job.job_id, path, exc)
+                state = None
+            if state is not None:
+                job.load_state_dict(state)
+                log.info("job %s: resumed from %s at step %s", job.job_id, path, state.get("snapshot_step"))
+        return job
 
     def close_job(self, job_id: str) -> int:
         """Closes and forgets a job; returns the number of streams that were ended."""

@@ -11,21 +11,33 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocess_service.core.reorder.instance import PLAN_FORMAT, PLANNERS, Instance, evaluate, load_json, plan_instance
+from disttrain_api.config import JobConfig, field_defaults
+
+from preprocess_service.core.reorder.instance import PLAN_FORMAT, PLANNERS, Instance, evaluate, plan_instance
 
 
-def main(argv: list[str] | None = None) -> int:
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m preprocess_service reorder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan an instance")
     plan.add_argument("instance", type=Path)
-    plan.add_argument("--algorithm", default="lpt", help=f"one of {sorted(PLANNERS)}")
+    plan.add_argument("--algorithm", default=field_defaults(JobConfig)["reorder_algorithm"],
+                      help=f"one of {sorted(PLANNERS)} (default: the service's, "
+                           f"{field_defaults(JobConfig)['reorder_algorithm']})")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("-o", "--output", type=Path, required=True)
     judge = sub.add_parser("evaluate", help="iteration time of a plan (exact 1F1B simulator) vs the lower bound")
     judge.add_argument("instance", type=Path)
     judge.add_argument("plan", type=Path)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         instance = Instance.from_json(load_json(args.instance))
         if args.command == "plan":

@@ -77,6 +77,8 @@ class Limits:
 
     max_request_bytes: int = 4 << 20
     """Largest request message; requests are job specs and timing reports, never data."""
+    warm_up: bool = True
+    """Compile the planner's kernels before serving (False: start faster; the first plan pays it)."""
     max_streams_per_client: int = 64
     """Concurrent microbatch streams per client (its token, else its address); 0: no limit."""
     max_open_jobs: int = 64
@@ -619,7 +621,7 @@ def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = Non
 def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
                   decode_workers: int | None = None, redis_url: str | None = None,
                   replica_id: str | None = None, job_options: dict | None = None, tls: TlsFiles | None = None,
-                  auth_tokens: tuple[str, ...] = (), limits: Limits = Limits()):
+                  auth_tokens: tuple[str, ...] = (), limits: Limits = Limits(), state_dir: str | None = None):
     """Builds and starts a server; returns (server, bound port, servicer). ``decode_workers``
     defaults to one decode process per core (0: decode on threads in this process). The decode
     workers and the planner's compiled kernels are loaded first, so health checks report SERVING
@@ -631,13 +633,16 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     leases (default host:port:pid), and ``job_options`` go to every SharedJob (lease_ttl_s,
     lookahead, ...). Raises ServiceUnavailableError, naming the address, if Redis cannot be reached.
 
+    ``state_dir`` (single node) keeps each job's state at its acknowledged step, so a job opened
+    again after a restart continues there (job.JobRegistry).
+
     ``tls`` serves TLS (mutual TLS with a client CA), ``auth_tokens`` requires one of them as a
     bearer token on every call but health checks, ``limits`` bounds what one client may ask."""
     from preprocess_service.core.reorder import ours
 
     budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
     metrics.watch_budget(budget)
-    jobs = JobRegistry(budget)
+    jobs = JobRegistry(budget, state_dir=state_dir)
     if redis_url:
         import os
         import socket
@@ -648,7 +653,8 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
                                  f"{os.getpid()}", reader=limits.shard_reader(), budget=budget, **(job_options or {}))
-    ours.warm_up()
+    if limits.warm_up:
+        ours.warm_up()
     wire.tune_malloc()
     wire.limit_malloc_arenas()
     decoder = create_decoder(decode_workers, budget)

@@ -42,6 +42,8 @@ class ServiceSettings:
     max_workers: int = _doc("gRPC handler threads: the most concurrent calls (each stream holds one)", 256)
     redis_url: str | None = _doc("Redis of a multi-replica deployment, e.g. redis://redis:6379/0 (unset: single node)")
     replica_id: str | None = _doc("this replica's name in leases (default host:port:pid)")
+    state_dir: str | None = _doc("single node: directory where each job's state at its acknowledged step is kept, so "
+                                 "a job opened again after a restart continues there (unset: it replans from step 0)")
     lease_ttl_s: float = _doc("seconds before a dead replica's planning lease passes to another", 5.0)
     log_format: str = _doc("text or json (one JSON object per line, with job, step and rank where known)", "text")
     log_level: str = _doc("DEBUG, INFO, WARNING or ERROR", "INFO")
@@ -51,6 +53,8 @@ class ServiceSettings:
     auth_tokens: tuple[str, ...] = _doc("bearer tokens a call may present; empty: no token needed", ())
     auth_tokens_file: str | None = _doc("file with one bearer token per line (a mounted Secret), added to auth_tokens")
     max_request_bytes: int = _doc("largest request message in bytes", 4 << 20)
+    warm_up: bool = _doc("compile the planner's kernels before reporting SERVING (false: start faster, the first "
+                         "plan pays the compilation)", True)
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
     memory_budget_bytes: int = _doc("bytes all streams and jobs may hold for data: decode buffers and shared "
@@ -148,6 +152,8 @@ def _convert(name: str, value):
             return tuple(str(v).strip() for v in items if str(v).strip())
         if value is None or value == "":
             return None if "None" in kind else FIELDS[name].default
+        if kind.startswith("bool"):
+            return _bool(value)
         if kind.startswith("int"):
             return int(value)
         if kind.startswith("float"):
@@ -155,6 +161,19 @@ def _convert(name: str, value):
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {name} = {value!r} is not a valid {kind}") from None
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _bool(value) -> bool:
+    """A TOML bool, or a string as environment variables and flags give it (true/false, 1/0, yes/no, on/off)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE | _FALSE:
+        return text in _TRUE
+    raise ValueError(value)
 
 
 def load(config_file: str | Path | None = None, environ=None, overrides: dict | None = None) -> ServiceSettings:

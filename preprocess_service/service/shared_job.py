@@ -6,8 +6,10 @@ How a step travels:
 2. Exactly one replica holds the job's planning lease (it expires unless renewed, so a dead
    replica's lease passes to another within ``lease_ttl_s``). Its planner thread plans up to
    ``lookahead`` steps beyond the furthest step read, and commits each plan (SET NX) before anyone streams it.
-   A replica that takes the lease over resumes its own planner at the start of the epoch of
-   the last committed step and replays (planning is deterministic) without committing again.
+   Before every ``snapshot_every``-th step it also stores the planner's state (core/planner.py).
+   A replica that takes the lease over loads the newest stored state at or before the last
+   committed step and replays from there (planning is deterministic) without committing again:
+   at most ``snapshot_every`` steps, wherever in the epoch the takeover happens.
 3. Every replica streams from the committed plans only, re-reading the microbatch's samples
    from the shards, so a microbatch has the same content whichever replica sends it.
 4. Each stream holds its rank's step lease and fence token: a newer stream of the same rank
@@ -41,8 +43,8 @@ from preprocess_service.core.feedback import (REFIT_FIELDS, CostRefitter, Observ
                                          observation_from_json, observation_json, sum_features)
 from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
 from preprocess_service.core.packing import PackedSequence
-from preprocess_service.core.planner import Planner, StepPlan
-from preprocess_service.core.sample import parse_document
+from preprocess_service.core.planner import EpochPlanner, StepPlan
+from preprocess_service.adapters.samples import parse_document
 from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service.adapters.store import RedisStore
 
@@ -126,7 +128,7 @@ class SharedJob(Job):
 
     def _planner_loop(self) -> None:
         """Competes for the planning lease; while holding it, plans what the streams want."""
-        plans, next_step, previous_epoch, seen_frontier = None, 0, None, 0
+        planner, next_step, previous_epoch, seen_frontier = None, 0, None, 0
         stop = self._closed
         try:
             while not stop.is_set():
@@ -141,24 +143,29 @@ class SharedJob(Job):
                     log.warning("job %s: Redis lost committed plans (frontier %d, was %d; restarted without "
                                 "AOF?): replanning from the start, plans are deterministic",
                                 self.job_id, frontier, seen_frontier)
-                    plans = None
+                    planner = None
                 seen_frontier = frontier
-                if plans is None:
-                    _, epoch, next_step = self.store.resume_point(self.job_id, stop=stop)
-                    planner = Planner(self.config, self.shard_urls, self.tokenizer, self._planning_skip, self.reader,
-                                      keep_media=lambda doc: False)  # served from re-read samples: hold no bytes
-                    plans, previous_epoch = planner.plans_from(epoch, next_step), None
-                    log.info("job %s: planning from epoch %d (step %d), %d steps committed",
-                             self.job_id, epoch, next_step, frontier)
+                if planner is None:
+                    planner = EpochPlanner(self.config, self.shard_urls, self.reader, self._parse,
+                                           self._planning_skip,
+                                           keep_media=lambda doc: False)  # served from re-read samples: hold no bytes
+                    state = self.store.resume_state(self.job_id, stop=stop)
+                    if state is not None:
+                        planner.load_state_dict(json.loads(state))
+                    next_step, previous_epoch = planner.step, None
+                    log.info("job %s: planning from step %d (epoch %d), %d steps committed",
+                             self.job_id, next_step, planner.epoch, frontier)
                 if next_step >= max(frontier, want + 1 + self.lookahead):  # replay, else stay lookahead ahead
                     self.store.wait_for_want(self.job_id, timeout_s=min(self.lease_ttl_s / 3, 5.0), stop=stop)
                     continue
                 if self.refitter is not None:
                     planner.cost = self._cost_for(next_step, frontier, stop)
-                plan = next(plans, None)
+                if next_step % self.snapshot_every == 0 and not planner.done:
+                    self.store.save_state(self.job_id, next_step, json.dumps(planner.state_dict()), stop=stop)
+                plan = planner.next_plan()
                 if plan is None:
                     if not self.store.commit_done(self.job_id, next_step, stop=stop):
-                        plans = None  # steps are missing (Redis lost them): plan them again
+                        planner = None  # steps are missing (Redis lost them): plan them again
                         continue
                     return
                 first_of_epoch, previous_epoch = plan.epoch != previous_epoch, plan.epoch
@@ -170,7 +177,7 @@ class SharedJob(Job):
                         log.error("job %s: replaying step %d gave a different plan than the committed one (a "
                                   "shard read failed or changed?); replanning from the epoch start in %g s",
                                   self.job_id, plan.step, self.lease_ttl_s)
-                        plans = None
+                        planner = None
                         stop.wait(self.lease_ttl_s)
                         continue
                 else:
@@ -187,7 +194,7 @@ class SharedJob(Job):
         finally:
             self.store.release(self.job_id, "planner", self._token)
 
-    def _feedback_fields(self, plan: StepPlan, planner: Planner) -> dict:
+    def _feedback_fields(self, plan: StepPlan, planner: EpochPlanner) -> dict:
         if self.refitter is None:
             return {}
         return {"cost_model": {name: getattr(planner.cost, name) for name in REFIT_FIELDS},
@@ -300,7 +307,7 @@ class SharedJob(Job):
             for step in drop:
                 self._cache.pop(step, None)
         try:
-            self.store.drop_plans(self.job_id, drop)
+            self.store.drop_plans(self.job_id, drop, keep_state_from=low)
         except ServiceUnavailableError:
             return low  # the acknowledgement is recorded; the next one drops these plans too
         with self._lock:

@@ -14,7 +14,6 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -141,7 +140,3 @@ def plan_instance(instance: Instance, method: str, seed: int = 0) -> dict:
     plan = check_plan(instance, PLANNERS[method](instance, np.random.default_rng(seed)))
     return {"format": PLAN_FORMAT, "plan": plan.tolist(),
             "meta": {"method": method, "time_s": time.perf_counter() - start}}
-
-
-def load_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

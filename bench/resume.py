@@ -1,0 +1,151 @@
+"""Resume cost and held memory along a long epoch: ``.venv/bin/python bench/resume.py``.
+
+A job over one long epoch (default 48 shards x 500 samples; captions and a small JPEG each, so
+that a step packs about 24 samples and the epoch has about 1,000 steps) is planned step by step
+while every rank acknowledges each step, as a trainer acknowledging its checkpoints does. Printed:
+
+- resume time at step 10 and at step 1,000: a new Job loads the state the first job had at that
+  acknowledged step (``Job.state_dict()``) and plans the step. Baseline in the same run: what a
+  restarted node did before, planning again from step 0 up to that step.
+- the state's size at both steps;
+- Python heap held by the job after N steps (tracemalloc), with acknowledgements (plans dropped)
+  and without (the baseline: every plan kept, as before).
+
+Ratios, not seconds, are what to compare: these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from disttrain_api.config import JobConfig  # noqa: E402
+from preprocess_service.service.job import Job  # noqa: E402
+
+
+def write_shards(out: Path, num_shards: int, per_shard: int) -> None:
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, "JPEG")
+    jpeg = buf.getvalue()
+    words = "a photo of the sea dog city red blue mountain river night street market old new".split()
+    for shard in range(num_shards):
+        with wds.TarWriter(str(out / f"{shard:05d}.tar")) as writer:
+            for i in range(per_shard):
+                caption = " ".join(rng.choice(words, int(rng.integers(8, 60))))
+                writer.write({"__key__": f"{shard:05d}{i:05d}", "jpg": jpeg, "txt": caption.encode(),
+                              "json": json.dumps({"caption": caption}).encode()})
+
+
+def config_for(shards: Path) -> JobConfig:
+    return JobConfig(shards=(str(shards),), seq_len=1024, dp_size=2, num_microbatches=2, seqs_per_microbatch=1,
+                     shuffle_buffer=256, pack_window=8, reorder_algorithm="lpt")
+
+
+def plan_and_acknowledge(config: JobConfig, steps: set[int], acknowledge: bool = True) -> tuple[dict, int]:
+    """Plans the epoch, acknowledging every step; returns {step: state at that acknowledged step}."""
+    job = Job(config)
+    states, step = {}, 0
+    while job.step_plan(step) is not None:
+        if acknowledge:
+            for rank in range(config.dp_size):
+                job.acknowledge(rank, step + 1)
+        if step + 1 in steps:
+            states[step + 1] = json.loads(json.dumps(job.state_dict()))
+        step += 1
+    return states, step
+
+
+def time_resume(config: JobConfig, state: dict, step: int) -> float:
+    began = time.perf_counter()
+    job = Job(config)
+    job.load_state_dict(state)
+    assert job.step_plan(step) is not None
+    return time.perf_counter() - began
+
+
+def time_replan(config: JobConfig, step: int) -> float:
+    began = time.perf_counter()
+    job = Job(config)
+    assert job.step_plan(step) is not None
+    return time.perf_counter() - began
+
+
+def held_memory(config: JobConfig, checkpoints: list[int], acknowledge: bool) -> dict[int, float]:
+    """MiB of Python heap allocated since the job was created, after each checkpoint step."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    job = Job(config)
+    out, step = {}, 0
+    while step < max(checkpoints) and job.step_plan(step) is not None:
+        if acknowledge:
+            for rank in range(config.dp_size):
+                job.acknowledge(rank, step + 1)
+        step += 1
+        if step in checkpoints:
+            gc.collect()
+            out[step] = (tracemalloc.get_traced_memory()[0] - base) / 2**20
+    tracemalloc.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=int, default=48)
+    parser.add_argument("--per-shard", type=int, default=500)
+    parser.add_argument("--early", type=int, default=10)
+    parser.add_argument("--late", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = Path(tmp)
+        write_shards(shards, args.shards, args.per_shard)
+        config = config_for(shards)
+        states, num_steps = plan_and_acknowledge(config, {args.early, args.late})
+        late = min(args.late, num_steps - 1)
+        if late != args.late:
+            states, _ = plan_and_acknowledge(config, {args.early, late})
+        print(f"SETUP  one epoch of {args.shards * args.per_shard} samples, {num_steps} steps; "
+              f"global batch {config.global_batch} sequences of {config.seq_len} tokens; "
+              f"shuffle buffer {config.shuffle_buffer}; planner state every {Job(config).snapshot_every} steps")
+        rows = []
+        for step in (args.early, late):
+            resume = [time_resume(config, states[step], step) for _ in range(args.repeats)]
+            replan = [time_replan(config, step) for _ in range(args.repeats)]
+            size = len(json.dumps(states[step]))
+            rows.append((step, statistics.median(resume), statistics.median(replan), size))
+        print(f"\n{'resume at step':>15} {'from state s':>13} {'replan from 0 s':>16} {'speed-up':>9} {'state KB':>9}")
+        for step, resume, replan, size in rows:
+            print(f"{step:>15} {resume:>13.3f} {replan:>16.3f} {replan / resume:>8.1f}x {size / 1024:>9.1f}")
+        early, late_row = rows
+        print(f"RESULT resume time at step {late_row[0]} / at step {early[0]}: {late_row[1] / early[1]:.2f}x "
+              f"(goal: 1.0 within noise); replanning from step 0 instead: {late_row[2] / early[2]:.1f}x")
+        checkpoints = [c for c in (10, 100, 300, 1000) if c < num_steps]
+        kept = held_memory(config, checkpoints, acknowledge=True)
+        held = held_memory(config, checkpoints, acknowledge=False)
+        print(f"\n{'after N steps':>14} {'acknowledged MiB':>17} {'never acknowledged MiB':>23}")
+        for n in checkpoints:
+            print(f"{n:>14} {kept[n]:>17.1f} {held[n]:>23.1f}")
+        print(f"RESULT memory held after {checkpoints[-1]} / after {checkpoints[0]} steps: "
+              f"{kept[checkpoints[-1]] / kept[checkpoints[0]]:.2f}x with acknowledgements (goal: flat), "
+              f"{held[checkpoints[-1]] / held[checkpoints[0]]:.1f}x keeping every plan")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

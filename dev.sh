@@ -65,6 +65,9 @@ setup
 case "$cmd" in
     setup) ensure_redis; ensure_compose ;;
     test) ensure_redis; ensure_compose
+          echo "[test] lint and types (ruff, mypy: pyproject.toml [tool.ruff], [tool.mypy])" >&2
+          "$VENV/bin/ruff" check . >&2
+          "$VENV/bin/mypy" >&2
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
           exec "$VENV/bin/python" -m pytest "$@" ;;

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 from preprocess_service.service.job import Job  # noqa: E402
 from preprocess_service.service.localcluster import LocalRedis, Replica  # noqa: E402
 

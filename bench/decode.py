@@ -48,16 +48,16 @@ import simplejpeg  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from preprocess_service.adapters import imaging, shards  # noqa: E402
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
-from preprocess_service.core.assemble import layout_microbatch  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
 from disttrain_api.errors import SampleError  # noqa: E402
+from preprocess_service.adapters import imaging, shards  # noqa: E402
+from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
+from preprocess_service.adapters.samples import parse_document  # noqa: E402
+from preprocess_service.core.assemble import layout_microbatch  # noqa: E402
 from preprocess_service.core.packing import PackedSequence  # noqa: E402
-from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.sample import GenImageRef, ImageRef  # noqa: E402
 from preprocess_service.core.tokenizer import ByteTokenizer  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 
 TOKENIZER = ByteTokenizer()
 DOCS_PER_MICROBATCH = 16

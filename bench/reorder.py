@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from preprocess_service.core.reorder.instance import Instance, evaluate, plan_instance  # noqa: E402
-from disttrain_api.layout import StageModel  # noqa: E402
+from disttrain_api.layout import StageModel
+from preprocess_service.core.reorder.instance import Instance, evaluate, plan_instance
 
 STAGE_MAPS = {4: ("enc", "bb/2", "bb/2", "gen"), 8: ("enc", *["bb/6"] * 6, "gen")}
 ALGORITHMS = ("random", "arrival", "paper", "lpt", "ours")

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 from preprocess_service.service.localcluster import LocalRedis, Replica  # noqa: E402
 from preprocess_service.service.server import create_server  # noqa: E402
 
@@ -131,7 +131,8 @@ def failover(shards, workdir: Path, repeats: int) -> dict:
                             if received == 6:
                                 holder = redis.Redis.from_url(server.url).get(lease) or b""
                                 if holder.startswith(f"replica-{planner.port}/".encode()) is False:
-                                    raise RuntimeError(f"the planning lease is held by {holder!r}, not by {planner.port}")
+                                    raise RuntimeError(f"the planning lease is held by {holder!r}, "
+                                                       f"not by {planner.port}")
                                 killed_at = time.monotonic()
                                 replicas[0].kill()
                             if client.resumed_at:
@@ -164,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     rt = figures["redis_per_step"] = redis_per_step(shards, workdir)
     print("\n2. Redis traffic of 2 replicas serving 2 ranks, per step")
     for epochs, row in rt.items():
-        print(f"   {epochs} epoch{'s' if epochs > 1 else ' '} ({row['steps']:4d} steps)  {row['commands_per_step']:5.1f} "
-              f"commands/step  {row['round_trips_per_step']:5.1f} round trips/step")
+        print(f"   {epochs} epoch{'s' if epochs > 1 else ' '} ({row['steps']:4d} steps)  "
+              f"{row['commands_per_step']:5.1f} commands/step  {row['round_trips_per_step']:5.1f} round trips/step")
 
     fo = figures["failover"] = failover(shards, workdir, args.failovers)
     print(f"\n3. failover: SIGKILL of a rank's replica -> first microbatch from another (lease TTL {LEASE_TTL_S:g} s)")

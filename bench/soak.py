@@ -58,9 +58,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from disttrain_api.config import JobConfig
-from preprocess_service.service.cli import ensure_demo_dataset
-from preprocess_service.service.localcluster import free_port
+from disttrain_api.config import JobConfig  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
+from preprocess_service.service.localcluster import free_port  # noqa: E402
 
 MIB = 1 << 20
 STALL_LINE = "the client took no message"
@@ -328,7 +328,8 @@ def wait_ready(process: subprocess.Popen, address: str, log_path: Path, timeout_
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}; its log:\n{log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"the server exited with {process.returncode}; "
+                                   f"its log:\n{log_path.read_text()[-3000:]}")
             try:
                 if "listening on" in log_path.read_text() and stub.Check(
                         health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
@@ -466,10 +467,12 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
 
         header = (f"{'t_s':>5} {'rss':>6} {'+idle':>6} {'pss':>6} {'anon':>6} {'shm':>5} {'/dev/shm':>8} "
-                  f"{'b_used':>6} {'b_peak':>6} {'guard':>6} {'strm':>4} {'mb/s':>6} {'smp/s':>6} {'refused':>7} {'cuts':>4}")
+                  f"{'b_used':>6} {'b_peak':>6} {'guard':>6} {'strm':>4} {'mb/s':>6} {'smp/s':>6} "
+                  f"{'refused':>7} {'cuts':>4}")
         print("MiB unless named: rss/pss/anon = server + decode workers (VmRSS sum, PSS sum, private anon); "
               "+idle = rss - idle rss;\n  shm = /dev/shm files the service maps; /dev/shm = whole tmpfs used; "
-              "b_used/b_peak = budget charges; guard = the server's own estimate of its memory;\n  strm = open streams;\n  refused = RESOURCE_EXHAUSTED so far "
+              "b_used/b_peak = budget charges; guard = the server's own estimate of its memory;\n  "
+              "strm = open streams;\n  refused = RESOURCE_EXHAUSTED so far "
               "(readers + stalled); cuts = stalled streams cut by the server so far (its log)", flush=True)
         print(header, flush=True)
         last_t, last_mb, last_samples = start, 0, 0
@@ -499,10 +502,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             samples.append(sample)
             last_t, last_mb, last_samples = now, c[C_MICROBATCHES], c[C_SAMPLES]
-            g = lambda k: "-" if sample[k] is None else _mib(sample[k])
+            def g(k: str) -> str:
+                return "-" if sample[k] is None else _mib(sample[k])  # noqa: B023 (called in this iteration only)
             print(f"{sample['t_s']:5.0f} {_mib(sample['rss']):>6} {_mib(sample['rss_above_idle']):>6} "
                   f"{_mib(sample['pss']):>6} {_mib(sample['anon']):>6} {_mib(sample['shm_service']):>5} "
-                  f"{_mib(sample['dev_shm_used']):>8} {g('budget_used'):>6} {g('budget_peak'):>6} {g('budget_resident'):>6} "
+                  f"{_mib(sample['dev_shm_used']):>8} {g('budget_used'):>6} {g('budget_peak'):>6} "
+                  f"{g('budget_resident'):>6} "
                   f"{'-' if sample['active_streams'] is None else int(sample['active_streams']):>4} "
                   f"{sample['microbatches_per_s']:6.1f} {sample['samples_per_s']:6.1f} {sample['refused']:>7} "
                   f"{sample['stall_cuts']:>4}", flush=True)
@@ -541,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(server, known_pids)
 
     leaked = sorted(p for p in seen_shm if os.path.exists(p))
-    peak = lambda k: max((s[k] for s in samples if s[k] is not None), default=0)
+    def peak(k: str):
+        return max((s[k] for s in samples if s[k] is not None), default=0)
     errors = [e for r in results.values() for e in r["errors"]]
     served = sum(1 for r in results.values() if r["microbatches"])
     error_lines = [line for line in log_text.splitlines() if " ERROR " in line or line.startswith("Traceback")]

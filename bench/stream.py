@@ -61,10 +61,10 @@ import grpc
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
-from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.service.runner import RunResult, run_job  # noqa: E402
 from disttrain_api.channel import CHANNEL_OPTIONS  # noqa: E402
+from disttrain_api.config import JobConfig  # noqa: E402
+from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
+from preprocess_service.service.runner import RunResult, run_job  # noqa: E402
 
 BARE_METHOD = "/bench.Bare/Stream"
 PROFILE_ENV = "DISTTRAIN_STREAM_PROFILE"
@@ -179,7 +179,7 @@ class ReplayDecoder:
             try:
                 decoded = inner_future.result()
                 copy = decoded.buffer.copy()
-            except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+            except BaseException as exc:  # handed to the caller
                 out.set_exception(exc)
                 return
             with self._lock:

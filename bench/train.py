@@ -60,13 +60,13 @@ def measure_profiles(address: str, argv: list[str], samples: int = 6) -> tuple[P
             mb = next(client)
             media = model.encode(mb)
             if media.shape[0]:
-                enc.append(_fb(lambda: model.encode(mb).sum()) / media.shape[0])
+                enc.append(_fb(lambda: model.encode(mb).sum()) / media.shape[0])  # noqa: B023 (_fb calls it at once)
             x = model.backbone.embed_inputs(mb.tokens, mb.position_ids, media.detach(), media_index(mb))
             bb.append(_fb(lambda: lm_loss(model.backbone.logits(model.backbone.run_blocks(
-                x, mb.cu_seqlens.tolist(), 0, LAYERS))[1], lm_targets(mb.tokens, mb.modality, mb.cu_seqlens))[0]))
+                x, mb.cu_seqlens.tolist(), 0, LAYERS))[1], lm_targets(mb.tokens, mb.modality, mb.cu_seqlens))[0]))  # noqa: B023 (_fb calls it at once)
             if mb.gen_spans.shape[0]:
                 queries = torch.randn(mb.gen_spans.shape[0], 64, model.config.dim)
-                gen.append(_fb(lambda: model.generator.loss(queries, mb.gen_images, torch.Generator().manual_seed(0)))
+                gen.append(_fb(lambda: model.generator.loss(queries, mb.gen_images, torch.Generator().manual_seed(0)))  # noqa: B023 (_fb calls it at once)
                            / mb.gen_spans.shape[0])
             content.append((mb.tokens.numel(), len(spans_index(mb.image_spans)) + len(spans_index(mb.audio_spans)),
                             mb.gen_spans.shape[0]))

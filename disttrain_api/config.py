@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 from disttrain_api.errors import ConfigError
 
@@ -281,7 +282,7 @@ def field_help(cls) -> dict[str, str]:
     import inspect
 
     tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    body = cast(ast.ClassDef, tree.body[0]).body  # the source of a class is one class statement
     out = {}
     for node, following in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \

@@ -11,6 +11,7 @@ repeated fields ``shards`` and ``stage_map``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
@@ -44,7 +45,7 @@ def _names(cls) -> list[str]:
 def config_from_spec(spec: pb.JobSpec) -> JobConfig:
     """Fills defaults for fields not given; raises ConfigError on invalid values."""
     nested = {name: cls(**_given(getattr(spec, name), _names(cls))) for name, (cls, _) in NESTED.items()}
-    extra = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
+    extra: dict[str, Any] = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
     return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle, **nested, **extra,
                      **_given(spec, _JOB_FIELDS))
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from disttrain_api import preprocess_pb2 as pb
 
-_TO_PROTO = {
+_TO_PROTO: dict[np.dtype, pb.DType] = {
     np.dtype(np.uint8): pb.UINT8,
     np.dtype(np.int16): pb.INT16,
     np.dtype(np.int32): pb.INT32,
@@ -14,7 +14,7 @@ _TO_PROTO = {
     np.dtype(np.float16): pb.FLOAT16,
     np.dtype(np.float32): pb.FLOAT32,
 }
-_FROM_PROTO = {code: dtype for dtype, code in _TO_PROTO.items()}
+_FROM_PROTO: dict[int, np.dtype] = {code: dtype for dtype, code in _TO_PROTO.items()}
 
 
 def to_tensor(name: str, array: np.ndarray) -> pb.Tensor:
@@ -108,7 +108,7 @@ def encode_microbatch(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> b
         if dtype is None:
             raise ValueError(f"tensor {name!r} has dtype {array.dtype}, which the wire does not carry")
         meta = pb.Tensor(name=name, dtype=dtype, shape=list(array.shape)).SerializeToString()
-        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data  # a memoryview of the bytes
         data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(data.nbytes)
         parts += [_varint(_TENSORS_FIELD << 3 | _LEN), _varint(len(meta) + len(data_key) + data.nbytes),
                   meta, data_key, data]

@@ -17,11 +17,11 @@ import pytest
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from helpers import shard_keys, write_tiny_shards
-from disttrain_api.config import JobConfig
 from disttrain_api.channel import CHANNEL_OPTIONS
-from preprocess_service.service.server import Limits, create_server
+from disttrain_api.config import JobConfig
 from disttrain_api.spec import spec_from_config
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
 

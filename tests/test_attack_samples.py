@@ -65,12 +65,12 @@ import soundfile
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from helpers import jpeg_bytes
-from preprocess_service.adapters import imaging
 from disttrain_api.config import ImageConfig, JobConfig
 from disttrain_api.errors import SampleError, ServiceUnavailableError
-from preprocess_service.service.server import Limits, create_server
+from helpers import jpeg_bytes
+from preprocess_service.adapters import imaging
 from preprocess_service.adapters.tarstream import TarLimits, iter_samples
+from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
@@ -301,7 +301,7 @@ def consume(address: str, config: JobConfig, timeout_s: float = 60.0) -> Outcome
                         out.keys += mb.sample_keys
                         out.docs.update(docs)
                     assert time.monotonic() - start < timeout_s, "the job is too slow"
-        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+        except BaseException as exc:  # handed to the test
             with lock:
                 out.errors.append(exc)
 
@@ -1292,8 +1292,8 @@ def test_the_planning_read_of_a_png_decodes_no_pixels(monkeypatch):
 
 
 def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
-    from preprocess_service.adapters.audio import decode_audio
     from disttrain_api.config import AudioConfig
+    from preprocess_service.adapters.audio import decode_audio
 
     for value in (np.nan, np.inf, 1e30):
         wave = np.zeros(4800, np.float32)

@@ -14,13 +14,13 @@ import time
 import grpc
 import pytest
 
-from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import sources
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, PermissionDenied
-from preprocess_service.service.server import Limits, create_server
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service.adapters import sources
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
 PROGRAM_SCHEMES = ["pipe", "PIPE", "Pipe", "gs", "s3", "ais", "sftp", "scp", "hf", "htgs", "gsutil", "ftp",
@@ -216,7 +216,7 @@ def test_a_fifo_a_device_and_a_swapped_file_fail_their_shard_only(data, server_f
 class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict = {}
 
-    def do_GET(self):  # noqa: N802 (the stdlib's name)
+    def do_GET(self):  # the stdlib's name
         action = self.routes.get(self.path)
         if action is None:
             self.send_error(404)

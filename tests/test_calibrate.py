@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocess_service.adapters import calibrate
 from disttrain_api.config import CostConfig
+from preprocess_service.adapters import calibrate
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 import pytest
 
-from helpers import make_document
 from disttrain_api.config import CostConfig
+from helpers import make_document
 from preprocess_service.core.cost import price_sequence
 from preprocess_service.core.packing import PackedSequence, price
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import write_tiny_shards
-from preprocess_service.core.assemble import layout_microbatch
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
+from helpers import write_tiny_shards
 from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, InlineDecoder
-from preprocess_service.core.packing import PackedSequence
-from preprocess_service.service.runner import RunResult, consume_rank, all_keys
 from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.assemble import layout_microbatch
+from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.tokenizer import ByteTokenizer
+from preprocess_service.service.runner import RunResult, all_keys, consume_rank
 
 TOK = ByteTokenizer()
 CFG = ImageConfig(max_pixels=4096 * 28 * 28)
@@ -105,8 +105,8 @@ def test_stream_survives_a_killed_decode_worker_with_every_sample_once(tmp_path)
     from disttrain_api import preprocess_pb2 as pb
     from disttrain_api import preprocess_pb2_grpc as pb_grpc
     from disttrain_api.channel import CHANNEL_OPTIONS
-    from preprocess_service.service.server import create_server
     from disttrain_api.spec import spec_from_config
+    from preprocess_service.service.server import create_server
 
     write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=40)
     config = JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2, seed=3)

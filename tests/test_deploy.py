@@ -96,12 +96,15 @@ def test_kubernetes_service_probes_grpc_health_and_the_job_uses_torchrun(tmp_pat
     job = next(d for d in documents if d["kind"] == "Job")
     assert job["spec"]["completionMode"] == "Indexed"
     trainer = job["spec"]["template"]["spec"]["containers"][0]
-    config = next(d for d in documents if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-job"))
+    config = next(d for d in documents
+                  if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-job"))
     args = trainer_parse(shlex.split(config["data"]["DISTTRAIN_TRAIN_ARGS"]) + ["--address", "x:1"])
     nodes, per_node = (int(trainer["args"][trainer["args"].index(f) + 1]) for f in ("--nnodes", "--nproc-per-node"))
-    assert args.enc_dp + args.bb_dp * args.bb_pp + args.gen_dp == nodes * per_node == job["spec"]["completions"] * per_node
+    assert (args.enc_dp + args.bb_dp * args.bb_pp + args.gen_dp
+            == nodes * per_node == job["spec"]["completions"] * per_node)
     assert "trainer.train" in trainer["args"]
-    settings_map = next(d for d in documents if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-settings"))
+    settings_map = next(d for d in documents
+                        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-settings"))
     path = tmp_path / "disttrain.toml"
     path.write_text(settings_map["data"]["disttrain.toml"])
     loaded = settings.load(path, environ={})  # the service reads it without an error

@@ -8,13 +8,13 @@ import grpc
 import numpy as np
 import pytest
 
+from disttrain_api.config import CostConfig, JobConfig
 from helpers import write_tiny_shards
 from preprocess_service.adapters import synth
-from disttrain_api.config import CostConfig, JobConfig
 from preprocess_service.core.cost import price_sequence
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
-from preprocess_service.service.job import Job
 from preprocess_service.core.packing import price
+from preprocess_service.service.job import Job
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 
@@ -143,7 +143,8 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
                                        job_options={"lease_ttl_s": 1.0}) for name in ("a", "b")}
         address = {name: f"127.0.0.1:{port}" for name, (_, port, _) in servers.items()}
         try:
-            clients = {0: DataClient(address["a"], config, 0, prefetch=1), 1: DataClient(address["b"], config, 1, prefetch=1)}
+            clients = {0: DataClient(address["a"], config, 0, prefetch=1),
+                       1: DataClient(address["b"], config, 1, prefetch=1)}
             received = {rank: [next(c).step for _ in range(4)] for rank, c in clients.items()}  # steps 0-3
             acks = [report(clients[rank], rank, range(4)) for rank in (0, 1)]  # each rank to its own replica
             assert [a.num_observations for a in acks] == [4, 8], "observations of both replicas add up in Redis"

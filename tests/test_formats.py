@@ -30,17 +30,24 @@ import torch
 import torchaudio
 from PIL import Image, ImageOps
 
-from helpers import jpeg_bytes
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import wire
-from preprocess_service.adapters import audio, imaging
-from preprocess_service.core.assemble import (MODALITY_AUDIO, MODALITY_GEN, MODALITY_IMAGE, MODALITY_PAD,
-                                         MODALITY_TEXT, finish, layout_microbatch)
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
-from preprocess_service.adapters.decode import DecodePool, InlineDecoder
 from disttrain_api.errors import SampleError
-from preprocess_service.core.packing import PackedSequence
+from helpers import jpeg_bytes
+from preprocess_service.adapters import audio, imaging
+from preprocess_service.adapters.decode import DecodePool, InlineDecoder
 from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.assemble import (
+    MODALITY_AUDIO,
+    MODALITY_GEN,
+    MODALITY_IMAGE,
+    MODALITY_PAD,
+    MODALITY_TEXT,
+    finish,
+    layout_microbatch,
+)
+from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.sample import AudioRef, GenImageRef, ImageRef, TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 from trainer.client import to_microbatch
@@ -274,7 +281,7 @@ def _palette_with_transparency(img: Image.Image) -> bytes:
     return _save(img.convert("P", palette=Image.Palette.ADAPTIVE), "PNG", transparency=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _image_case(name: str) -> bytes:
     return IMAGE_CASES[name][0]()
 
@@ -500,7 +507,7 @@ def test_garbage_audio_without_json_duration_raises_unreadable_audio():
 def test_garbage_audio_with_json_duration_is_planned_and_fails_only_at_decode():
     doc = _parse({"__key__": "f", "flac": b"garbage" * 20, "txt": b"x", "json": b'{"duration": 2.0}'})
     assert doc.audio[0].frames == 200
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (libsndfile's own error type: any failure at decode will do)
         audio.decode_audio(doc.media_bytes["flac"], ACFG, 200)
 
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from disttrain_api.config import ImageConfig
 from helpers import jpeg_bytes
 from preprocess_service.adapters import imaging
-from disttrain_api.config import ImageConfig
 
 CFG = ImageConfig()
 

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from helpers import write_tiny_shards
 from disttrain_api.config import JobConfig
+from helpers import write_tiny_shards
 from preprocess_service.adapters.decode import InlineDecoder
 from preprocess_service.service.job import Job
 

@@ -12,7 +12,6 @@ from collections import Counter
 import grpc
 import numpy as np
 import pytest
-from helpers import shard_keys, write_tiny_shards
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
@@ -20,6 +19,7 @@ from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, ResourceExhausted
 from disttrain_api.spec import spec_from_config
+from helpers import shard_keys, write_tiny_shards
 from preprocess_service.adapters.budget import MemoryBudget
 from preprocess_service.adapters.procmem import Calibrated, pss_bytes, resident_bytes
 from preprocess_service.service.server import Limits, create_server
@@ -167,8 +167,9 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
     budget_bytes = 160 << 20
     server, port, servicer = create_server(
         "127.0.0.1:0", decode_workers=decode_workers,
+        # charges only: pytest's memory is not the server's
         limits=Limits(memory_budget_bytes=budget_bytes, memory_wait_s=2.0, max_streams_per_client=0,
-                      stream_stall_timeout_s=3.0, memory_sample_s=0))  # charges only: pytest's memory is not the server's
+                      stream_stall_timeout_s=3.0, memory_sample_s=0))
     address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)

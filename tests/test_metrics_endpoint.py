@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from preprocess_service.adapters import metrics
 from disttrain_api.errors import ConfigError
+from preprocess_service.adapters import metrics
 
 
 @pytest.fixture

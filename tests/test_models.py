@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preprocess_service.adapters import synth
 from disttrain_api.config import JobConfig
+from preprocess_service.adapters import synth
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 from trainer.models.backbone import Backbone, lm_targets, spans_index, stage_layers
@@ -99,7 +99,7 @@ def test_loss_decreases_when_training_on_a_few_microbatches(microbatches):
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     batch = microbatches[:2]
     losses = []
-    for step in range(8):
+    for _ in range(8):
         loss = step_loss([model(mb, torch.Generator().manual_seed(i)) for i, mb in enumerate(batch)], 1.0)
         optimizer.zero_grad()
         loss.backward()

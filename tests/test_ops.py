@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_tiny_shards
-from preprocess_service.adapters import synth
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError
-from preprocess_service.service.localcluster import LocalRedis, free_port
+from helpers import write_tiny_shards
+from preprocess_service.adapters import synth
 from preprocess_service.adapters.metrics import REDIS_LATENCY
-from preprocess_service.service.settings import ENV_NAMES, load
 from preprocess_service.adapters.store import RedisStore
+from preprocess_service.service.localcluster import LocalRedis, free_port
+from preprocess_service.service.settings import ENV_NAMES, load
 from trainer import Credentials, DataClient
 
 REPO = Path(__file__).resolve().parent.parent

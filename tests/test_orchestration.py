@@ -7,8 +7,15 @@ import itertools
 import pytest
 
 from trainer.orchestration import simulate
-from trainer.orchestration.planner import (TP_SIZES, Parallel, Problem, disaggregated, monolithic,
-                                           search_disaggregated, search_monolithic)
+from trainer.orchestration.planner import (
+    TP_SIZES,
+    Parallel,
+    Problem,
+    disaggregated,
+    monolithic,
+    search_disaggregated,
+    search_monolithic,
+)
 from trainer.orchestration.profile import Accelerator, Content, MeasuredProfile
 
 ACC = Accelerator("test", peak_flops=1e12, efficiency=1.0, memory_bytes=1e12, tp_link_bytes_s=1e12,

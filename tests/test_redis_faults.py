@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from disttrain_api.errors import ServiceUnavailableError
-from preprocess_service.service.localcluster import LocalRedis, free_port
 from preprocess_service.adapters.store import RedisStore
+from preprocess_service.service.localcluster import LocalRedis, free_port
 
 CLEAR_AFTER_S = 1.0
 """A fault lasts this long in the tests where it clears: several retries, well inside the deadline."""
@@ -204,7 +204,8 @@ def test_a_call_whose_stop_is_set_gives_up_at_the_first_fault(server, admin):
 # --- errors that retrying cannot fix --------------------------------------------------------------
 @pytest.mark.parametrize("key, call", [
     ("disttrain:jobs", lambda s: s.register_job("j", b"spec")),  # SADD in a pipeline
-    ("disttrain:{j}:counters", lambda s: s.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5)),  # HINCRBY in a script
+    ("disttrain:{j}:counters",  # HINCRBY in a script
+     lambda s: s.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5)),
     ("disttrain:{j}:wants", lambda s: s.read_plan("j", 0, want=True)),  # ZADD in a script in a pipeline
 ], ids=["pipeline", "script", "pipeline-with-script"])
 def test_a_wrong_type_is_a_bug_raised_at_once(server, admin, key, call):

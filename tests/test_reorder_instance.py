@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocess_service.core.reorder.instance import (PLANNERS, Instance, check_plan, evaluate, plan_instance)
 from disttrain_api.layout import StageModel
+from preprocess_service.core.reorder.instance import PLANNERS, Instance, check_plan, evaluate, plan_instance
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,8 @@ def test_ours_is_deterministic_and_never_worse_than_lpt_or_paper():
         assert ours == plan_instance(inst, "ours", seed)["plan"]
         ours_s = evaluate(inst, np.array(ours))["iteration_s"]
         for baseline in ("lpt", "paper"):
-            assert ours_s <= evaluate(inst, np.array(plan_instance(inst, baseline, seed)["plan"]))["iteration_s"] + 1e-12
+            baseline_plan = np.array(plan_instance(inst, baseline, seed)["plan"])
+            assert ours_s <= evaluate(inst, baseline_plan)["iteration_s"] + 1e-12
 
 
 @pytest.mark.parametrize("shared_by", [(2, 1, 1), (4, 1, 2)])

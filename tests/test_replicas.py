@@ -12,16 +12,16 @@ import pytest
 import redis
 
 from disttrain_api import preprocess_pb2 as pb
-from helpers import write_tiny_shards
-from preprocess_service.adapters import synth
-from preprocess_service.service.cli import main as cli_main
+from disttrain_api.channel import CHANNEL_OPTIONS, SERVICE_NAME
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
+from helpers import write_tiny_shards
+from preprocess_service.adapters import synth
+from preprocess_service.adapters.store import RedisStore
+from preprocess_service.service.cli import main as cli_main
 from preprocess_service.service.job import Job
 from preprocess_service.service.localcluster import LocalRedis, Replica, free_port
-from disttrain_api.channel import CHANNEL_OPTIONS, SERVICE_NAME
 from preprocess_service.service.server import create_server
-from preprocess_service.adapters.store import RedisStore
 from trainer import DataClient
 
 
@@ -222,7 +222,8 @@ def test_a_newer_stream_of_a_rank_stops_the_older_one(dataset, two_replicas):
     with DataClient(addresses[0], config, 0) as client:
         job_id = client.job_id
     channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
-    streams = [c.unary_stream(f"/{SERVICE_NAME}/StreamMicrobatches", request_serializer=pb.StreamRequest.SerializeToString,
+    streams = [c.unary_stream(f"/{SERVICE_NAME}/StreamMicrobatches",
+                              request_serializer=pb.StreamRequest.SerializeToString,
                               response_deserializer=pb.Microbatch.FromString) for c in channels]
     older = streams[0](pb.StreamRequest(job_id=job_id, dp_rank=0))
     assert next(older).step == 0
@@ -296,7 +297,8 @@ def test_chaos_random_replica_kills_lose_and_repeat_nothing(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_chaos", Path(__file__).resolve().parent.parent / "bench/chaos.py")
+    spec = importlib.util.spec_from_file_location("bench_chaos",
+                                                  Path(__file__).resolve().parent.parent / "bench/chaos.py")
     bench_chaos = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_chaos)
     chaos = bench_chaos.chaos

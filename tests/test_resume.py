@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from helpers import jpeg_bytes, write_tiny_shards
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import NotFoundError
+from helpers import jpeg_bytes, write_tiny_shards
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.core.planner import EpochPlanner
 from preprocess_service.core.sample import NEXT_OFFSET

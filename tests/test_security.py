@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import write_tiny_shards
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
+from helpers import write_tiny_shards
 from preprocess_service.service.security import TlsFiles
 from preprocess_service.service.server import Limits, create_server
 from trainer import Credentials, DataClient

@@ -15,13 +15,13 @@ from PIL import Image, ImageOps
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import imaging, synth
+from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
+from helpers import shard_keys, write_tiny_shards
+from preprocess_service.adapters import imaging, synth
 from preprocess_service.core.planner import batch_instance
 from preprocess_service.core.reorder.instance import PLANNERS
-from disttrain_api.channel import CHANNEL_OPTIONS
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 
@@ -112,7 +112,8 @@ def test_microbatches_arrive_in_the_planned_order(dataset, service, overrides):
         failed = {r.key for r in job.report()["skipped"] if r.kind == "decode_failed"}
         assert failed and got == [(s, i, [k for k in keys if k not in failed]) for s, i, keys in expected]
         for mb in mbs:
-            assert mb.sequence_costs == [s.cost.total_s for s in job.step_plan(mb.step).microbatch(rank, mb.microbatch_index)]
+            assert mb.sequence_costs == [s.cost.total_s
+                                         for s in job.step_plan(mb.step).microbatch(rank, mb.microbatch_index)]
 
 
 def _image_members(paths, key):

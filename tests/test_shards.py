@@ -1,9 +1,9 @@
 import pytest
 
+from disttrain_api.errors import ConfigError
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service.adapters import shards
 from preprocess_service.adapters.sources import ShardPolicy
-from disttrain_api.errors import ConfigError
 
 
 def test_directory_expands_to_its_tars_only(tmp_path):

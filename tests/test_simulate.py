@@ -3,11 +3,17 @@ import itertools
 import numpy as np
 import pytest
 
+from disttrain_api.layout import StageModel, stage_order
 from preprocess_service.core import reorder
 from preprocess_service.core.bounds import batch_lower_bound, pipeline_lower_bounds, rank_lower_bound, slot_lower_bound
-from disttrain_api.layout import StageModel, stage_order
-from preprocess_service.core.simulate import (component_makespans, iteration_time, makespans, rank_makespan,
-                                         simulate_1f1b, simulate_coupled)
+from preprocess_service.core.simulate import (
+    component_makespans,
+    iteration_time,
+    makespans,
+    rank_makespan,
+    simulate_1f1b,
+    simulate_coupled,
+)
 
 
 @pytest.mark.parametrize("P,M,f,b", [(1, 4, 1.0, 2.0), (4, 8, 1.0, 2.0), (4, 2, 1.0, 1.0), (8, 32, 0.5, 1.0),

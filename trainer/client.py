@@ -151,7 +151,7 @@ class Credentials:
     """TLS with the system's trusted roots."""
 
     @classmethod
-    def from_env(cls) -> "Credentials":
+    def from_env(cls) -> Credentials:
         env = os.environ.get
         return cls(token=env("DISTTRAIN_AUTH_TOKEN") or None, tls_ca=env("DISTTRAIN_TLS_CA") or None,
                    tls_cert=env("DISTTRAIN_TLS_CERT") or None, tls_key=env("DISTTRAIN_TLS_KEY") or None)
@@ -349,10 +349,12 @@ class DataClient:
 
     def close_job(self) -> int:
         """Ends the job on the service for every rank (CloseJob); returns the streams it ended."""
-        return self._unary(lambda stub: stub.CloseJob(pb.CloseJobRequest(job_id=self.job_id), timeout=self.call_timeout_s)).num_streams_closed
+        return self._unary(lambda stub: stub.CloseJob(pb.CloseJobRequest(job_id=self.job_id),
+                                                      timeout=self.call_timeout_s)).num_streams_closed
 
     def report(self) -> pb.JobReport:
-        return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id), timeout=self.call_timeout_s))
+        return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id),
+                                                       timeout=self.call_timeout_s))
 
     def _receive(self) -> None:
         position = self._next

@@ -35,7 +35,6 @@ from trainer.runtime.layout import RuntimeLayout
 from trainer.runtime.tensor_parallel import TPGroup
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 
-
 TRAINER_JOB_ARGUMENTS = ("seq_len", "num_microbatches", "seqs_per_microbatch", "seed", "reorder_algorithm",
                          "shuffle_buffer", "pack_window", "max_consecutive_errors", "max_error_fraction")
 """The job fields the trainer's command line sets; dp_size comes from --bb-dp, the rest from JobConfig."""

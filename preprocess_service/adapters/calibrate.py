@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +53,8 @@ def _fwd_bwd_times(module, make_input, repeats: int) -> tuple[float, float]:
 
 def _stand_ins(width: int):
     import torch
-    from torch import nn
     import torch.nn.functional as F
+    from torch import nn
 
     class Block(nn.Module):
         def __init__(self):
@@ -71,7 +70,8 @@ def _stand_ins(width: int):
             for n in lengths:  # attention inside each document / image only
                 shape = (1, n, self.heads, width // self.heads)
                 qs, ks, vs = (t[start:start + n].reshape(shape).transpose(1, 2) for t in (q, k, v))
-                parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(1, 2).reshape(n, width))
+                parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                             .transpose(1, 2).reshape(n, width))
                 start += n
             x = x + self.out(torch.cat(parts))
             return x + self.mlp(self.norm2(x))
@@ -133,9 +133,12 @@ def calibrate(*, quick: bool = False, width: int = 128, gen_resolution: int = 64
                         gen_per_image_s=float(gen_fit.coef[0]), enc_backward_factor=ratio(enc),
                         bb_backward_factor=ratio(bb), gen_backward_factor=ratio(gen))
     report = {
-        "encoder": {"points": len(enc_t), "mean_rel_error": enc_fit.mean_rel_error, "max_rel_error": enc_fit.max_rel_error},
-        "backbone": {"points": len(bb_cases), "mean_rel_error": bb_fit.mean_rel_error, "max_rel_error": bb_fit.max_rel_error},
-        "generator": {"points": len(gen_k), "mean_rel_error": gen_fit.mean_rel_error, "max_rel_error": gen_fit.max_rel_error},
+        "encoder": {"points": len(enc_t), "mean_rel_error": enc_fit.mean_rel_error,
+                    "max_rel_error": enc_fit.max_rel_error},
+        "backbone": {"points": len(bb_cases), "mean_rel_error": bb_fit.mean_rel_error,
+                     "max_rel_error": bb_fit.max_rel_error},
+        "generator": {"points": len(gen_k), "mean_rel_error": gen_fit.mean_rel_error,
+                      "max_rel_error": gen_fit.max_rel_error},
     }
     log("module     coefficient                 fitted value   fit error on the timed points (forward)")
     rows = [("encoder", "enc_linear_s (per token)", config.enc_linear_s),

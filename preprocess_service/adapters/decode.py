@@ -31,8 +31,8 @@ from multiprocessing import connection, shared_memory
 
 import numpy as np
 
-from preprocess_service.core.assemble import Layout, MediaItem
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.core.assemble import Layout, MediaItem
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
@@ -82,7 +82,7 @@ def warm_up_decoders() -> None:
         out = io.BytesIO()
         soundfile.write(out, np.zeros(8000, dtype=np.float32), 8000, format="WAV")
         decode_item("audio", out.getvalue(), (8, config))
-    except Exception:  # noqa: BLE001 - a warm-up only; real samples report their own errors
+    except Exception:  # a warm-up only; real samples report their own errors
         log.debug("decoder warm-up failed", exc_info=True)
 
 

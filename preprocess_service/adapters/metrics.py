@@ -206,7 +206,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
+    def log_message(self, format: str, *args) -> None:  # `format`: BaseHTTPRequestHandler's name
         log.debug("metrics endpoint %s: " + format, self.address_string(), *args)
 
 

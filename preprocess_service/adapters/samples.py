@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import re
 
-from preprocess_service.adapters import audio, imaging
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
+from preprocess_service.adapters import audio, imaging
 from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
 from preprocess_service.core.tokenizer import Tokenizer
 

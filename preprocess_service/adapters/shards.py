@@ -30,9 +30,8 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-
-from preprocess_service.adapters import sources, tarstream
 from disttrain_api.errors import ConfigError, PermissionDenied, SampleError
+from preprocess_service.adapters import sources, tarstream
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.adapters.tarstream import TarLimits
 

@@ -348,7 +348,8 @@ class RedisStore:
                     num_samples: int, skipped: dict[str, str], token: str, ttl_s: float, *, stop=None) -> bool:
         """Commits ``step`` unless it already is (returns whether this call did), with the skipped
         samples found while planning it, and renews the planning lease ``token`` holds."""
-        keys = [self._key(job_id, name) for name in ("plan", "frontier", "counters", "skipped", "epoch_start", "planner")]
+        keys = [self._key(job_id, name)
+                for name in ("plan", "frontier", "counters", "skipped", "epoch_start", "planner")]
         keys[0] = self._key(job_id, "plan", step)
         args = [plan, step, num_samples, epoch, int(first_of_epoch), token, int(ttl_s * 1000)]
         for key, record in skipped.items():

@@ -640,7 +640,8 @@ def write_corrupt_shard(path: Path, *, seed: int = 0) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m preprocess_service.adapters.synth", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m preprocess_service.adapters.synth",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     parser.add_argument("--num-shards", type=int, default=4)
     parser.add_argument("--samples-per-shard", type=int, default=250)

@@ -12,12 +12,13 @@ the microbatch is unaffected.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
 from disttrain_api.config import AudioConfig
 from preprocess_service.core.packing import PackedSequence
-from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef
+from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
 from preprocess_service.core.tokenizer import Tokenizer
 
 MODALITY_PAD, MODALITY_TEXT, MODALITY_IMAGE, MODALITY_AUDIO, MODALITY_GEN = 0, 1, 2, 3, 4
@@ -83,10 +84,13 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
     tokens = np.full((num_seqs, seq_len), tokenizer.pad_id, dtype=np.int32)
     positions = np.zeros((num_seqs, seq_len), dtype=np.int32)
     modality = np.zeros((num_seqs, seq_len), dtype=np.uint8)
-    cu_seqlens, segment_doc, keys, documents = [0], [], [], []
+    cu_seqlens, segment_doc, documents = [0], [], []
+    keys: list[str] = []
     spans: dict[str, list] = {"image": [], "audio": [], "gen": []}
     image_shapes, audio_frames, gen_sizes = [], [], []
     sizes = {"image": 0, "audio": 0, "gen": 0}  # bytes per region so far
+    shape: tuple[int, ...]
+    params: tuple
     for s, seq in enumerate(sequences):
         offset = 0
         for doc in seq.documents:
@@ -98,23 +102,27 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
             for segment in doc.segments:
                 end = cursor + segment.tokens
                 kind = _KIND.get(type(segment))
+                # the segment's type is the one _KIND maps to kind (TextSegment where kind is None)
                 if kind is None:
-                    row[cursor:end] = segment.ids
+                    row[cursor:end] = cast(TextSegment, segment).ids
                     modality[s, cursor:end] = MODALITY_TEXT
                 else:
                     row[cursor:end] = _placeholder(tokenizer, kind)
                     modality[s, cursor:end] = _MODALITY[kind]
                     spans[kind].append((s * seq_len + cursor, s * seq_len + end))
                     if kind == "image":
-                        shape, params = (segment.height, segment.width, 3), (segment.height, segment.width,
-                                                                              segment.orientation)
+                        image = cast(ImageRef, segment)
+                        shape, params = (image.height, image.width, 3), (image.height, image.width,
+                                                                          image.orientation)
                         image_shapes.append(shape)
                     elif kind == "audio":
-                        shape, params = (segment.frames, audio_config.n_mels), (segment.frames, audio_config)
-                        audio_frames.append(segment.frames)
+                        frames = cast(AudioRef, segment).frames
+                        shape, params = (frames, audio_config.n_mels), (frames, audio_config)
+                        audio_frames.append(frames)
                     else:
-                        shape, params = (segment.size, segment.size, 3), (segment.size, segment.orientation)
-                        gen_sizes.append(segment.size)
+                        gen = cast(GenImageRef, segment)
+                        shape, params = (gen.size, gen.size, 3), (gen.size, gen.orientation)
+                        gen_sizes.append(gen.size)
                     nbytes = int(np.prod(shape)) * (2 if kind == "audio" else 1)
                     items.append(MediaItem(kind, segment.member, params, sizes[kind], nbytes))
                     sizes[kind] += nbytes
@@ -143,7 +151,7 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
         "mel": (starts["audio"], sizes["audio"], (sum(audio_frames), audio_config.n_mels)),
         "gen_pixels": (starts["gen"], sizes["gen"], (len(gen_sizes), *(gen_sizes[:1] * 2 or [0, 0]), 3)),
     }
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "tokens": tokens, "position_ids": positions, "modality": modality,
         "cu_seqlens": np.array(cu_seqlens, dtype=np.int32), "segment_doc": np.array(segment_doc, dtype=np.int32),
         "image_spans": np.array(spans["image"], dtype=np.int32).reshape(-1, 2),

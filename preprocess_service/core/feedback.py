@@ -16,18 +16,22 @@ import collections
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
-from preprocess_service.core.cost import fit_nonnegative
 from disttrain_api.config import CostConfig
+from preprocess_service.core.cost import fit_nonnegative
 
 MODULES = ("encoder", "backbone", "generator")
+
+Features = tuple[tuple[float, float], tuple[float, float], tuple[float]]
+"""(encoder sum t, sum t^2), (backbone sum n, sum n^2), (images to generate,)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    features: tuple[tuple[float, float], tuple[float, float], tuple[float]]
+    features: Features
     """(encoder sum t, sum t^2), (backbone sum n, sum n^2), (images to generate,)."""
     seconds: tuple[float, float, float]
     """Measured forward + backward seconds of encoder, backbone, generator."""
@@ -58,7 +62,7 @@ def observation_json(observation: Observation) -> str:
 
 def observation_from_json(data: bytes | str) -> Observation:
     row = json.loads(data)
-    return Observation(tuple(tuple(f) for f in row["f"]), tuple(row["s"]))
+    return Observation(cast(Features, tuple(tuple(f) for f in row["f"])), tuple(row["s"]))
 
 
 class CostRefitter:
@@ -81,7 +85,7 @@ class CostRefitter:
         backward = (0.0 if cost.enc_frozen else cost.enc_backward_factor, cost.bb_backward_factor,
                     cost.gen_backward_factor)
         names = (REFIT_FIELDS[0:2], REFIT_FIELDS[2:4], REFIT_FIELDS[4:])
-        updates = {}
+        updates: dict[str, Any] = {}
         for module, (label, fields) in enumerate(zip(MODULES, names)):
             rows = [(o.features[module], o.seconds[module] / (1 + backward[module])) for o in self._observations
                     if any(o.features[module]) and o.seconds[module] > 0]

@@ -37,27 +37,47 @@ def price(sequence: PackedSequence, config: CostConfig) -> SequenceCost:
     )
 
 
-def pack_documents(documents: Iterable[Document], *, seq_len: int, window: int) -> Iterator[PackedSequence]:
-    """Best fit over ``window`` open sequences: each document goes into the open sequence with the
-    least free space that still holds it; when none does and the window is full, the fullest open
-    sequence is emitted. ``window=1`` is plain sequential packing. Every document is emitted exactly
-    once; emission order is deterministic. Documents longer than ``seq_len`` raise ValueError."""
-    open_seqs: list[PackedSequence] = []
-    for doc in documents:
-        if doc.num_tokens > seq_len:
-            raise ValueError(f"document {doc.key!r} has {doc.num_tokens} tokens, more than seq_len {seq_len}")
-        fits = [s for s in open_seqs if s.free_tokens >= doc.num_tokens]
+class Packer:
+    """Best fit over ``window`` open sequences, one document at a time: each document goes into the
+    open sequence with the least free space that still holds it; when none does and the window is
+    full, the fullest open sequence is emitted. ``window=1`` is plain sequential packing. Every
+    document is emitted exactly once; emission order is deterministic. Documents longer than
+    ``seq_len`` raise ValueError. ``open`` is its whole state (the planner saves it)."""
+
+    def __init__(self, seq_len: int, window: int, open_sequences: list[PackedSequence] | None = None):
+        self.seq_len, self.window = seq_len, window
+        self.open: list[PackedSequence] = open_sequences or []
+
+    def add(self, doc: Document) -> list[PackedSequence]:
+        """Packs ``doc``; returns the sequences this completed (0 to 2)."""
+        if doc.num_tokens > self.seq_len:
+            raise ValueError(f"document {doc.key!r} has {doc.num_tokens} tokens, more than seq_len {self.seq_len}")
+        emitted = []
+        fits = [s for s in self.open if s.free_tokens >= doc.num_tokens]
         if fits:
             target = min(fits, key=lambda s: s.free_tokens)  # min() keeps the earliest on ties
         else:
-            if len(open_seqs) >= window:
-                fullest = min(open_seqs, key=lambda s: s.free_tokens)
-                open_seqs.remove(fullest)
-                yield fullest
-            target = PackedSequence(seq_len=seq_len)
-            open_seqs.append(target)
+            if len(self.open) >= self.window:
+                fullest = min(self.open, key=lambda s: s.free_tokens)
+                self.open.remove(fullest)
+                emitted.append(fullest)
+            target = PackedSequence(seq_len=self.seq_len)
+            self.open.append(target)
         target.documents.append(doc)
         if target.free_tokens == 0:
-            open_seqs.remove(target)
-            yield target
-    yield from open_seqs
+            self.open.remove(target)
+            emitted.append(target)
+        return emitted
+
+    def flush(self) -> list[PackedSequence]:
+        """The open sequences, in order; the packer is empty afterwards."""
+        out, self.open = self.open, []
+        return out
+
+
+def pack_documents(documents: Iterable[Document], *, seq_len: int, window: int) -> Iterator[PackedSequence]:
+    """Every document packed by a Packer, sequences in emission order, the open ones last."""
+    packer = Packer(seq_len, window)
+    for doc in documents:
+        yield from packer.add(doc)
+    yield from packer.flush()

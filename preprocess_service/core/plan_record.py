@@ -64,7 +64,9 @@ def decode(data: bytes) -> StepPlan:
         raise ValueError(f"plan record has version {record.get('version')!r}, this replica reads {RECORD_VERSION}")
     urls = record["shards"]
     sequences = [PackedSequence(seq_len=record["seq_len"],
-                                documents=[DocRef(key, urls[shard], tokens) for shard, key, tokens in seq["docs"]],
+                                # DocRefs stand in for the Documents until resolved (see the docstring)
+                                documents=[DocRef(key, urls[shard], tokens)  # type: ignore[misc]
+                                           for shard, key, tokens in seq["docs"]],
                                 cost=SequenceCost(*seq["cost"]))
                  for seq in record["sequences"]]
     return StepPlan(step=record["step"], epoch=record["epoch"], sequences=sequences,

@@ -36,7 +36,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import DataQualityError, SampleError
 from preprocess_service.core import reorder
 from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
-from preprocess_service.core.packing import PackedSequence, price
+from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.core.sample import NEXT_OFFSET, Document
 
@@ -126,25 +126,25 @@ class EpochPlanner:
         self._samples: Iterator[dict] | None = None
         self._rng = np.random.default_rng([cfg.seed, epoch, 0xD15])
         self._buffer: list[Document] = []
-        self._open: list[PackedSequence] = []
+        self._packer = Packer(cfg.seq_len, cfg.pack_window)
         self._ready: list[PackedSequence] = []
         self._drained = False
         self._tolerance = ErrorTolerance(cfg.max_consecutive_errors, cfg.max_error_fraction)
-        self._seen: set[int] = set()
+        self._seen = KeySet()
 
     def state_dict(self) -> dict:
         """Where planning stands between two steps: small, JSON-serialisable, versioned."""
         def refs(docs):
             return [[doc.shard, doc.key] for doc in docs]
 
-        seen = np.array(sorted(self._seen), dtype=np.uint64).tobytes()
+        seen = self._seen.to_array().tobytes()
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch, "step": self.step, "done": self.done,
             "cursor": {"shard": self._shard, **self._cursor},
             "rng": self._rng.bit_generator.state,
             "buffer": refs(self._buffer),
-            "packer": [refs(seq.documents) for seq in self._open],
+            "packer": [refs(seq.documents) for seq in self._packer.open],
             "ready": [refs(seq.documents) for seq in self._ready],
             "drained": self._drained,
             "tolerance": [self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total],
@@ -168,7 +168,7 @@ class EpochPlanner:
         t = state["tolerance"]
         self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total = (int(x) for x in t)
         seen = np.frombuffer(zlib.decompress(base64.b64decode(state["seen"])), dtype=np.uint64)
-        self._seen = set(seen.tolist())
+        self._seen = KeySet(seen)
         self.cost = dataclasses.replace(self.config.cost, **state["cost"])
         wanted = [*state["buffer"], *(r for seq in state["packer"] for r in seq),
                   *(r for seq in state["ready"] for r in seq)]
@@ -178,7 +178,8 @@ class EpochPlanner:
             return [docs[tuple(ref)] for ref in ref_list if tuple(ref) in docs]
 
         self._buffer = pick(state["buffer"])
-        self._open = [PackedSequence(seq_len=self.config.seq_len, documents=pick(refs)) for refs in state["packer"]]
+        self._packer.open = [PackedSequence(seq_len=self.config.seq_len, documents=pick(refs))
+                             for refs in state["packer"]]
         self._ready = [PackedSequence(seq_len=self.config.seq_len, documents=pick(refs)) for refs in state["ready"]]
 
     def _reread(self, refs: list) -> dict[tuple[str, str], Document]:
@@ -237,6 +238,7 @@ class EpochPlanner:
             return False
         size = self.config.shuffle_buffer
         doc = self._next_document()
+        out: Document | None
         if doc is not None and size <= 1:
             out = doc
         elif doc is not None:
@@ -245,12 +247,11 @@ class EpochPlanner:
         elif self._buffer:
             out = self._pop()
         else:
-            self._emit(self._open)
-            self._open = []
+            self._emit(self._packer.flush())
             self._drained = True
             return False
         if out is not None:
-            self._pack(out)
+            self._emit(self._packer.add(out))
         return True
 
     def _pop(self) -> Document:
@@ -258,26 +259,6 @@ class EpochPlanner:
         index = int(self._rng.integers(len(buffer)))
         buffer[index], buffer[-1] = buffer[-1], buffer[index]
         return buffer.pop()
-
-    def _pack(self, doc: Document) -> None:
-        """Best fit over ``pack_window`` open sequences (packing.pack_documents, one document at a time)."""
-        seq_len = self.config.seq_len
-        if doc.num_tokens > seq_len:
-            raise ValueError(f"document {doc.key!r} has {doc.num_tokens} tokens, more than seq_len {seq_len}")
-        fits = [s for s in self._open if s.free_tokens >= doc.num_tokens]
-        if fits:
-            target = min(fits, key=lambda s: s.free_tokens)  # min() keeps the earliest on ties
-        else:
-            if len(self._open) >= self.config.pack_window:
-                fullest = min(self._open, key=lambda s: s.free_tokens)
-                self._open.remove(fullest)
-                self._emit([fullest])
-            target = PackedSequence(seq_len=seq_len)
-            self._open.append(target)
-        target.documents.append(doc)
-        if target.free_tokens == 0:
-            self._open.remove(target)
-            self._emit([target])
 
     def _emit(self, sequences: list[PackedSequence]) -> None:
         self._ready.extend(sequences)
@@ -325,7 +306,7 @@ class EpochPlanner:
             self._problem(exc)
         except (ImportError, DataQualityError):
             raise  # the environment or the job is broken, not this sample
-        except Exception as exc:  # noqa: BLE001 (RecursionError, MemoryError, a codec bug: this sample's)
+        except Exception as exc:  # RecursionError, MemoryError, a codec bug: this sample's
             self._problem(SampleError(key, f"could not be parsed ({type(exc).__name__}: {str(exc)[:200]})", url,
                                       "parse_failed"))
         return None
@@ -345,6 +326,40 @@ class EpochPlanner:
                       "bubble_fraction": _bubble(instance, assignment, planned["iteration_s"])}
         return StepPlan(step=step, epoch=epoch, sequences=batch, assignment=assignment,
                         baseline_assignment=baseline, simulation=simulation)
+
+
+class KeySet:
+    """Hashes of the keys read this epoch, 8 bytes per key: a sorted uint64 array, plus the recent
+    ones in a set merged in when it reaches an eighth of the array (O(n log n) over an epoch)."""
+
+    def __init__(self, hashes: np.ndarray | None = None):
+        self._sorted = np.sort(np.asarray(hashes, dtype=np.uint64)) if hashes is not None \
+            else np.empty(0, dtype=np.uint64)
+        self._recent: set[int] = set()
+
+    def __contains__(self, digest: int) -> bool:
+        if digest in self._recent:
+            return True
+        index = int(np.searchsorted(self._sorted, np.uint64(digest)))
+        return index < len(self._sorted) and int(self._sorted[index]) == digest
+
+    def __len__(self) -> int:
+        return len(self._sorted) + len(self._recent)
+
+    def add(self, digest: int) -> None:
+        self._recent.add(digest)
+        if len(self._recent) >= max(4096, len(self._sorted) // 8):
+            self._merge()
+
+    def _merge(self) -> None:
+        if self._recent:
+            recent = np.fromiter(self._recent, dtype=np.uint64, count=len(self._recent))
+            self._sorted = np.sort(np.concatenate([self._sorted, recent]))
+            self._recent = set()
+
+    def to_array(self) -> np.ndarray:
+        self._merge()
+        return self._sorted
 
 
 def _key_hash(key: str) -> int:

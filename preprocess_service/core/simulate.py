@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import cast
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def simulate_coupled(fwd: np.ndarray, bwd: np.ndarray, groups, p2p_latency: floa
                 inputs = [_ready_time(t, kind, r, s, m, P, p2p_latency) for r in members]
                 if any(x is None for x in inputs):
                     break
-                start = max(free_at[s, j0], *inputs)
+                start = max(free_at[s, j0], *cast(list[float], inputs))  # none is None (checked above)
                 times = fwd if kind == "F" else bwd
                 end = start + sum(times[r, s, m] for r in members)
                 for r in members:
@@ -132,7 +133,8 @@ def _topological_order(P: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     ops += [(t.b_start[s, m], 1, s, m) for s in range(P) for m in range(M)]
     # Ties in start time never link dependent ops (a dependent op starts strictly later).
     ops.sort()
-    return tuple(np.array([op[i] for op in ops], dtype=np.int64) for i in (1, 2, 3))
+    kinds, stages, mbs = (np.array([op[i] for op in ops], dtype=np.int64) for i in (1, 2, 3))
+    return kinds, stages, mbs
 
 
 def component_makespans(fwd: np.ndarray, bwd: np.ndarray, model: StageModel) -> np.ndarray:

@@ -73,7 +73,8 @@ def cmd_run(args) -> int:
           file=sys.stderr, flush=True)
     from preprocess_service.service.server import Limits
 
-    limits = Limits(allowed_shard_schemes=tuple(s.strip() for s in args.allowed_shard_schemes.split(",") if s.strip())) \
+    limits = Limits(allowed_shard_schemes=tuple(s.strip() for s in args.allowed_shard_schemes.split(",")
+                                                if s.strip())) \
         if args.allowed_shard_schemes else Limits()
     result = run_job(config, address=args.address, prefetch=args.prefetch, connect_timeout_s=args.connect_timeout,
                      decode_workers=args.decode_workers, limits=limits)
@@ -85,11 +86,11 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from preprocess_service.service import logs, settings
     from preprocess_service.adapters import metrics
+    from preprocess_service.adapters.store import describe
+    from preprocess_service.service import logs, settings
     from preprocess_service.service.security import TlsFiles
     from preprocess_service.service.server import Limits, create_server
-    from preprocess_service.adapters.store import describe
 
     cfg = settings.from_args(args)
     logs.configure(cfg.log_format, cfg.log_level)
@@ -171,7 +172,8 @@ def _status_text(info, report) -> str:
                 if report.skipped else "")]
     if report.step_balance:
         last = report.step_balance[-1]
-        lines.append(f"  step {last.step}: imbalance {last.imbalance:.3f} (arrival order {last.arrival_imbalance:.3f}), "
+        lines.append(f"  step {last.step}: imbalance {last.imbalance:.3f} "
+                     f"(arrival order {last.arrival_imbalance:.3f}), "
                      f"simulated {last.iteration_s:.3f} s vs {last.arrival_iteration_s:.3f} s unordered, "
                      f"bound {last.lower_bound_s:.3f} s")
     return "\n".join(lines)

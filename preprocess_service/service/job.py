@@ -24,16 +24,22 @@ from pathlib import Path
 
 import numpy as np
 
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import (
+    ConfigError,
+    DataQualityError,
+    FeedbackDisabled,
+    NotFoundError,
+    SampleError,
+    ServiceUnavailableError,
+)
 from preprocess_service.adapters import metrics, shards
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
-from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded
-from disttrain_api.config import JobConfig
-from disttrain_api.errors import (ConfigError, DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
-                                       ServiceUnavailableError)
+from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.core.packing import PackedSequence
-from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.planner import EpochPlanner, StepPlan
 from preprocess_service.core.tokenizer import ByteTokenizer, Tokenizer
 

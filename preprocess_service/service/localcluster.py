@@ -119,7 +119,8 @@ class Replica:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"replica on port {self.port} exited with {self.process.returncode}")
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
                     pass

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_api.config import JobConfig, field_defaults
-
 from preprocess_service.core.reorder.instance import PLAN_FORMAT, PLANNERS, Instance, evaluate, plan_instance
 
 

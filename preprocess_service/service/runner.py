@@ -22,12 +22,12 @@ import numpy as np
 
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from preprocess_service.adapters import shards
+from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
-from disttrain_api.channel import CHANNEL_OPTIONS
-from preprocess_service.service.server import Limits, create_server
 from disttrain_api.spec import spec_from_config
+from preprocess_service.adapters import shards
+from preprocess_service.service.server import Limits, create_server
 
 
 @dataclass(slots=True)
@@ -108,7 +108,8 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
             grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
             raise ServiceUnavailableError(f"cannot reach the preprocessing service at {address!r} within "
-                                          f"{connect_timeout_s:g} s (is it running, and is the address right?)") from None
+                                          f"{connect_timeout_s:g} s "
+                                          "(is it running, and is the address right?)") from None
         info = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()

@@ -43,6 +43,9 @@ from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service.adapters import metrics, procmem, sources
 from preprocess_service.adapters.budget import MemoryBudget, call_once, default_budget_bytes
 from preprocess_service.adapters.decode import DecodePool, InlineDecoder
+from preprocess_service.adapters.shards import ShardReader
+from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.adapters.tarstream import TarLimits
 from preprocess_service.service.job import Job, JobRegistry
 from preprocess_service.service.security import (
     StallWatchdog,
@@ -52,9 +55,6 @@ from preprocess_service.service.security import (
     client_identity,
     server_credentials,
 )
-from preprocess_service.adapters.shards import ShardReader
-from preprocess_service.adapters.sources import ShardPolicy
-from preprocess_service.adapters.tarstream import TarLimits
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000), ("grpc.http2.ping_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
     # clients may ping every second (tests, fast failover); more often is abuse
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000), ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     # a connection with no call for 5 minutes is closed; a handshake must finish in 10 s
     ("grpc.max_connection_idle_ms", 300_000), ("grpc.server_handshake_timeout_ms", 10_000),
 ]
@@ -263,12 +264,14 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _check_config(self, config) -> None:
         """The server's own bounds, on top of the ones every JobConfig checks."""
         if config.seq_len > self.limits.max_seq_len:
-            raise ConfigError(f"seq_len {config.seq_len} is more than this server's max_seq_len {self.limits.max_seq_len}")
+            raise ConfigError(f"seq_len {config.seq_len} is more than this server's "
+                              f"max_seq_len {self.limits.max_seq_len}")
         bound = config.max_microbatch_bytes()
         if bound > self.limits.max_microbatch_bytes:
             raise ConfigError(f"a microbatch of this job may hold up to {bound} bytes (seqs_per_microbatch x seq_len "
                               f"x the costliest token), more than this server's max_microbatch_bytes "
-                              f"{self.limits.max_microbatch_bytes}; lower seq_len, seqs_per_microbatch or the media sizes")
+                              f"{self.limits.max_microbatch_bytes}; "
+                              "lower seq_len, seqs_per_microbatch or the media sizes")
 
     def _check_job_limits(self, client: str, config) -> None:
         self.budget.admit(2 * config.max_microbatch_bytes(), "a new job")
@@ -339,7 +342,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         return pb.TimingAck(cost=pb.CostSpec(**dataclasses.asdict(result["cost"])),
                             num_observations=result["num_observations"],
                             first_step_priced=result["first_step_priced"],
-                            encoder_rel_error=errors.get("encoder", 0.0), backbone_rel_error=errors.get("backbone", 0.0),
+                            encoder_rel_error=errors.get("encoder", 0.0),
+                            backbone_rel_error=errors.get("backbone", 0.0),
                             generator_rel_error=errors.get("generator", 0.0))
 
     def StreamMicrobatches(self, request, context):
@@ -384,7 +388,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             past_end = job.step_plan(request.start_step, stop) is None and request.start_step > job.num_steps()
         except (NotFoundError, ServiceUnavailableError, DataQualityError) as exc:
             context.abort(_status_of(exc), str(exc))
-        except Exception as exc:  # noqa: BLE001 (a planning bug: INTERNAL, with the cause)
+        except Exception as exc:  # a planning bug: INTERNAL, with the cause
             log.error("planning failed", exc_info=exc, extra={"job": job.job_id})
             context.abort(grpc.StatusCode.INTERNAL, f"planning failed: {exc!r}")
         if past_end:
@@ -647,8 +651,8 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
         import os
         import socket
 
-        from preprocess_service.service.shared_job import SharedJobRegistry
         from preprocess_service.adapters.store import RedisStore
+        from preprocess_service.service.shared_job import SharedJobRegistry
 
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"

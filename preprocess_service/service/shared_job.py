@@ -33,20 +33,33 @@ import threading
 import uuid
 
 from disttrain_api import preprocess_pb2 as pb
-from preprocess_service.adapters import metrics, shards
-from preprocess_service.core import plan_record
-from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import (DataQualityError, FeedbackDisabled, NotFoundError, SampleError,
-                                       ServiceUnavailableError, StreamSuperseded)
-from preprocess_service.core.feedback import (REFIT_FIELDS, CostRefitter, Observation, microbatch_features,
-                                         observation_from_json, observation_json, sum_features)
-from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
+from disttrain_api.errors import (
+    DataQualityError,
+    FeedbackDisabled,
+    NotFoundError,
+    SampleError,
+    ServiceUnavailableError,
+    StreamSuperseded,
+)
+from disttrain_api.spec import config_from_spec, spec_from_config
+from preprocess_service.adapters import metrics, shards
+from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
+from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.store import RedisStore
+from preprocess_service.core import plan_record
+from preprocess_service.core.feedback import (
+    REFIT_FIELDS,
+    CostRefitter,
+    Observation,
+    microbatch_features,
+    observation_from_json,
+    observation_json,
+    sum_features,
+)
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
-from preprocess_service.adapters.samples import parse_document
-from disttrain_api.spec import config_from_spec, spec_from_config
-from preprocess_service.adapters.store import RedisStore
+from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
 
 log = logging.getLogger(__name__)
 

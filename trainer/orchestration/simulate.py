@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = row[kind]
             print(f"  {kind:14s} {plan.describe()}")
             print(f"  {'':14s} {plan.gpus} GPUs, M={plan.num_microbatches}, iteration {plan.iteration_s:6.2f} s, "
-                  f"{plan.throughput:6.1f} seq/s, MFU {plan.mfu:5.1%}, peak memory {plan.peak_memory_bytes / 1e9:5.1f} GB")
+                  f"{plan.throughput:6.1f} seq/s, MFU {plan.mfu:5.1%}, "
+                  f"peak memory {plan.peak_memory_bytes / 1e9:5.1f} GB")
         print(f"  predicted throughput disaggregated / monolithic: {row['ratio']:.2f}x")
     return 0
 

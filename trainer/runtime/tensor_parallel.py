@@ -102,7 +102,8 @@ class _Sharded(nn.Module):
         self.kind, self.group, self.conv = kind, group, conv
         self.weight = _shard_param(full.weight, 0 if kind == "column" else 1, index)
         if full.bias is not None:  # a row-parallel bias is added whole, after the reduction
-            self.bias = _shard_param(full.bias, 0, index) if kind == "column" else nn.Parameter(full.bias.detach().clone())
+            self.bias = (_shard_param(full.bias, 0, index) if kind == "column"
+                         else nn.Parameter(full.bias.detach().clone()))
         else:
             self.bias = None
 

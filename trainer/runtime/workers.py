@@ -99,7 +99,7 @@ class EncoderWorker(Worker):
             if op == "F":
                 counts, *media = self._recv(src, "media")
                 images, mels = media[:int(counts[0])], media[int(counts[0]):]
-                out = self._timed(lambda: torch.cat([self.model.image_encoder(images), self.model.audio_encoder(mels)]))
+                out = self._timed(lambda: torch.cat([self.model.image_encoder(images), self.model.audio_encoder(mels)]))  # noqa: B023 (_timed calls it at once)
                 if out.shape[0]:
                     self._send([out], src, "embed")
                     saved[(d, m)] = out
@@ -130,8 +130,9 @@ class GeneratorWorker(Worker):
             queries.requires_grad_()
 
             def forward_backward():
-                loss = self.model.generator.loss(queries, images, torch.Generator().manual_seed(int(seed)))
-                scaled = self.gen_weight * loss / total.double().clamp(min=1).item()
+                # called at once, by _timed below, in this iteration
+                loss = self.model.generator.loss(queries, images, torch.Generator().manual_seed(int(seed)))  # noqa: B023
+                scaled = self.gen_weight * loss / total.double().clamp(min=1).item()  # noqa: B023
                 scaled.backward()
                 return scaled
             scaled = self._timed(forward_backward)
@@ -260,7 +261,8 @@ class BackboneWorker(Worker):
                 self._add_loss(1, gen_scaled.item())
                 outputs.append(gen_scaled)
             return x, media, outputs, (None, m)
-        self._send([queries, gen_images, seed, counts[1:2]], self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
+        self._send([queries, gen_images, seed, counts[1:2]],
+                   self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
         return x, media, [scaled], (queries if num_gen else None, m)
 
     def _backward(self, m: int, saved) -> None:

@@ -8,6 +8,8 @@ Shapes (D = DP ranks, M = microbatches per rank, S = sequences per microbatch, B
 * inter algorithm: ``fn(microbatch_costs: float[D, M], rng) -> int[D, M]``; for each rank a
   permutation of its M microbatches, in execution order.
 
+Only ``intra_random`` draws from ``rng``; the others take None as well.
+
 Costs are the scalar fwd+bwd seconds of cost.SequenceCost.total_s.
 """
 
@@ -28,7 +30,7 @@ def _check_intra_input(costs: np.ndarray, D: int, M: int, S: int) -> None:
                          f"D={D}, M={M}, S={S}")
 
 
-def intra_arrival(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+def intra_arrival(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
     """No reordering: slot m's sequences go to ranks in arrival order, S each."""
     _check_intra_input(costs, D, M, S)
     return np.arange(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
@@ -65,14 +67,14 @@ def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: 
     return out
 
 
-def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
     """DistTrain's intra-microbatch reordering: per slot, sequences sorted by cost descending, each
     to the least-loaded rank of that slot (loads start at zero per slot), S per rank."""
     _check_intra_input(costs, D, M, S)
     return _greedy_slots(costs, D, M, S)
 
 
-def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
+def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
     """Balances what the ranks wait on at the gradient all-reduce: each rank's total. Whole-batch
     LPT with equal counts (M*S sequences per rank), then each rank's sequences dealt the same way to
     its M microbatches so they come out even. Unlike the paper's per-slot greedy, which hands rank 0
@@ -86,13 +88,13 @@ def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generato
     return arrival if imbalance(costs, arrival) < imbalance(costs, plan) else plan
 
 
-def inter_arrival(microbatch_costs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def inter_arrival(microbatch_costs: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
     """Slot order as planned."""
     D, M = microbatch_costs.shape
     return np.tile(np.arange(M), (D, 1))
 
 
-def inter_paper(microbatch_costs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def inter_paper(microbatch_costs: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
     """DistTrain's inter-microbatch reordering: 1F1B adds the first and last microbatches' time
     straight to the iteration (warm-up and cool-down), while steady-state intervals absorb
     stragglers. So: the cheapest microbatch first, the second cheapest last, and the rest with

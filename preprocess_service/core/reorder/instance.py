@@ -3,23 +3,24 @@
 Instance (``disttrain-reorder-instance/1``): D ranks x M microbatches x S sequences = B sequence ids,
 per-sequence forward seconds of each module, the pipeline's stage map, backward factors and p2p
 latency; optionally ``"shared_by": {"enc": g, "gen": g}``, backbone ranks served by one encoder or
-generator replica (default 1: independent ranks; simulate.py says how shared stages couple ranks). Plan (``disttrain-reorder-plan/1``): ``plan[rank][microbatch in execution order]`` = S ids,
+generator replica (default 1: independent ranks; simulate.py says how shared stages couple ranks).
+Plan (``disttrain-reorder-plan/1``): ``plan[rank][microbatch in execution order]`` = S ids,
 every id exactly once. A plan is judged by the exact 1F1B simulator (iteration time = slowest rank,
 or slowest coupled component) against the batch lower bound.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
+from disttrain_api.layout import MODULES, StageModel
 from preprocess_service.core import reorder
 from preprocess_service.core.bounds import batch_lower_bound
-from disttrain_api.layout import MODULES, StageModel
 from preprocess_service.core.simulate import component_makespans
 
 INSTANCE_FORMAT = "disttrain-reorder-instance/1"
@@ -57,7 +58,7 @@ class Instance:
                 "costs": {m: self.costs[:, i].tolist() for i, m in enumerate(MODULES)}}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Instance":
+    def from_json(cls, data: dict) -> Instance:
         if data.get("format") != INSTANCE_FORMAT:
             raise ValueError(f"instance format is {data.get('format')!r}, expected {INSTANCE_FORMAT!r}")
         if len(data["stage_map"]) != data["P"]:
@@ -66,7 +67,8 @@ class Instance:
         if not isinstance(shared, dict) or set(shared) - {"enc", "gen"}:
             raise ValueError(f"shared_by must map 'enc' and/or 'gen' to ranks per replica, got {shared!r}")
         model = StageModel(stage_map=tuple(data["stage_map"]),
-                           bwd_factor=tuple(float(data["bwd_factor"][m]) for m in MODULES),
+                           bwd_factor=cast(tuple[float, float, float],  # one per module: MODULES has 3
+                                           tuple(float(data["bwd_factor"][m]) for m in MODULES)),
                            p2p_latency=float(data.get("p2p_latency", 0.0)),
                            shared_by=(shared.get("enc", 1), 1, shared.get("gen", 1)))
         costs = np.column_stack([np.asarray(data["costs"][m], dtype=float) for m in MODULES])

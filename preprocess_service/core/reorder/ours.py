@@ -104,8 +104,9 @@ def _vector_start(seq_fwd: np.ndarray, seq_bwd: np.ndarray, D: int, M: int, S: i
 
 
 def _scalar_start(instance) -> np.ndarray:
+    # lpt and paper never draw from rng (plan_batch's rng is typed for every algorithm, "random" included)
     return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra="lpt",
-                              inter="paper", rng=None)
+                              inter="paper", rng=None)  # type: ignore[arg-type]
 
 
 SEARCH_OPS = 6_000_000
@@ -132,7 +133,7 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
         ops = SEARCH_OPS * max(1.0, D * M * S / 1024)
     order = _topological_order(P, M)
 
-    def times(plan):
+    def times(plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return (np.ascontiguousarray(seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)),
                 np.ascontiguousarray(seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)))
 
@@ -153,8 +154,8 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
 def warm_up() -> None:
     """Loads the compiled search kernels (or compiles them, seconds, once per installation: numba
     caches them beside the module), so that a service's first step is planned at full speed."""
-    from preprocess_service.core.reorder.instance import Instance
     from disttrain_api.layout import StageModel
+    from preprocess_service.core.reorder.instance import Instance
 
     for shared in ((1, 1, 1), (2, 1, 1)):
         model = StageModel(stage_map=("enc", "bb", "gen"), shared_by=shared)

@@ -203,7 +203,7 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
             starts = [(int(m[1]), int(m[2])) for m in starts if m]
             assert len(starts) == 2 and starts[0][0] == 0, starts
             (start, committed) = starts[1]
-            assert 0 < start <= committed < start + 16, \
+            assert 0 < start <= committed <= start + 16, \
                 f"the survivor resumed from the planner state stored at or before step {committed}, not step 0"
             assert not any("different plan" in m for m in messages), "the replay reproduced every committed plan"
             assert cost_model(num_steps - 1)["bb_linear_s"] == pytest.approx(second.cost.bb_linear_s), \

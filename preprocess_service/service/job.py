@@ -75,6 +75,8 @@ class PendingMicrobatch:
 
 
 STATE_VERSION = 1
+REPORT_WAIT_S = 30.0
+"""How long a timing report waits for a step being planned."""
 
 
 class Job:
@@ -422,15 +424,22 @@ class Job:
         if self.refitter is None:
             raise FeedbackDisabled(f"job {self.job_id} was opened without cost_feedback; its plans do not "
                                    "take measured timings")
-        with self._lock:
-            for step, rank, index, *seconds in timings:
-                if step in self._plans and 0 <= rank < self.config.dp_size \
-                        and 0 <= index < self._plans[step].num_microbatches:
-                    features = microbatch_features(self._plans[step].microbatch(rank, index))
-                    self.refitter.add(Observation(features, tuple(seconds)))
-            self.planner.cost = self.refitter.refit()
-            return {"cost": self.planner.cost, "num_observations": self.refitter.num_observations,
-                    "first_step_priced": self._next_step, "errors": dict(self.refitter.errors)}
+        # a step being planned now finishes with the old prices first, so first_step_priced is exact
+        if not self._plan_lock.acquire(timeout=REPORT_WAIT_S):
+            raise ServiceUnavailableError(f"job {self.job_id} has been planning a step for {REPORT_WAIT_S:g} s "
+                                          "(reading its shards); report the timings again")
+        try:
+            with self._lock:
+                for step, rank, index, *seconds in timings:
+                    if step in self._plans and 0 <= rank < self.config.dp_size \
+                            and 0 <= index < self._plans[step].num_microbatches:
+                        features = microbatch_features(self._plans[step].microbatch(rank, index))
+                        self.refitter.add(Observation(features, tuple(seconds)))
+                self.planner.cost = self.refitter.refit()
+                return {"cost": self.planner.cost, "num_observations": self.refitter.num_observations,
+                        "first_step_priced": self._next_step, "errors": dict(self.refitter.errors)}
+        finally:
+            self._plan_lock.release()
 
     # --- acknowledgements and report -------------------------------------------------------
     def acknowledge(self, rank: int, next_step: int) -> int:

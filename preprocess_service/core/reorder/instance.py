@@ -100,10 +100,10 @@ def evaluate(instance: Instance, plan: np.ndarray) -> dict:
     return {"iteration_s": iteration, "lower_bound_s": bound, "ratio_to_bound": iteration / bound if bound else 1.0}
 
 
-Planner = Callable[[Instance, np.random.Generator], np.ndarray]
+BatchPlanner = Callable[[Instance, np.random.Generator], np.ndarray]
 
 
-def _scalar(intra: str, inter: str) -> Planner:
+def _scalar(intra: str, inter: str) -> BatchPlanner:
     def plan(instance: Instance, rng: np.random.Generator) -> np.ndarray:
         return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra=intra,
                                   inter=inter, rng=rng)
@@ -111,7 +111,7 @@ def _scalar(intra: str, inter: str) -> Planner:
     return plan
 
 
-PLANNERS: dict[str, Planner] = {
+PLANNERS: dict[str, BatchPlanner] = {
     "arrival": _scalar("arrival", "arrival"),
     "random": _scalar("random", "arrival"),
     "paper": _scalar("paper", "paper"),

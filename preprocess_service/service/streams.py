@@ -1,0 +1,247 @@
+"""One microbatch stream of one rank: a producer thread keeps two microbatches in the decode stage
+(the decode pool shared by all streams) and puts finished, serialized messages into a bounded
+queue; the gRPC handler's thread takes them from it. A slow client holds at most ``prefetch``
+prepared microbatches of server memory; a cancelled or disconnected client stops the producer at
+once. Messages are serialized by wire.encode_microbatch straight from the decode buffer (one copy),
+charged to the memory budget before they exist and released when gRPC has taken them."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from disttrain_api import preprocess_pb2 as pb
+from disttrain_api import wire
+from disttrain_api.errors import (
+    ConfigError,
+    DataQualityError,
+    NotFoundError,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceUnavailableError,
+    StreamSuperseded,
+)
+from preprocess_service.adapters import metrics
+from preprocess_service.adapters.budget import MemoryBudget, call_once
+from preprocess_service.service.job import Job
+from preprocess_service.service.security import StallWatchdog
+
+log = logging.getLogger("preprocess_service.service.server")  # the stream's lines keep the server's logger
+_END = object()
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    """Live numbers the tests and metrics read."""
+
+    active_streams: int = 0
+    prepared_microbatches: int = 0
+    prepared_bytes: int = 0
+    sent_microbatches: int = 0
+    sent_bytes: int = 0
+
+
+_STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, grpc.StatusCode.ABORTED),
+              (DataQualityError, grpc.StatusCode.DATA_LOSS),
+              (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+              (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+              (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE), (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+              # storage away (a network file system, an object store): the client tries again, maybe elsewhere
+              (OSError, grpc.StatusCode.UNAVAILABLE))
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    return next((code for kind, code in _STATUS_OF if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+
+
+def _abort(context, exc: BaseException) -> None:
+    """Ends the call with ``exc``'s status; a retry hint travels as grpc-retry-pushback-ms (the
+    trailer gRPC's own retry policies read) and in the message."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    message = str(exc)
+    if retry_after is not None:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(retry_after * 1000))),))
+        message += f" (retry in {retry_after:g} s)"
+    context.abort(_status_of(exc), message)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A serialized microbatch waiting for gRPC, and how to return its memory-budget charge."""
+
+    data: bytes
+    release: Callable[[], None]
+
+
+def _drain(items: queue.Queue) -> None:
+    while True:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(item, _Prepared):
+            metrics.QUEUE_DEPTH.labels("send").dec()
+            item.release()
+
+
+class MicrobatchStream:
+    """Serves ``request`` (a StreamRequest) of ``job`` until the end, a failure, or ``stop``."""
+
+    def __init__(self, job: Job, request, stop: threading.Event, *, decoder, budget: MemoryBudget, prefetch: int,
+                 watchdog: StallWatchdog, lag: metrics.StreamLag, count: Callable[..., None]):
+        self.job, self.request, self.stop = job, request, stop
+        self.decoder, self.budget, self.prefetch = decoder, budget, prefetch
+        self.watchdog, self.lag, self._count = watchdog, lag, count
+
+    def serve(self, context):
+        """Yields the serialized messages; aborts ``context`` with the status of a failure."""
+        job, request, stop = self.job, self.request, self.stop
+        items: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        producer = threading.Thread(target=self._produce, args=(job, request, items, stop),
+                                    name=f"stream-{job.job_id}-r{request.dp_rank}", daemon=True)
+        self._count(active_streams=1)
+        metrics.ACTIVE_STREAMS.inc()
+        producer.start()
+        previous = None
+        try:
+            while True:
+                try:
+                    item = items.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set():  # cancelled or disconnected: the producer has stopped too
+                        return
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    code = _status_of(item)
+                    if code == grpc.StatusCode.INTERNAL:
+                        log.error("stream failed", exc_info=item)
+                        context.abort(code, f"microbatch preparation failed: {item!r}")
+                    _abort(context, item)
+                metrics.QUEUE_DEPTH.labels("send").dec()
+                self.watchdog.sending(id(stop), context, f"job {job.job_id} rank {request.dp_rank}")
+                try:
+                    yield item.data
+                finally:
+                    # gRPC has taken this message; its own copy of the previous one is gone now
+                    if previous is not None:
+                        previous.release()
+                    previous = item
+                self.watchdog.sent(id(stop))
+                self._count(sent_microbatches=1, sent_bytes=len(item.data))
+        finally:
+            stop.set()
+            if previous is not None:
+                previous.release()
+            self.watchdog.sent(id(stop))
+            self._count(active_streams=-1)
+            metrics.ACTIVE_STREAMS.dec()
+            _drain(items)  # prepared messages the client will never read (the producer drains too)
+
+    def _produce(self, job: Job, request, items: queue.Queue, stop: threading.Event) -> None:
+        """Keeps up to two microbatches decoding ahead of the one being serialized."""
+        in_decode: collections.deque = collections.deque()
+        lease = None
+        try:
+            lease = job.open_stream(request.dp_rank, request.start_step, stop)
+            for plan, index, last in self._positions(job, request, stop):
+                in_decode.append((plan, index, last,
+                                  job.start_microbatch(plan, request.dp_rank, index, self.decoder, stop)))
+                metrics.QUEUE_DEPTH.labels("decode").inc()
+                if len(in_decode) == 2 and not self._emit(job, request, lease, in_decode.popleft(), items, stop):
+                    return
+            while in_decode and not stop.is_set():
+                if not self._emit(job, request, lease, in_decode.popleft(), items, stop):
+                    return
+            if not stop.is_set():
+                self._put(items, _END, stop)
+        except BaseException as exc:  # handed to the consumer thread, which aborts the call with it
+            self._put(items, exc, stop)
+        finally:
+            if lease is not None:
+                lease.close()
+            if stop.is_set():
+                _drain(items)  # what it put after the consumer's last look
+            for *_, pending in in_decode:  # abandoned by a cancelled stream: free the buffers
+                pending.future.add_done_callback(lambda f: f.exception() or f.result().release())
+            metrics.QUEUE_DEPTH.labels("decode").dec(len(in_decode))
+
+    @staticmethod
+    def _positions(job: Job, request, stop: threading.Event):
+        """(plan, microbatch index, last of its step?) of every microbatch the stream sends."""
+        step, end = request.start_step, (request.start_step + request.max_steps if request.max_steps else None)
+        first = request.start_microbatch
+        while (end is None or step < end) and not stop.is_set():
+            plan = job.step_plan(step, stop)
+            if plan is None:
+                return
+            for index in range(first, plan.num_microbatches):
+                yield plan, index, index == plan.num_microbatches - 1
+            step, first = step + 1, 0
+
+    def _emit(self, job: Job, request, lease, entry, items: queue.Queue, stop: threading.Event) -> bool:
+        plan, index, last, pending = entry
+        metrics.QUEUE_DEPTH.labels("decode").dec()
+        arrays, release = job.finish_microbatch(pending)
+        try:
+            prepared = self._prepare(job, plan, request.dp_rank, index, arrays, stop)
+        finally:
+            release()
+        if stop.is_set() or not self._put(items, prepared, stop):
+            prepared.release()
+            return False
+        metrics.QUEUE_DEPTH.labels("send").inc()
+        metrics.microbatch_sent(arrays, len(prepared.data))
+        if index == 0:
+            metrics.step_planned(job.job_id, plan)
+        if last:
+            first = request.start_microbatch if plan.step == request.start_step else 0
+            lease.step_sent(plan.step, plan.num_microbatches - first)
+            self.lag.step_sent(job.job_id, request.dp_rank, plan.step)
+            log.debug("step sent", extra={"job": job.job_id, "rank": request.dp_rank, "step": plan.step})
+        for record in arrays.skipped:
+            log.warning("skipped sample %s of %s: %s", record.key, record.shard, record.reason,
+                        extra={"job": job.job_id, "rank": request.dp_rank, "step": plan.step})
+        return True
+
+    def _put(self, items: queue.Queue, item, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _prepare(self, job: Job, plan, rank: int, index: int, arrays, stop: threading.Event) -> _Prepared:
+        """The serialized message, charged to the memory budget before it exists (its tensors) and
+        as it is (the header); the charge goes back when gRPC has taken it."""
+        self.budget.reserve(arrays.nbytes, what="a prepared microbatch", stop=stop)
+        try:
+            message = self._message(job, plan, rank, index, arrays)
+            extra = len(message) - arrays.nbytes
+            self.budget.reserve(extra, what="a prepared microbatch", stop=stop)
+        except BaseException:
+            self.budget.release(arrays.nbytes)
+            raise
+        job.note_message_bytes(len(message))
+        return _Prepared(message, call_once(lambda: self.budget.release(len(message))))
+
+    def _message(self, job: Job, plan, rank: int, index: int, arrays) -> bytes:
+        self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
+        header = pb.Microbatch(
+            job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
+            num_microbatches=plan.num_microbatches, sample_keys=arrays.sample_keys,
+            sequence_costs=[pb.SequenceCost(encoder_s=s.cost.encoder_s, backbone_s=s.cost.backbone_s,
+                                            generator_s=s.cost.generator_s, total_s=s.cost.total_s)
+                            for s in plan.microbatch(rank, index)],
+            skipped=[pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind) for r in arrays.skipped],
+        )
+        return wire.encode_microbatch(header, arrays.arrays)

@@ -187,4 +187,16 @@ def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(serv
     first = resumed[0]["step"]
     assert first % 3 == 0 and 3 <= first < killed_after, "resumed at a checkpoint before the kill"
     assert [r["step"] for r in resumed] == list(range(first, 12))
+    job = servicer.jobs.get(job_config(parse(argv)).job_id())
+    assert job.state_dict()["acked"] == {str(r): 12 for r in range(job.config.dp_size)}, \
+        "every data rank acknowledged the last committed checkpoint"
+    from disttrain_api.errors import NotFoundError
+
+    with pytest.raises(NotFoundError, match="acknowledged"):
+        job.step_plan(11)  # the plans before the acknowledged step were dropped
+    assert job.num_held_plans() <= 12, "only the steps the streams read ahead are held"
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("disttrain_job_acknowledged_step", {"job": job.job_id}) == 12
+    assert REGISTRY.get_sample_value("disttrain_job_held_plans", {"job": job.job_id}) == job.num_held_plans()
     assert [r["loss"] for r in resumed] == pytest.approx([expected[r["step"]] for r in resumed], rel=1e-6)

@@ -185,6 +185,9 @@ def main(argv=None) -> int:
             _feed_back(worker, layout, step, record["bubble_mean"])
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             _save(args, step + 1, rank, worker, params, optimizer)
+            dist.barrier()  # every rank's file is written: the checkpoint is complete
+            if getattr(worker, "client", None) is not None:
+                worker.client.acknowledge(step + 1)  # the service may drop the plans before it
     if args.save_params:
         args.save_params.mkdir(parents=True, exist_ok=True)
         torch.save({"role": layout.role(rank), "params": [p.detach() for p in params],

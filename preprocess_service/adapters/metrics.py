@@ -58,6 +58,10 @@ DECODE_ERRORS = Counter("disttrain_decode_errors", "Samples skipped, by reason (
                         ["reason", "stage"])
 QUEUE_DEPTH = Gauge("disttrain_queue_depth", "Microbatches in a queue, over all streams", ["queue"])
 ACTIVE_STREAMS = Gauge("disttrain_active_streams", "Open microbatch streams")
+HELD_PLANS = Gauge("disttrain_job_held_plans", "Step plans a single-node job holds: from its lowest acknowledged "
+                   "step to its planning frontier (acknowledging frees them)", ["job"])
+ACKED_STEP = Gauge("disttrain_job_acknowledged_step", "The step every rank of a job acknowledged (checkpointed): "
+                   "no rank resumes before it", ["job"])
 DP_IMBALANCE = Gauge("disttrain_step_dp_imbalance", "Max/mean planned rank load of the last step sent", ["job"])
 BUBBLE = Gauge("disttrain_step_bubble_fraction", "Idle share of the pipeline in the last step: the simulator's "
                "prediction or the trainer's measurement", ["job", "source"])

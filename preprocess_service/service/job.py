@@ -179,6 +179,7 @@ class Job:
                 return
             self._plans[plan.step] = plan
             self._next_step = plan.step + 1
+            metrics.HELD_PLANS.labels(self.job_id).set(len(self._plans))
             self.num_planned_samples += sum(1 for _ in plan.documents())
             self._release_through(self._next_step - 1 - self.retain_steps)
 
@@ -452,6 +453,8 @@ class Job:
             self._acked[rank] = max(self._acked.get(rank, 0), next_step)
             low = min(self._acked.get(r, 0) for r in range(self.config.dp_size))
             self._drop_before(low)
+            metrics.HELD_PLANS.labels(self.job_id).set(len(self._plans))
+            metrics.ACKED_STEP.labels(self.job_id).set(low)
         if low > before and self.on_acknowledged is not None:
             self.on_acknowledged(low)
         return low

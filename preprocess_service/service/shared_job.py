@@ -315,6 +315,7 @@ class SharedJob(Job):
         every rank has acknowledged. Returns the lowest acknowledged step over all ranks."""
         self.check_rank(rank)
         low = self.store.acknowledge(self.job_id, rank, next_step, self.config.dp_size)
+        metrics.ACKED_STEP.labels(self.job_id).set(low)
         with self._lock:
             drop = range(self._dropped_through, low)
             for step in drop:

@@ -118,7 +118,7 @@ def _timed(fn):
 # --- every kind of write round trip rides out OOM ---------------------------------------------------
 WRITES = {
     "pipeline": (lambda s: s.register_job("j", b"spec"), lambda s, admin: s.job_spec("j") == b"spec"),
-    "script": (lambda s: s.commit_plan("j", 0, 0, True, b"plan", 3, {"k": "{}"}, "token", 5),
+    "script": (lambda s: s.commit_plan("j", 0, b"plan", 3, {"k": "{}"}, "token", 5),
                lambda s, admin: s.read_plan("j", 0)[:2] == (b"plan", 1)),
     "pipeline-with-script": (lambda s: s.read_plan("j", 4, want=True),
                              lambda s, admin: admin.zscore("disttrain:{j}:wants", "max") == 4),
@@ -197,7 +197,7 @@ def test_a_call_whose_stop_is_set_gives_up_at_the_first_fault(server, admin):
     stop.set()
     began = time.monotonic()
     with pytest.raises(ServiceUnavailableError, match="refused writes when the call was stopped .*OOM"):
-        store.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5, stop=stop)
+        store.commit_plan("j", 0, b"plan", 1, {}, "token", 5, stop=stop)
     assert time.monotonic() - began < 1.0
 
 
@@ -205,7 +205,7 @@ def test_a_call_whose_stop_is_set_gives_up_at_the_first_fault(server, admin):
 @pytest.mark.parametrize("key, call", [
     ("disttrain:jobs", lambda s: s.register_job("j", b"spec")),  # SADD in a pipeline
     ("disttrain:{j}:counters",  # HINCRBY in a script
-     lambda s: s.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5)),
+     lambda s: s.commit_plan("j", 0, b"plan", 1, {}, "token", 5)),
     ("disttrain:{j}:wants", lambda s: s.read_plan("j", 0, want=True)),  # ZADD in a script in a pipeline
 ], ids=["pipeline", "script", "pipeline-with-script"])
 def test_a_wrong_type_is_a_bug_raised_at_once(server, admin, key, call):
@@ -222,7 +222,7 @@ def test_scripts_still_run_after_redis_forgets_them(server, admin):
     """SCRIPT FLUSH (as a restart does) empties the script cache: redis-py loads the scripts again."""
     store = RedisStore(server.url, retry_deadline_s=20)
     admin.script_flush()
-    assert store.commit_plan("j", 0, 0, True, b"plan", 1, {}, "token", 5)
+    assert store.commit_plan("j", 0, b"plan", 1, {}, "token", 5)
     admin.script_flush()
     assert store.read_plan("j", 0, want=True)[:2] == (b"plan", 1)
     assert store.stats()["retries"] == 0

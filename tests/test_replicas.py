@@ -122,8 +122,8 @@ def test_leases_commits_and_acks_against_real_redis(redis_server):
     assert store.acquire("j", "planner", "b", ttl_s=5), "an expired lease must pass to another replica"
     store.release("j", "planner", "a")  # not the holder: no effect
     assert not store.acquire("j", "planner", "a", ttl_s=5)
-    assert store.commit_plan("j", 0, 0, True, b"plan0", 3, {"k": "{}"}, "b", 5)
-    assert not store.commit_plan("j", 0, 0, True, b"other", 3, {}, "b", 5), "a step is committed once"
+    assert store.commit_plan("j", 0, b"plan0", 3, {"k": "{}"}, "b", 5)
+    assert not store.commit_plan("j", 0, b"other", 3, {}, "b", 5), "a step is committed once"
     assert store.read_plan("j", 0) == (b"plan0", 1, None)
     assert store.resume_state("j") is None, "no planner state stored: a new planner starts at step 0"
     store.save_state("j", 0, '{"step": 0}')
@@ -134,12 +134,12 @@ def test_leases_commits_and_acks_against_real_redis(redis_server):
     assert store.acknowledge("j", 1, 3, dp_size=2) == 3
     assert store.acknowledge("j", 1, 2, dp_size=2) == 3, "acknowledgements never go back"
     # a late commit after Redis lost its data leaves a gap: the frontier waits until it is filled
-    assert store.commit_plan("g", 2, 0, False, b"p2", 1, {}, "b", 5)
+    assert store.commit_plan("g", 2, b"p2", 1, {}, "b", 5)
     assert store.read_plan("g", 2) == (b"p2", 0, None)
     for step in (0, 1):
-        store.commit_plan("g", step, 0, step == 0, b"p", 1, {}, "b", 5)
+        store.commit_plan("g", step, b"p", 1, {}, "b", 5)
     assert store.read_plan("g", 0)[1] == 2
-    assert not store.commit_plan("g", 2, 0, False, b"p2", 1, {}, "b", 5)
+    assert not store.commit_plan("g", 2, b"p2", 1, {}, "b", 5)
     assert store.read_plan("g", 0)[1] == 3
     before = store.stats()["round_trips"]
     store.read_plan("j", 5, want=True)

@@ -71,6 +71,12 @@ def test_planner_resumed_from_its_state_at_any_step_plans_what_the_original_plan
     assert len(json.dumps(states[len(plans) // 2])) < 8_000, "a small state: references, not documents"
     with pytest.raises(ValueError, match="version"):
         resumed.load_state_dict({**states[1], "version": 99})
+    import base64
+    import zlib
+
+    for seen in (b"x" * 9, bytes(8 * ((1 << 27) + 1))):  # not whole hashes; more than the bound
+        with pytest.raises(ValueError, match="8-byte hashes"):
+            resumed.load_state_dict({**states[1], "seen": base64.b64encode(zlib.compress(seen)).decode()})
 
 
 def test_a_restarted_job_continues_at_the_acknowledged_step_and_plans_are_dropped(tmp_path):

@@ -9,7 +9,6 @@ Keys of a job (the ``{job_id}`` hash tag keeps a job on one Redis Cluster slot):
                                      before any replica streams any of it
   disttrain:{J}:frontier             steps 0..frontier-1 are committed
   disttrain:{J}:done                 number of steps, once planning has reached the end
-  disttrain:{J}:epoch_start          hash epoch -> first step
   disttrain:{J}:state                hash step -> planner state (JSON) before that step, every few steps: a
                                      planner that takes over loads the newest one at or before the frontier
   disttrain:{J}:wants                the highest step a stream waits for (sorted set, member "max")
@@ -72,17 +71,16 @@ _REFUSING_WRITES = frozenset({"OOM", "READONLY", "NOREPLICAS"})
 # as "...: -OOM ...". BUSYGROUP (a consumer group exists) is not BUSY: whole words only.
 _CODE = re.compile(r"(?:^|caused error: |: -)([A-Z]+)\b")
 
-# Commit step K if nobody has: plan, counters, skipped samples, epoch start; renew the planning
-# lease if the caller holds it. The frontier only moves over contiguous steps (K == frontier), so
-# every step below it has a plan: a late commit landing in a Redis that lost its data (restarted
-# without AOF) cannot make the steps before it look dropped. KEYS: plan, frontier, counters, skipped, epoch_start,
-# planner. ARGV: plan bytes, step, num samples, epoch, is first step of its epoch (0/1), token,
-# ttl ms, then pairs of (skipped key, record JSON). Returns 1 if this call committed the step.
+# Commit step K if nobody has: plan, counters, skipped samples; renew the planning lease if the
+# caller holds it. The frontier only moves over contiguous steps (K == frontier), so every step
+# below it has a plan: a late commit landing in a Redis that lost its data (restarted without AOF)
+# cannot make the steps before it look dropped. KEYS: plan, frontier, counters, skipped, planner.
+# ARGV: plan bytes, step, num samples, token, ttl ms, then pairs of (skipped key, record JSON).
+# Returns 1 if this call committed the step.
 _COMMIT = """
-if redis.call('GET', KEYS[6]) == ARGV[6] then redis.call('PEXPIRE', KEYS[6], ARGV[7]) end
+if redis.call('GET', KEYS[5]) == ARGV[4] then redis.call('PEXPIRE', KEYS[5], ARGV[5]) end
 local fresh = redis.call('SET', KEYS[1], ARGV[1], 'NX')
-for i = 8, #ARGV, 2 do redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1]) end
-if ARGV[5] == '1' then redis.call('HSETNX', KEYS[5], ARGV[4], ARGV[2]) end
+for i = 6, #ARGV, 2 do redis.call('HSETNX', KEYS[4], ARGV[i], ARGV[i + 1]) end
 local frontier = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[2]) == frontier then redis.call('SET', KEYS[2], frontier + 1) end
 if not fresh then return 0 end
@@ -344,14 +342,14 @@ class RedisStore:
         """Stores the planner state before ``step`` (once: HSETNX; planning is deterministic)."""
         self._call(lambda r: r.hsetnx(self._key(job_id, "state"), step, state), commands=1, stop=stop)
 
-    def commit_plan(self, job_id: str, step: int, epoch: int, first_of_epoch: bool, plan: bytes,
-                    num_samples: int, skipped: dict[str, str], token: str, ttl_s: float, *, stop=None) -> bool:
+    def commit_plan(self, job_id: str, step: int, plan: bytes, num_samples: int, skipped: dict[str, str],
+                    token: str, ttl_s: float, *, stop=None) -> bool:
         """Commits ``step`` unless it already is (returns whether this call did), with the skipped
         samples found while planning it, and renews the planning lease ``token`` holds."""
         keys = [self._key(job_id, name)
-                for name in ("plan", "frontier", "counters", "skipped", "epoch_start", "planner")]
+                for name in ("plan", "frontier", "counters", "skipped", "planner")]
         keys[0] = self._key(job_id, "plan", step)
-        args = [plan, step, num_samples, epoch, int(first_of_epoch), token, int(ttl_s * 1000)]
+        args = [plan, step, num_samples, token, int(ttl_s * 1000)]
         for key, record in skipped.items():
             args += [key, record]
         return bool(self._call(lambda r: self._commit(keys=keys, args=args, client=r), commands=1, stop=stop))

@@ -45,6 +45,8 @@ Parse = Callable[[dict], Document]
 """Turns a raw sample (``__key__``, ``__url__``, member -> bytes) into a Document or raises SampleError."""
 
 STATE_VERSION = 1
+MAX_SEEN_BYTES = 8 << 27
+"""Key hashes a loaded state may hold: 134 million keys (a stored state is data too)."""
 
 
 class SampleSource(Protocol):
@@ -167,7 +169,12 @@ class EpochPlanner:
         self._drained = bool(state["drained"])
         t = state["tolerance"]
         self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total = (int(x) for x in t)
-        seen = np.frombuffer(zlib.decompress(base64.b64decode(state["seen"])), dtype=np.uint64)
+        packed = zlib.decompressobj()
+        raw = packed.decompress(base64.b64decode(state["seen"]), MAX_SEEN_BYTES)
+        if packed.unconsumed_tail or len(raw) % 8:
+            raise ValueError(f"planner state: the key hashes are not a whole number of 8-byte hashes within "
+                             f"{MAX_SEEN_BYTES} bytes")
+        seen = np.frombuffer(raw, dtype=np.uint64)
         self._seen = KeySet(seen)
         self.cost = dataclasses.replace(self.config.cost, **state["cost"])
         wanted = [*state["buffer"], *(r for seq in state["packer"] for r in seq),

@@ -45,7 +45,6 @@ from disttrain_api.errors import (
 from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service.adapters import metrics, shards
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
-from preprocess_service.adapters.samples import parse_document
 from preprocess_service.adapters.store import RedisStore
 from preprocess_service.core import plan_record
 from preprocess_service.core.feedback import (
@@ -141,7 +140,7 @@ class SharedJob(Job):
 
     def _planner_loop(self) -> None:
         """Competes for the planning lease; while holding it, plans what the streams want."""
-        planner, next_step, previous_epoch, seen_frontier = None, 0, None, 0
+        planner, next_step, seen_frontier = None, 0, 0
         stop = self._closed
         try:
             while not stop.is_set():
@@ -165,7 +164,7 @@ class SharedJob(Job):
                     state = self.store.resume_state(self.job_id, stop=stop)
                     if state is not None:
                         planner.load_state_dict(json.loads(state))
-                    next_step, previous_epoch = planner.step, None
+                    next_step = planner.step
                     log.info("job %s: planning from step %d (epoch %d), %d steps committed",
                              self.job_id, next_step, planner.epoch, frontier)
                 if next_step >= max(frontier, want + 1 + self.lookahead):  # replay, else stay lookahead ahead
@@ -181,7 +180,6 @@ class SharedJob(Job):
                         planner = None  # steps are missing (Redis lost them): plan them again
                         continue
                     return
-                first_of_epoch, previous_epoch = plan.epoch != previous_epoch, plan.epoch
                 skips, self._planning_skips = self._planning_skips, {}
                 record = plan_record.encode(plan, **self._feedback_fields(plan, planner))
                 if plan.step < frontier:  # a replay: it must match what was committed
@@ -194,7 +192,7 @@ class SharedJob(Job):
                         stop.wait(self.lease_ttl_s)
                         continue
                 else:
-                    self.store.commit_plan(self.job_id, plan.step, plan.epoch, first_of_epoch, record,
+                    self.store.commit_plan(self.job_id, plan.step, record,
                                            sum(1 for _ in plan.documents()), skips, self._token,
                                            self.lease_ttl_s, stop=stop)
                     seen_frontier = max(seen_frontier, plan.step + 1)
@@ -267,10 +265,8 @@ class SharedJob(Job):
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
         if sample is None:
             return "not found when re-reading its shard (did the shard change after planning?)", None
-        cfg = self.config
         try:
-            doc = parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer, seq_len=cfg.seq_len,
-                                 audio_config=cfg.audio, generation=cfg.generation)
+            doc = self._parse(sample)
         except SampleError as exc:
             return f"re-read from its shard, it no longer parses: {exc.reason}", None
         if doc.num_tokens != ref.num_tokens:

@@ -31,6 +31,8 @@ def _in_range(name: str, value, low, high, *, integer: bool = True) -> None:
 MAX_SEQ_LEN = 1 << 20
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_STAGES = 256
+MAX_SPLIT = 64
+"""At most this many encoder (generator) replicas serve one backbone DP rank."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -188,6 +190,11 @@ class JobConfig:
     replicas); > 1 couples those ranks' microbatch slots, and the planner plans for that."""
     gen_shared_by: int = 1
     """Backbone DP ranks that one generator replica serves, as enc_shared_by."""
+    enc_split_by: int = 1
+    """Encoder replicas per backbone DP rank: rank d sends microbatch m to its replica m % this
+    (not with enc_shared_by > 1)."""
+    gen_split_by: int = 1
+    """Generator replicas per backbone DP rank, as enc_split_by."""
     pack_window: int = 8
     """Open sequences the best-fit packer fills at once (1 = sequential packing)."""
     cost_feedback: bool = False
@@ -210,9 +217,9 @@ class JobConfig:
               "seqs_per_microbatch": (1, 1024), "seed": (0, 2**63 - 1), "num_epochs": (1, 1_000_000),
               "shuffle_buffer": (1, 1 << 20), "pack_window": (1, 1024), "max_consecutive_errors": (1, 1_000_000)}
     """Accepted range of every integer field (INVALID_ARGUMENT outside it); also enc_shared_by and
-    gen_shared_by in [1, dp_size], max_error_fraction in (0, 1], at most 2^20 sequences per step
-    and 256 stages. A server may lower seq_len's bound and the bytes of a microbatch (its
-    max_seq_len and max_microbatch_bytes)."""
+    gen_shared_by in [1, dp_size], enc_split_by and gen_split_by in [1, MAX_SPLIT], max_error_fraction
+    in (0, 1], at most 2^20 sequences per step and 256 stages. A server may lower seq_len's bound
+    and the bytes of a microbatch (its max_seq_len and max_microbatch_bytes)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
@@ -222,6 +229,8 @@ class JobConfig:
             _in_range(name, getattr(self, name), low, high)
         _in_range("enc_shared_by", self.enc_shared_by, 1, self.dp_size)
         _in_range("gen_shared_by", self.gen_shared_by, 1, self.dp_size)
+        _in_range("enc_split_by", self.enc_split_by, 1, MAX_SPLIT)
+        _in_range("gen_split_by", self.gen_split_by, 1, MAX_SPLIT)
         _in_range("max_error_fraction", self.max_error_fraction, 1e-9, 1.0, integer=False)
         _require(self.global_batch <= MAX_GLOBAL_BATCH,
                  f"dp_size x num_microbatches x seqs_per_microbatch = {self.global_batch} sequences per step, "
@@ -249,7 +258,8 @@ class JobConfig:
         return StageModel(stage_map=self.stage_map,
                           bwd_factor=(0.0 if cost.enc_frozen else cost.enc_backward_factor,
                                       cost.bb_backward_factor, cost.gen_backward_factor),
-                          shared_by=(self.enc_shared_by, 1, self.gen_shared_by))
+                          shared_by=(self.enc_shared_by, 1, self.gen_shared_by),
+                          split_by=(self.enc_split_by, 1, self.gen_split_by))
 
     def max_microbatch_bytes(self) -> int:
         """An upper bound on one microbatch's tensor bytes, from the config alone: every token at

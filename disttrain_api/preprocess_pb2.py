@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64isttrain_api/preprocess.proto\x12\x17\x64isttrain.preprocess.v1\"v\n\tImageSpec\x12\x12\n\npatch_size\x18\x01 \x01(\r\x12\x12\n\nmerge_size\x18\x02 \x01(\r\x12\x12\n\nmax_pixels\x18\x03 \x01(\x04\x12\x12\n\nmin_pixels\x18\x04 \x01(\x04\x12\x19\n\x11max_source_pixels\x18\x05 \x01(\x04\"~\n\tAudioSpec\x12\x13\n\x0bsample_rate\x18\x01 \x01(\r\x12\x0e\n\x06n_mels\x18\x02 \x01(\r\x12\r\n\x05n_fft\x18\x03 \x01(\r\x12\x12\n\nhop_length\x18\x04 \x01(\r\x12\x14\n\x0ctoken_stride\x18\x05 \x01(\r\x12\x13\n\x0bmax_seconds\x18\x06 \x01(\x01\"J\n\x0eGenerationSpec\x12\x12\n\nimage_size\x18\x01 \x01(\r\x12\x14\n\x0cquery_tokens\x18\x02 \x01(\r\x12\x0e\n\x06select\x18\x03 \x01(\t\"\xc8\x03\n\x08\x43ostSpec\x12\x19\n\x0c\x65nc_linear_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nc_quadratic_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0b\x62\x62_linear_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1b\n\x0e\x62\x62_quadratic_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0fgen_per_image_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12 \n\x13\x65nc_backward_factor\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12\x62\x62_backward_factor\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12 \n\x13gen_backward_factor\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nenc_frozen\x18\t \x01(\x08H\x08\x88\x01\x01\x42\x0f\n\r_enc_linear_sB\x12\n\x10_enc_quadratic_sB\x0e\n\x0c_bb_linear_sB\x11\n\x0f_bb_quadratic_sB\x12\n\x10_gen_per_image_sB\x16\n\x14_enc_backward_factorB\x15\n\x13_bb_backward_factorB\x16\n\x14_gen_backward_factorB\r\n\x0b_enc_frozen\"\x8c\x05\n\x07JobSpec\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12\x0f\n\x07seq_len\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x18\n\x10num_microbatches\x18\x04 \x01(\r\x12\x1b\n\x13seqs_per_microbatch\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\nnum_epochs\x18\x07 \x01(\r\x12\x16\n\x0eshuffle_buffer\x18\x08 \x01(\r\x12\x18\n\x10no_shard_shuffle\x18\t \x01(\x08\x12\x13\n\x0bpack_window\x18\x0c \x01(\r\x12\x31\n\x05image\x18\r \x01(\x0b\x32\".disttrain.preprocess.v1.ImageSpec\x12/\n\x04\x63ost\x18\x0e \x01(\x0b\x32!.disttrain.preprocess.v1.CostSpec\x12\x19\n\x11reorder_algorithm\x18\x0f \x01(\t\x12\x11\n\tstage_map\x18\x10 \x03(\t\x12\x15\n\renc_shared_by\x18\x11 \x01(\x05\x12\x15\n\rgen_shared_by\x18\x12 \x01(\x05\x12\x31\n\x05\x61udio\x18\x13 \x01(\x0b\x32\".disttrain.preprocess.v1.AudioSpec\x12;\n\ngeneration\x18\x14 \x01(\x0b\x32\'.disttrain.preprocess.v1.GenerationSpec\x12\x15\n\rcost_feedback\x18\x15 \x01(\x08\x12\x1e\n\x16max_consecutive_errors\x18\x16 \x01(\r\x12\x1a\n\x12max_error_fraction\x18\x17 \x01(\x01J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\x0fintra_algorithmR\x0finter_algorithm\"!\n\x0f\x43loseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\".\n\x10\x43loseJobResponse\x12\x1a\n\x12num_streams_closed\x18\x01 \x01(\r\"@\n\x0eOpenJobRequest\x12.\n\x04spec\x18\x01 \x01(\x0b\x32 .disttrain.preprocess.v1.JobSpec\"$\n\x12\x44\x65scribeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x90\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12.\n\x04spec\x18\x02 \x01(\x0b\x32 .disttrain.preprocess.v1.JobSpec\x12\x1e\n\x16global_batch_sequences\x18\x03 \x01(\r\x12\x11\n\tnum_steps\x18\x04 \x01(\x03\x12\x12\n\nshard_urls\x18\x05 \x03(\t\"q\n\rStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x12\n\nstart_step\x18\x03 \x01(\x04\x12\x18\n\x10start_microbatch\x18\x04 \x01(\r\x12\x11\n\tmax_steps\x18\x05 \x01(\x04\"b\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1e.disttrain.preprocess.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"[\n\x0cSequenceCost\x12\x11\n\tencoder_s\x18\x01 \x01(\x01\x12\x12\n\nbackbone_s\x18\x02 \x01(\x01\x12\x13\n\x0bgenerator_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"I\n\rSkippedSample\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"\xbd\x02\n\nMicrobatch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x18\n\x10microbatch_index\x18\x04 \x01(\r\x12\x18\n\x10num_microbatches\x18\x05 \x01(\r\x12\x30\n\x07tensors\x18\x06 \x03(\x0b\x32\x1f.disttrain.preprocess.v1.Tensor\x12\x13\n\x0bsample_keys\x18\x07 \x03(\t\x12=\n\x0esequence_costs\x18\x08 \x03(\x0b\x32%.disttrain.preprocess.v1.SequenceCost\x12\x37\n\x07skipped\x18\t \x03(\x0b\x32&.disttrain.preprocess.v1.SkippedSample\x12\r\n\x05\x65poch\x18\n \x01(\r\"@\n\nAckRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x11\n\tnext_step\x18\x03 \x01(\x04\"$\n\x0b\x41\x63kResponse\x12\x15\n\rmin_next_step\x18\x01 \x01(\x04\"\x1f\n\rReportRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x8f\x02\n\tJobReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x37\n\x07skipped\x18\x02 \x03(\x0b\x32&.disttrain.preprocess.v1.SkippedSample\x12\x1b\n\x13num_planned_samples\x18\x03 \x01(\x04\x12\x19\n\x11num_planned_steps\x18\x04 \x01(\x04\x12\x15\n\rplanning_done\x18\x05 \x01(\x08\x12\x1d\n\x15num_sent_microbatches\x18\x06 \x01(\x04\x12:\n\x0cstep_balance\x18\x07 \x03(\x0b\x32$.disttrain.preprocess.v1.StepBalance\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\"\xec\x01\n\x0bStepBalance\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\timbalance\x18\x02 \x01(\x01\x12\x19\n\x11\x61rrival_imbalance\x18\x03 \x01(\x01\x12\x13\n\x0brank_load_s\x18\x04 \x03(\x01\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x13\n\x0bnum_samples\x18\x06 \x01(\r\x12\x13\n\x0biteration_s\x18\x07 \x01(\x01\x12\x1b\n\x13\x61rrival_iteration_s\x18\x08 \x01(\x01\x12\x15\n\rlower_bound_s\x18\t \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\n \x01(\x01\"\x87\x01\n\x10MicrobatchTiming\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x18\n\x10microbatch_index\x18\x03 \x01(\r\x12\x11\n\tencoder_s\x18\x04 \x01(\x01\x12\x12\n\nbackbone_s\x18\x05 \x01(\x01\x12\x13\n\x0bgenerator_s\x18\x06 \x01(\x01\"\x9c\x01\n\x0cTimingReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12:\n\x07timings\x18\x02 \x03(\x0b\x32).disttrain.preprocess.v1.MicrobatchTiming\x12\x13\n\x0b\x62ubble_step\x18\x03 \x01(\x04\x12\x17\n\x0f\x62ubble_fraction\x18\x04 \x01(\x01\x12\x12\n\nhas_bubble\x18\x05 \x01(\x08\"\xc5\x01\n\tTimingAck\x12/\n\x04\x63ost\x18\x01 \x01(\x0b\x32!.disttrain.preprocess.v1.CostSpec\x12\x18\n\x10num_observations\x18\x02 \x01(\x04\x12\x19\n\x11\x66irst_step_priced\x18\x03 \x01(\x04\x12\x19\n\x11\x65ncoder_rel_error\x18\x04 \x01(\x01\x12\x1a\n\x12\x62\x61\x63kbone_rel_error\x18\x05 \x01(\x01\x12\x1b\n\x13generator_rel_error\x18\x06 \x01(\x01*d\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05UINT8\x10\x01\x12\t\n\x05INT16\x10\x02\x12\t\n\x05INT32\x10\x03\x12\t\n\x05INT64\x10\x04\x12\x0b\n\x07\x46LOAT16\x10\x05\x12\x0b\n\x07\x46LOAT32\x10\x06\x32\x95\x05\n\nPreprocess\x12T\n\x07OpenJob\x12\'.disttrain.preprocess.v1.OpenJobRequest\x1a .disttrain.preprocess.v1.JobInfo\x12\\\n\x0b\x44\x65scribeJob\x12+.disttrain.preprocess.v1.DescribeJobRequest\x1a .disttrain.preprocess.v1.JobInfo\x12\x63\n\x12StreamMicrobatches\x12&.disttrain.preprocess.v1.StreamRequest\x1a#.disttrain.preprocess.v1.Microbatch0\x01\x12X\n\x0b\x41\x63knowledge\x12#.disttrain.preprocess.v1.AckRequest\x1a$.disttrain.preprocess.v1.AckResponse\x12W\n\tGetReport\x12&.disttrain.preprocess.v1.ReportRequest\x1a\".disttrain.preprocess.v1.JobReport\x12Z\n\rReportTimings\x12%.disttrain.preprocess.v1.TimingReport\x1a\".disttrain.preprocess.v1.TimingAck\x12_\n\x08\x43loseJob\x12(.disttrain.preprocess.v1.CloseJobRequest\x1a).disttrain.preprocess.v1.CloseJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64isttrain_api/preprocess.proto\x12\x17\x64isttrain.preprocess.v1\"v\n\tImageSpec\x12\x12\n\npatch_size\x18\x01 \x01(\r\x12\x12\n\nmerge_size\x18\x02 \x01(\r\x12\x12\n\nmax_pixels\x18\x03 \x01(\x04\x12\x12\n\nmin_pixels\x18\x04 \x01(\x04\x12\x19\n\x11max_source_pixels\x18\x05 \x01(\x04\"~\n\tAudioSpec\x12\x13\n\x0bsample_rate\x18\x01 \x01(\r\x12\x0e\n\x06n_mels\x18\x02 \x01(\r\x12\r\n\x05n_fft\x18\x03 \x01(\r\x12\x12\n\nhop_length\x18\x04 \x01(\r\x12\x14\n\x0ctoken_stride\x18\x05 \x01(\r\x12\x13\n\x0bmax_seconds\x18\x06 \x01(\x01\"J\n\x0eGenerationSpec\x12\x12\n\nimage_size\x18\x01 \x01(\r\x12\x14\n\x0cquery_tokens\x18\x02 \x01(\r\x12\x0e\n\x06select\x18\x03 \x01(\t\"\xc8\x03\n\x08\x43ostSpec\x12\x19\n\x0c\x65nc_linear_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0f\x65nc_quadratic_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0b\x62\x62_linear_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1b\n\x0e\x62\x62_quadratic_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0fgen_per_image_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12 \n\x13\x65nc_backward_factor\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12\x62\x62_backward_factor\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12 \n\x13gen_backward_factor\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nenc_frozen\x18\t \x01(\x08H\x08\x88\x01\x01\x42\x0f\n\r_enc_linear_sB\x12\n\x10_enc_quadratic_sB\x0e\n\x0c_bb_linear_sB\x11\n\x0f_bb_quadratic_sB\x12\n\x10_gen_per_image_sB\x16\n\x14_enc_backward_factorB\x15\n\x13_bb_backward_factorB\x16\n\x14_gen_backward_factorB\r\n\x0b_enc_frozen\"\xb8\x05\n\x07JobSpec\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12\x0f\n\x07seq_len\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x18\n\x10num_microbatches\x18\x04 \x01(\r\x12\x1b\n\x13seqs_per_microbatch\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\nnum_epochs\x18\x07 \x01(\r\x12\x16\n\x0eshuffle_buffer\x18\x08 \x01(\r\x12\x18\n\x10no_shard_shuffle\x18\t \x01(\x08\x12\x13\n\x0bpack_window\x18\x0c \x01(\r\x12\x31\n\x05image\x18\r \x01(\x0b\x32\".disttrain.preprocess.v1.ImageSpec\x12/\n\x04\x63ost\x18\x0e \x01(\x0b\x32!.disttrain.preprocess.v1.CostSpec\x12\x19\n\x11reorder_algorithm\x18\x0f \x01(\t\x12\x11\n\tstage_map\x18\x10 \x03(\t\x12\x15\n\renc_shared_by\x18\x11 \x01(\x05\x12\x15\n\rgen_shared_by\x18\x12 \x01(\x05\x12\x14\n\x0c\x65nc_split_by\x18\x18 \x01(\r\x12\x14\n\x0cgen_split_by\x18\x19 \x01(\r\x12\x31\n\x05\x61udio\x18\x13 \x01(\x0b\x32\".disttrain.preprocess.v1.AudioSpec\x12;\n\ngeneration\x18\x14 \x01(\x0b\x32\'.disttrain.preprocess.v1.GenerationSpec\x12\x15\n\rcost_feedback\x18\x15 \x01(\x08\x12\x1e\n\x16max_consecutive_errors\x18\x16 \x01(\r\x12\x1a\n\x12max_error_fraction\x18\x17 \x01(\x01J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\x0fintra_algorithmR\x0finter_algorithm\"!\n\x0f\x43loseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\".\n\x10\x43loseJobResponse\x12\x1a\n\x12num_streams_closed\x18\x01 \x01(\r\"@\n\x0eOpenJobRequest\x12.\n\x04spec\x18\x01 \x01(\x0b\x32 .disttrain.preprocess.v1.JobSpec\"$\n\x12\x44\x65scribeJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x90\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12.\n\x04spec\x18\x02 \x01(\x0b\x32 .disttrain.preprocess.v1.JobSpec\x12\x1e\n\x16global_batch_sequences\x18\x03 \x01(\r\x12\x11\n\tnum_steps\x18\x04 \x01(\x03\x12\x12\n\nshard_urls\x18\x05 \x03(\t\"q\n\rStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x12\n\nstart_step\x18\x03 \x01(\x04\x12\x18\n\x10start_microbatch\x18\x04 \x01(\r\x12\x11\n\tmax_steps\x18\x05 \x01(\x04\"b\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1e.disttrain.preprocess.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"[\n\x0cSequenceCost\x12\x11\n\tencoder_s\x18\x01 \x01(\x01\x12\x12\n\nbackbone_s\x18\x02 \x01(\x01\x12\x13\n\x0bgenerator_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"I\n\rSkippedSample\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"\xbd\x02\n\nMicrobatch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x18\n\x10microbatch_index\x18\x04 \x01(\r\x12\x18\n\x10num_microbatches\x18\x05 \x01(\r\x12\x30\n\x07tensors\x18\x06 \x03(\x0b\x32\x1f.disttrain.preprocess.v1.Tensor\x12\x13\n\x0bsample_keys\x18\x07 \x03(\t\x12=\n\x0esequence_costs\x18\x08 \x03(\x0b\x32%.disttrain.preprocess.v1.SequenceCost\x12\x37\n\x07skipped\x18\t \x03(\x0b\x32&.disttrain.preprocess.v1.SkippedSample\x12\r\n\x05\x65poch\x18\n \x01(\r\"@\n\nAckRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x11\n\tnext_step\x18\x03 \x01(\x04\"$\n\x0b\x41\x63kResponse\x12\x15\n\rmin_next_step\x18\x01 \x01(\x04\"\x1f\n\rReportRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x8f\x02\n\tJobReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x37\n\x07skipped\x18\x02 \x03(\x0b\x32&.disttrain.preprocess.v1.SkippedSample\x12\x1b\n\x13num_planned_samples\x18\x03 \x01(\x04\x12\x19\n\x11num_planned_steps\x18\x04 \x01(\x04\x12\x15\n\rplanning_done\x18\x05 \x01(\x08\x12\x1d\n\x15num_sent_microbatches\x18\x06 \x01(\x04\x12:\n\x0cstep_balance\x18\x07 \x03(\x0b\x32$.disttrain.preprocess.v1.StepBalance\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\"\xec\x01\n\x0bStepBalance\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\timbalance\x18\x02 \x01(\x01\x12\x19\n\x11\x61rrival_imbalance\x18\x03 \x01(\x01\x12\x13\n\x0brank_load_s\x18\x04 \x03(\x01\x12\x15\n\rnum_sequences\x18\x05 \x01(\r\x12\x13\n\x0bnum_samples\x18\x06 \x01(\r\x12\x13\n\x0biteration_s\x18\x07 \x01(\x01\x12\x1b\n\x13\x61rrival_iteration_s\x18\x08 \x01(\x01\x12\x15\n\rlower_bound_s\x18\t \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\n \x01(\x01\"\x87\x01\n\x10MicrobatchTiming\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x18\n\x10microbatch_index\x18\x03 \x01(\r\x12\x11\n\tencoder_s\x18\x04 \x01(\x01\x12\x12\n\nbackbone_s\x18\x05 \x01(\x01\x12\x13\n\x0bgenerator_s\x18\x06 \x01(\x01\"\x9c\x01\n\x0cTimingReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12:\n\x07timings\x18\x02 \x03(\x0b\x32).disttrain.preprocess.v1.MicrobatchTiming\x12\x13\n\x0b\x62ubble_step\x18\x03 \x01(\x04\x12\x17\n\x0f\x62ubble_fraction\x18\x04 \x01(\x01\x12\x12\n\nhas_bubble\x18\x05 \x01(\x08\"\xc5\x01\n\tTimingAck\x12/\n\x04\x63ost\x18\x01 \x01(\x0b\x32!.disttrain.preprocess.v1.CostSpec\x12\x18\n\x10num_observations\x18\x02 \x01(\x04\x12\x19\n\x11\x66irst_step_priced\x18\x03 \x01(\x04\x12\x19\n\x11\x65ncoder_rel_error\x18\x04 \x01(\x01\x12\x1a\n\x12\x62\x61\x63kbone_rel_error\x18\x05 \x01(\x01\x12\x1b\n\x13generator_rel_error\x18\x06 \x01(\x01*d\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05UINT8\x10\x01\x12\t\n\x05INT16\x10\x02\x12\t\n\x05INT32\x10\x03\x12\t\n\x05INT64\x10\x04\x12\x0b\n\x07\x46LOAT16\x10\x05\x12\x0b\n\x07\x46LOAT32\x10\x06\x32\x95\x05\n\nPreprocess\x12T\n\x07OpenJob\x12\'.disttrain.preprocess.v1.OpenJobRequest\x1a .disttrain.preprocess.v1.JobInfo\x12\\\n\x0b\x44\x65scribeJob\x12+.disttrain.preprocess.v1.DescribeJobRequest\x1a .disttrain.preprocess.v1.JobInfo\x12\x63\n\x12StreamMicrobatches\x12&.disttrain.preprocess.v1.StreamRequest\x1a#.disttrain.preprocess.v1.Microbatch0\x01\x12X\n\x0b\x41\x63knowledge\x12#.disttrain.preprocess.v1.AckRequest\x1a$.disttrain.preprocess.v1.AckResponse\x12W\n\tGetReport\x12&.disttrain.preprocess.v1.ReportRequest\x1a\".disttrain.preprocess.v1.JobReport\x12Z\n\rReportTimings\x12%.disttrain.preprocess.v1.TimingReport\x1a\".disttrain.preprocess.v1.TimingAck\x12_\n\x08\x43loseJob\x12(.disttrain.preprocess.v1.CloseJobRequest\x1a).disttrain.preprocess.v1.CloseJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disttrain_api.preprocess_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3681
-  _globals['_DTYPE']._serialized_end=3781
+  _globals['_DTYPE']._serialized_start=3725
+  _globals['_DTYPE']._serialized_end=3825
   _globals['_IMAGESPEC']._serialized_start=59
   _globals['_IMAGESPEC']._serialized_end=177
   _globals['_AUDIOSPEC']._serialized_start=179
@@ -42,43 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COSTSPEC']._serialized_start=384
   _globals['_COSTSPEC']._serialized_end=840
   _globals['_JOBSPEC']._serialized_start=843
-  _globals['_JOBSPEC']._serialized_end=1495
-  _globals['_CLOSEJOBREQUEST']._serialized_start=1497
-  _globals['_CLOSEJOBREQUEST']._serialized_end=1530
-  _globals['_CLOSEJOBRESPONSE']._serialized_start=1532
-  _globals['_CLOSEJOBRESPONSE']._serialized_end=1578
-  _globals['_OPENJOBREQUEST']._serialized_start=1580
-  _globals['_OPENJOBREQUEST']._serialized_end=1644
-  _globals['_DESCRIBEJOBREQUEST']._serialized_start=1646
-  _globals['_DESCRIBEJOBREQUEST']._serialized_end=1682
-  _globals['_JOBINFO']._serialized_start=1685
-  _globals['_JOBINFO']._serialized_end=1829
-  _globals['_STREAMREQUEST']._serialized_start=1831
-  _globals['_STREAMREQUEST']._serialized_end=1944
-  _globals['_TENSOR']._serialized_start=1946
-  _globals['_TENSOR']._serialized_end=2044
-  _globals['_SEQUENCECOST']._serialized_start=2046
-  _globals['_SEQUENCECOST']._serialized_end=2137
-  _globals['_SKIPPEDSAMPLE']._serialized_start=2139
-  _globals['_SKIPPEDSAMPLE']._serialized_end=2212
-  _globals['_MICROBATCH']._serialized_start=2215
-  _globals['_MICROBATCH']._serialized_end=2532
-  _globals['_ACKREQUEST']._serialized_start=2534
-  _globals['_ACKREQUEST']._serialized_end=2598
-  _globals['_ACKRESPONSE']._serialized_start=2600
-  _globals['_ACKRESPONSE']._serialized_end=2636
-  _globals['_REPORTREQUEST']._serialized_start=2638
-  _globals['_REPORTREQUEST']._serialized_end=2669
-  _globals['_JOBREPORT']._serialized_start=2672
-  _globals['_JOBREPORT']._serialized_end=2943
-  _globals['_STEPBALANCE']._serialized_start=2946
-  _globals['_STEPBALANCE']._serialized_end=3182
-  _globals['_MICROBATCHTIMING']._serialized_start=3185
-  _globals['_MICROBATCHTIMING']._serialized_end=3320
-  _globals['_TIMINGREPORT']._serialized_start=3323
-  _globals['_TIMINGREPORT']._serialized_end=3479
-  _globals['_TIMINGACK']._serialized_start=3482
-  _globals['_TIMINGACK']._serialized_end=3679
-  _globals['_PREPROCESS']._serialized_start=3784
-  _globals['_PREPROCESS']._serialized_end=4445
+  _globals['_JOBSPEC']._serialized_end=1539
+  _globals['_CLOSEJOBREQUEST']._serialized_start=1541
+  _globals['_CLOSEJOBREQUEST']._serialized_end=1574
+  _globals['_CLOSEJOBRESPONSE']._serialized_start=1576
+  _globals['_CLOSEJOBRESPONSE']._serialized_end=1622
+  _globals['_OPENJOBREQUEST']._serialized_start=1624
+  _globals['_OPENJOBREQUEST']._serialized_end=1688
+  _globals['_DESCRIBEJOBREQUEST']._serialized_start=1690
+  _globals['_DESCRIBEJOBREQUEST']._serialized_end=1726
+  _globals['_JOBINFO']._serialized_start=1729
+  _globals['_JOBINFO']._serialized_end=1873
+  _globals['_STREAMREQUEST']._serialized_start=1875
+  _globals['_STREAMREQUEST']._serialized_end=1988
+  _globals['_TENSOR']._serialized_start=1990
+  _globals['_TENSOR']._serialized_end=2088
+  _globals['_SEQUENCECOST']._serialized_start=2090
+  _globals['_SEQUENCECOST']._serialized_end=2181
+  _globals['_SKIPPEDSAMPLE']._serialized_start=2183
+  _globals['_SKIPPEDSAMPLE']._serialized_end=2256
+  _globals['_MICROBATCH']._serialized_start=2259
+  _globals['_MICROBATCH']._serialized_end=2576
+  _globals['_ACKREQUEST']._serialized_start=2578
+  _globals['_ACKREQUEST']._serialized_end=2642
+  _globals['_ACKRESPONSE']._serialized_start=2644
+  _globals['_ACKRESPONSE']._serialized_end=2680
+  _globals['_REPORTREQUEST']._serialized_start=2682
+  _globals['_REPORTREQUEST']._serialized_end=2713
+  _globals['_JOBREPORT']._serialized_start=2716
+  _globals['_JOBREPORT']._serialized_end=2987
+  _globals['_STEPBALANCE']._serialized_start=2990
+  _globals['_STEPBALANCE']._serialized_end=3226
+  _globals['_MICROBATCHTIMING']._serialized_start=3229
+  _globals['_MICROBATCHTIMING']._serialized_end=3364
+  _globals['_TIMINGREPORT']._serialized_start=3367
+  _globals['_TIMINGREPORT']._serialized_end=3523
+  _globals['_TIMINGACK']._serialized_start=3526
+  _globals['_TIMINGACK']._serialized_end=3723
+  _globals['_PREPROCESS']._serialized_start=3828
+  _globals['_PREPROCESS']._serialized_end=4489
 # @@protoc_insertion_point(module_scope)

@@ -87,7 +87,7 @@ class CostSpec(_message.Message):
     def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class JobSpec(_message.Message):
     STAGE_MAP_FIELD_NUMBER: _ClassVar[int]
     ENC_SHARED_BY_FIELD_NUMBER: _ClassVar[int]
     GEN_SHARED_BY_FIELD_NUMBER: _ClassVar[int]
+    ENC_SPLIT_BY_FIELD_NUMBER: _ClassVar[int]
+    GEN_SPLIT_BY_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COST_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
@@ -125,12 +127,14 @@ class JobSpec(_message.Message):
     stage_map: _containers.RepeatedScalarFieldContainer[str]
     enc_shared_by: int
     gen_shared_by: int
+    enc_split_by: int
+    gen_split_by: int
     audio: AudioSpec
     generation: GenerationSpec
     cost_feedback: bool
     max_consecutive_errors: int
     max_error_fraction: float
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ...) -> None: ...
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ...) -> None: ...
 
 class CloseJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from disttrain_api.layout import PipelineLayout
 from trainer.models.config import ModelConfig
 from trainer.models.generator import DiffusionGenerator
 from trainer.models.layers import Block
-from trainer.runtime.layout import RuntimeLayout
 from trainer.runtime.tensor_parallel import TPGroup, full_slice, shard
 
 
@@ -96,7 +96,7 @@ def test_shard_refuses_a_split_that_does_not_divide():
 
 
 def test_layout_with_tensor_parallel_groups():
-    layout = RuntimeLayout(enc_dp=1, bb_dp=2, bb_pp=2, gen_dp=1, enc_tp=2, bb_tp=2, gen_tp=2)
+    layout = PipelineLayout(enc_dp=1, bb_dp=2, bb_pp=2, gen_dp=1, enc_tp=2, bb_tp=2, gen_tp=2)
     assert layout.world_size == 2 + 8 + 2
     assert [layout.role(r) for r in (0, 1, 2, 3, 4, 5, 6, 9, 10, 11)] == [
         ("enc", 0), ("enc", 0), ("bb", 0, 0), ("bb", 0, 0), ("bb", 1, 0), ("bb", 1, 0), ("bb", 0, 1), ("bb", 1, 1),

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from disttrain_api.layout import PipelineLayout, stage_order
 from preprocess_service.adapters import synth
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel, microbatch_seed, step_loss
-from trainer.runtime.layout import RuntimeLayout, one_f_one_b
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 from trainer.train import fill_missing_grads, job_config, parse
 
@@ -39,13 +39,14 @@ def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.Com
     return done
 
 
-def _args(address, shards, tmp_path, steps, layout=("2", "1", "1", "1"), extra=()):
+def _args(address, shards, tmp_path, steps, layout=("1", "2", "1", "1"), extra=()):
     """layout: enc DP, bb DP, bb PP, gen DP[, enc TP, bb TP, gen TP]."""
     tp = layout[4:] or ("1", "1", "1")
     return ["--address", address, "--shards", shards, "--enc-dp", layout[0], "--bb-dp", layout[1],
             "--bb-pp", layout[2], "--gen-dp", layout[3], "--enc-tp", tp[0], "--bb-tp", tp[1], "--gen-tp", tp[2],
             "--steps", str(steps), "--num-microbatches", "3",
-            "--seq-len", "2048", "--model-layers", "2", "--log-json", str(tmp_path / "log.jsonl"), *extra]
+            "--seq-len", "2048", "--model-layers", "2", "--log-json", str(tmp_path / "log.jsonl"),
+            "--profile-microbatches", "0", *extra]
 
 
 def _reference(argv: list[str], steps: int):
@@ -78,7 +79,7 @@ def _reference(argv: list[str], steps: int):
 
 
 def _worker_params(model, args, role):
-    layout = RuntimeLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp)  # unsharded: the full parameters
+    layout = PipelineLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp)  # unsharded: the full parameters
     common = (model, layout, args.num_microbatches, args.seed)
     if role[0] == "enc":
         return EncoderWorker(*common, replica=role[1]).parameters()
@@ -88,17 +89,18 @@ def _worker_params(model, args, role):
 
 
 def test_one_f_one_b_order():
-    assert one_f_one_b(3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
-    assert one_f_one_b(3, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
-    layout = RuntimeLayout(enc_dp=1, bb_dp=2, bb_pp=1, gen_dp=1)
-    ops = layout.shared_ops("enc", 0, 2)
+    assert stage_order(3, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert stage_order(3, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    layout = PipelineLayout(enc_dp=1, bb_dp=2, bb_pp=1, gen_dp=1)
+    ops = layout.ops(0, 2)
     assert ops[:4] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1)]  # (op, chain, microbatch), slot by slot
     assert [layout.role(r) for r in range(layout.world_size)] == [("enc", 0), ("bb", 0, 0), ("bb", 1, 0), ("gen", 0)]
 
 
-@pytest.mark.parametrize("layout", [("2", "1", "1", "1"), ("1", "2", "2", "1"), ("0", "1", "2", "0"),
+@pytest.mark.parametrize("layout", [("2", "2", "1", "1"), ("1", "2", "2", "1"), ("0", "1", "2", "0"),
                                     ("1", "1", "1", "1", "2", "2", "2"), ("0", "2", "1", "0", "1", "2", "1")],
-                         ids=["enc-dp2", "bb-dp2-pp2", "monolithic-pp2", "tp2-every-module", "monolithic-dp2-tp2"])
+                         ids=["enc-dp2-gen-shared", "bb-dp2-pp2", "monolithic-pp2", "tp2-every-module",
+                              "monolithic-dp2-tp2"])
 def test_disaggregated_run_matches_the_single_process_reference(service, tmp_path, layout):
     address, shards, servicer = service
     steps = 2

@@ -6,7 +6,14 @@
 Each module has its own DP and TP (--enc-tp, --bb-tp, --gen-tp; Megatron-style tensor
 parallelism, runtime/tensor_parallel.py); --enc-dp 0 --gen-dp 0 is the monolithic layout.
 
-Builds one process group per module from the layout (runtime/layout.py), runs each step's 1F1B
+The layout (disttrain_api.layout.PipelineLayout) is the flags', or with --orchestrate the one the
+orchestration planner picks for the world size from per-module costs rank 0 measures on a few
+microbatches first (trainer/orchestration/measure.py). The trainer opens the job with that layout
+(stage map, which encoder/generator replica serves which backbone ranks) and the measured costs
+(--profile-microbatches), so the service plans for the pipeline this run executes; a restart
+takes both from the checkpoint, so it reopens the same job.
+
+Builds one process group per module from the layout, runs each step's 1F1B
 schedule with point-to-point activations and gradients, reduces each module's gradients inside
 its own DP group, takes one optimizer step per global batch, and logs per-step time, loss and
 each rank's busy/idle time (the bubble). With --checkpoint-dir every rank saves its module,
@@ -28,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from disttrain_api.cli_args import add_job_arguments, job_fields
-from disttrain_api.config import JobConfig
+from disttrain_api.config import CostConfig, JobConfig
+from disttrain_api.layout import PipelineLayout
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel
-from trainer.runtime.layout import RuntimeLayout
 from trainer.runtime.tensor_parallel import TPGroup
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 
@@ -51,6 +58,15 @@ def parse(argv):
                         "($DISTTRAIN_ADDRESS)")
     p.add_argument("--shards", nargs="+", required=True)
     add_job_arguments(p, TRAINER_JOB_ARGUMENTS)  # JobConfig's names, defaults and help
+    p.add_argument("--orchestrate", action="store_true",
+                   help="the orchestration planner picks the layout for the world size (ignores --enc-dp .. "
+                        "--gen-tp and --num-microbatches; needs --global-batch)")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="sequences per step with --orchestrate (= backbone DP x microbatches)")
+    p.add_argument("--profile-microbatches", type=int, default=2,
+                   help="rank 0 times each module on this many microbatches of a probe job and opens the job "
+                        "with those costs (0: the job's default cost model)")
+    p.add_argument("--trace", type=Path, help="every rank writes the ops it ran per step here (rank{R}.json)")
     p.add_argument("--enc-dp", type=int, default=1)
     p.add_argument("--bb-dp", type=int, default=1)
     p.add_argument("--bb-pp", type=int, default=1)
@@ -70,19 +86,25 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def job_config(args) -> JobConfig:
-    return JobConfig(shards=tuple(args.shards), dp_size=args.bb_dp, num_epochs=1000, cost_feedback=args.feedback,
-                     **job_fields(args, TRAINER_JOB_ARGUMENTS))
+def job_config(args, cost: CostConfig | None = None) -> JobConfig:
+    """The job this run trains on: the flags' fields, the layout's pipeline, the measured costs."""
+    layout = runtime_layout(args)
+    model = layout.stage_model()
+    extra = {"cost": cost} if cost is not None else {}
+    return JobConfig(shards=tuple(args.shards), dp_size=layout.bb_dp, num_epochs=1000, cost_feedback=args.feedback,
+                     stage_map=model.stage_map, enc_shared_by=layout.enc_shared_by,
+                     gen_shared_by=layout.gen_shared_by, enc_split_by=layout.enc_split_by,
+                     gen_split_by=layout.gen_split_by, **extra, **job_fields(args, TRAINER_JOB_ARGUMENTS))
 
 
-def runtime_layout(args) -> RuntimeLayout:
-    if args.enc_dp == 0 and args.enc_tp != 1 or args.gen_dp == 0 and args.gen_tp != 1:
-        raise SystemExit("an encoder or generator run inside a backbone stage (--enc-dp 0 / --gen-dp 0) "
-                         "uses the backbone's TP: leave --enc-tp / --gen-tp at 1")
-    return RuntimeLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp, args.enc_tp, args.bb_tp, args.gen_tp)
+def runtime_layout(args) -> PipelineLayout:
+    try:
+        return PipelineLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp, args.enc_tp, args.bb_tp, args.gen_tp)
+    except ValueError as exc:
+        raise SystemExit(f"layout: {exc}") from None
 
 
-def build_worker(args, layout: RuntimeLayout, rank: int, groups: dict):
+def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: CostConfig | None = None):
     """This rank's worker, its module sharded for its TP rank."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank; each keeps its module
     model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len))
@@ -99,7 +121,7 @@ def build_worker(args, layout: RuntimeLayout, rank: int, groups: dict):
     if stage == 0 and tp.leader:  # the other TP ranks get the microbatches from their leader
         from trainer import DataClient
 
-        client = DataClient(args.address, job_config(args), dp, prefetch=args.num_microbatches)
+        client = DataClient(args.address, job_config(args, cost), dp, prefetch=args.num_microbatches)
     return BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0.tp0"], tp=tp)
 
 
@@ -137,24 +159,80 @@ def latest_checkpoint(directory: Path | None, world: int) -> int:
     return steps[0] if steps else 0
 
 
+LAYOUT_FIELDS = ("enc_dp", "bb_dp", "bb_pp", "gen_dp", "enc_tp", "bb_tp", "gen_tp")
+
+
+def settle_layout(args, rank: int, world: int, start: int) -> tuple[PipelineLayout, CostConfig | None, list[float]]:
+    """Rank 0 settles the layout and the measured costs (from the checkpoint at ``start`` if any,
+    else by measuring and, with --orchestrate, planning) and broadcasts them; every rank sets them
+    in ``args``. Returns (layout, costs or None, the broadcast vector the checkpoints keep)."""
+    from trainer.orchestration.measure import Measured
+
+    n = len(LAYOUT_FIELDS)
+    vec = torch.zeros(n + 2 + Measured.SIZE, dtype=torch.float64)
+    if rank == 0:
+        saved = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False).get(
+            "orchestration") if start else None
+        if saved is not None:
+            vec = torch.tensor(saved, dtype=torch.float64)
+        else:
+            vec = torch.tensor(_decide(args, world), dtype=torch.float64)
+    dist.broadcast(vec, src=0)
+    values = vec.tolist()
+    for name, value in zip(LAYOUT_FIELDS, values):
+        setattr(args, name, int(value))
+    args.num_microbatches = int(values[n])
+    cost = Measured.from_list(values[n + 2:]).cost_config() if values[n + 1] else None
+    layout = runtime_layout(args)
+    if layout.world_size != world:
+        raise SystemExit(f"the layout needs {layout.world_size} processes, torchrun started {world}")
+    return layout, cost, values
+
+
+def _decide(args, world: int) -> list[float]:
+    from trainer.orchestration.measure import Measured, measure
+    from trainer.orchestration.planner import search_exact
+
+    measured = None
+    if args.profile_microbatches > 0 or args.orchestrate:
+        measured = measure(args.address, job_config(args), args.model_layers, max(args.profile_microbatches, 1))
+        print(f"measured per module (forward s per unit; backward factors): enc {measured.enc_s_per_token:.3g}/token "
+              f"bb {measured.bb_s_per_token:.3g}/token gen {measured.gen_s_per_image:.3g}/image "
+              f"bwd {tuple(round(f, 2) for f in measured.bwd_factor)}", flush=True)
+    layout, microbatches = runtime_layout(args), args.num_microbatches
+    if args.orchestrate:
+        if args.global_batch < 1:
+            raise SystemExit("--orchestrate needs --global-batch (sequences per step)")
+        assert measured is not None
+        plan = search_exact(measured.problem(world, args.global_batch, args.model_layers))
+        if plan is None:
+            raise SystemExit(f"no layout of exactly {world} processes fits --global-batch {args.global_batch} and "
+                             f"--model-layers {args.model_layers}")
+        layout, microbatches = plan.layout(), plan.num_microbatches
+        print(f"orchestration: {plan.describe()}, {microbatches} microbatches, predicted "
+              f"{plan.iteration_s:.3f} s per step", flush=True)
+    zeros = [0.0] * Measured.SIZE
+    return ([float(getattr(layout, f)) for f in LAYOUT_FIELDS] + [float(microbatches), float(measured is not None)]
+            + (measured.as_list() if measured else zeros))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    layout = runtime_layout(args)
-    if layout.world_size != world:
-        raise SystemExit(f"the layout needs {layout.world_size} processes, torchrun started {world}")
+    start = latest_checkpoint(args.checkpoint_dir, world)
+    layout, cost, settled = settle_layout(args, rank, world, start)
     # every rank creates every group, in the same order
     groups = {name: dist.new_group(ranks) for name, ranks in layout.groups().items()}
     groups.update({tuple(ranks): dist.new_group(ranks) for ranks in layout.tp_groups()})
     sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
-    worker = build_worker(args, layout, rank, groups)
+    worker = build_worker(args, layout, rank, groups, cost)
     group = layout.group_of(rank)
     params = worker.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     source = layout.bb_rank(0, 0)  # reads the first microbatch of every step
-    start = latest_checkpoint(args.checkpoint_dir, world)
+    traces = {}
     if start:
         state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False)
         for p, saved in zip(params, state["params"]):
@@ -169,7 +247,9 @@ def main(argv=None) -> int:
         num = torch.tensor([worker.peek_num_microbatches(step) if rank == source else 0])
         dist.broadcast(num, src=source)
         worker.M = int(num)
+        worker.trace = []
         worker.run_step(step)
+        traces[step] = {"num_microbatches": worker.M, "ops": worker.trace}
         worker.outbox.wait()
         reduce_gradients(params, groups[group], sizes[group])
         optimizer.step()
@@ -184,7 +264,7 @@ def main(argv=None) -> int:
         if args.feedback:
             _feed_back(worker, layout, step, record["bubble_mean"])
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            _save(args, step + 1, rank, worker, params, optimizer)
+            _save(args, step + 1, rank, worker, params, optimizer, settled)
             dist.barrier()  # every rank's file is written: the checkpoint is complete
             if getattr(worker, "client", None) is not None:
                 worker.client.acknowledge(step + 1)  # the service may drop the plans before it
@@ -192,6 +272,8 @@ def main(argv=None) -> int:
         args.save_params.mkdir(parents=True, exist_ok=True)
         torch.save({"role": layout.role(rank), "params": [p.detach() for p in params],
                     "shards": [getattr(p, "tp_shard", None) for p in params]}, args.save_params / f"rank{rank}.pt")
+    if args.trace:
+        _write_trace(args.trace, rank, layout, worker, traces)
     if getattr(worker, "client", None) is not None:
         worker.client.close()
     dist.barrier()
@@ -199,7 +281,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def _feed_back(worker, layout: RuntimeLayout, step: int, bubble: float) -> None:
+def _write_trace(directory: Path, rank: int, layout: PipelineLayout, worker, traces: dict) -> None:
+    """What this rank ran: its role, the layout, the ops of every step; a data-reading rank adds the
+    pipeline the service planned for (its JobInfo)."""
+    record = {"rank": rank, "role": list(layout.role(rank)), "tp_rank": layout.tp_rank(rank),
+              "layout": {f: getattr(layout, f) for f in LAYOUT_FIELDS}, "steps": traces}
+    client = getattr(worker, "client", None)
+    if client is not None:
+        spec = client.info.spec
+        record["job"] = {"job_id": client.job_id, "stage_map": list(spec.stage_map),
+                         "enc_shared_by": spec.enc_shared_by, "gen_shared_by": spec.gen_shared_by,
+                         "enc_split_by": spec.enc_split_by, "gen_split_by": spec.gen_split_by,
+                         "cost": {f.name: v for f, v in spec.cost.ListFields()}}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _feed_back(worker, layout: PipelineLayout, step: int, bubble: float) -> None:
     """Gathers every rank's per-microbatch busy seconds into [bb_dp, M, module]; each chain's
     stage 0 reports its row to the service, which refits its cost model. A TP group counts
     once (its leader's time)."""
@@ -213,17 +311,17 @@ def _feed_back(worker, layout: RuntimeLayout, step: int, bubble: float) -> None:
                                      bubble=(step, bubble))
 
 
-def _save(args, step: int, rank: int, worker, params, optimizer) -> None:
+def _save(args, step: int, rank: int, worker, params, optimizer, settled: list[float]) -> None:
     path = checkpoint_path(args.checkpoint_dir, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"params": [p.detach() for p in params], "optimizer": optimizer.state_dict()}
+    state = {"params": [p.detach() for p in params], "optimizer": optimizer.state_dict(), "orchestration": settled}
     if getattr(worker, "client", None) is not None:
         state["data"] = worker.client.state_dict()
     torch.save(state, str(path) + ".tmp")
     os.replace(str(path) + ".tmp", path)
 
 
-def _record(step: int, layout: RuntimeLayout, gathered: list[torch.Tensor]) -> dict:
+def _record(step: int, layout: PipelineLayout, gathered: list[torch.Tensor]) -> dict:
     """The step's loss, time and per-module bubble from every rank's (loss parts, seconds, busy seconds)."""
     rows = torch.stack(gathered)
     loss = float(rows[:, 0].sum() + rows[:, 1].sum())

@@ -139,7 +139,9 @@ def batch_lower_bound(seq_module_fwd: np.ndarray, model: StageModel, *, D: int, 
     sequence contributes a fixed amount, bounded across ranks the same way; with S > 1 the overlap
     of all ranks together is also at most what the best split into microbatches allows (_max_overlap).
     A stage shared by g ranks (model.shared_by) is one replica's work for g ranks: the same terms
-    over D / g replicas. Coupling only delays ops, so every per-rank term stays valid for it."""
+    over D / g replicas. Coupling only delays ops, so every per-rank term stays valid for it. A stage
+    with k > 1 replicas per rank (model.split_by) runs ops in parallel: the per-stage terms are left
+    out while any stage is split, or the last stage, whose terms assume one replica."""
     seq_module_fwd = np.asarray(seq_module_fwd, dtype=float)
     if seq_module_fwd.shape != (D * M * S, 3):
         raise ValueError(f"expected float[{D * M * S}, 3] sequence module times, got {seq_module_fwd.shape}")
@@ -156,7 +158,8 @@ def batch_lower_bound(seq_module_fwd: np.ndarray, model: StageModel, *, D: int, 
     mean_fill = np.sort(fill_per_seq, axis=1)[:, :D * S].sum(axis=1) / D + lat
     mean_drain = np.sort(drain_per_seq, axis=1)[:, :D * S].sum(axis=1) / D + lat
     per_rank = M * S
-    if P > 1 and M > 2:
+    splits = model.stage_splits()  # a stage with k > 1 replicas per rank is not serial: no per-stage bound
+    if P > 1 and M > 2 and splits[-1] == 1 and splits[-2] == 1:
         # The last stage waits while stage P-2 runs B(m-1) and F(m+1) (the coupling with window 1):
         # it spends at least max(c_m, cap_m) per interior microbatch m, cap_m >= the S cheapest.
         cap_low = np.sort(fwd[-2])[:S].sum() + np.sort(bwd[-2])[:S].sum()
@@ -170,6 +173,8 @@ def batch_lower_bound(seq_module_fwd: np.ndarray, model: StageModel, *, D: int, 
     last = fwd[-1] + bwd[-1]
     groups = model.stage_groups()
     for s in range(P):
+        if splits[s] > 1 or splits[-1] > 1:
+            continue
         work = fwd[s] + bwd[s]
         best = max(best, cheapest_fill[s] + cheapest_drain[s] + max_bin_lower_bound(work, D, per_rank),
                    mean_fill[s] + mean_drain[s] + work.sum() / D)

@@ -17,23 +17,25 @@ ORDER_SWAP, ORDER_SHIFT, INSIDE, ACROSS = 0, 1, 2, 3
 
 
 @nb.njit(cache=True, nogil=True)
-def _simulate_rank(F, B, kinds, stages, mbs, latency, f_end, b_end, free):
-    """simulate_component for one independent rank (F, B float[P, M]): the hot path, no groups."""
+def _simulate_rank(F, B, groups, kinds, stages, mbs, latency, f_end, b_end, free):
+    """simulate_component for one independent rank (F, B float[P, M]): the hot path, no sharing."""
     P = F.shape[0]
     for s in range(P):
-        free[s] = 0.0
+        for j in range(free.shape[1]):
+            free[s, j] = 0.0
     span = 0.0
     for k in range(kinds.shape[0]):
         s, m = stages[k], mbs[k]
+        j = m % -groups[s] if groups[s] < 0 else 0
         if kinds[k] == 0:
             t = f_end[s - 1, m] + latency if s > 0 else 0.0
-            end = max(free[s], t) + F[s, m]
+            end = max(free[s, j], t) + F[s, m]
             f_end[s, m] = end
         else:
             t = f_end[s, m] if s == P - 1 else b_end[s + 1, m] + latency
-            end = max(free[s], t) + B[s, m]
+            end = max(free[s, j], t) + B[s, m]
             b_end[s, m] = end
-        free[s] = end
+        free[s, j] = end
         if end > span:
             span = end
     return span
@@ -42,17 +44,22 @@ def _simulate_rank(F, B, kinds, stages, mbs, latency, f_end, b_end, free):
 @nb.njit(cache=True, nogil=True)
 def simulate_component(F, B, groups, kinds, stages, mbs, latency, f_end, b_end, free):
     """Makespan of one component: F, B float[L, P, M] stage times of its L ranks in execution order;
-    groups int[P]: ranks that share one replica of each stage (1 = a stage per rank; a shared
-    stage runs microbatch m of all its ranks as one op, after all their inputs are there, for the
-    sum of their times). f_end, b_end float[L, P, M] and free float[L, P] are scratch."""
+    groups int[P]: how ranks share the replicas of each stage (StageModel.kernel_groups): g >= 1,
+    one replica per g ranks (a shared stage runs microbatch m of all its ranks as one op, after all
+    their inputs are there, for the sum of their times); -k, k replicas per rank, microbatch m on
+    replica m % k. f_end, b_end float[L, P, M] and free float[L, P, K] (K >= every k) are scratch."""
     L, P, M = F.shape
     if L == 1:
-        return _simulate_rank(F[0], B[0], kinds, stages, mbs, latency, f_end[0], b_end[0], free[0])
+        return _simulate_rank(F[0], B[0], groups, kinds, stages, mbs, latency, f_end[0], b_end[0], free[0])
     for r in range(L):
         for s in range(P):
-            free[r, s] = 0.0
+            for j in range(free.shape[2]):
+                free[r, s, j] = 0.0
+    span = 0.0
     for k in range(kinds.shape[0]):
-        s, m, g = stages[k], mbs[k], groups[stages[k]]
+        s, m = stages[k], mbs[k]
+        g = groups[s] if groups[s] > 0 else 1
+        j = m % -groups[s] if groups[s] < 0 else 0
         forward = kinds[k] == 0
         for j0 in range(0, L, g):
             ready, dur = 0.0, 0.0
@@ -65,18 +72,15 @@ def simulate_component(F, B, groups, kinds, stages, mbs, latency, f_end, b_end, 
                     dur += B[r, s, m]
                 if t > ready:
                     ready = t
-            end = max(free[j0, s], ready) + dur
+            end = max(free[j0, s, j], ready) + dur
             for r in range(j0, j0 + g):
                 if forward:
                     f_end[r, s, m] = end
                 else:
                     b_end[r, s, m] = end
-                free[r, s] = end
-    span = 0.0
-    for r in range(L):
-        for s in range(P):
-            if free[r, s] > span:
-                span = free[r, s]
+                free[r, s, j] = end
+            if end > span:
+                span = end
     return span
 
 
@@ -84,7 +88,7 @@ def simulate_component(F, B, groups, kinds, stages, mbs, latency, f_end, b_end, 
 def component_spans(F, B, L, groups, kinds, stages, mbs, latency):
     """float[D / L]: makespan of every component of L consecutive ranks (F, B float[D, P, M])."""
     D, P, M = F.shape
-    f_end, b_end, free = np.empty((L, P, M)), np.empty((L, P, M)), np.empty((L, P))
+    f_end, b_end, free = np.empty((L, P, M)), np.empty((L, P, M)), np.empty((L, P, max(1, -groups.min())))
     out = np.empty(D // L)
     for c in range(D // L):
         out[c] = simulate_component(F[c * L:(c + 1) * L], B[c * L:(c + 1) * L], groups, kinds, stages, mbs,
@@ -164,7 +168,7 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     P = F.shape[1]
     C = D // L
     np.random.seed(seed)
-    f_end, b_end, free = np.empty((L, P, M)), np.empty((L, P, M)), np.empty((L, P))
+    f_end, b_end, free = np.empty((L, P, M)), np.empty((L, P, M)), np.empty((L, P, max(1, -groups.min())))
     spans = np.empty(C)
     for c in range(C):
         spans[c] = simulate_component(F[c * L:(c + 1) * L], B[c * L:(c + 1) * L], groups, kinds, stages, mbs,

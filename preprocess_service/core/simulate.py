@@ -16,6 +16,9 @@ How ranks synchronise (the objective the planner minimises, ``StageModel.shared_
   modules with as many replicas as backbone DP ranks): every DP rank runs its own pipeline and the
   ranks meet only at the gradient all-reduce, so the iteration takes the slowest rank's makespan,
   and only each rank's sequences and microbatch order matter.
+* **split stages** (more encoder or generator replicas than backbone DP ranks: k per rank,
+  ``StageModel.split_by``): rank d's microbatch m runs on its replica m % k, so the stage's ops of
+  different replicas overlap; the ranks stay independent.
 * **coupled ranks** (a disaggregated encoder or generator with fewer replicas than backbone DP
   ranks; shared_by = g means one replica serves g consecutive backbone ranks): the shared stage
   runs microbatch m of its g ranks as one op, once all their inputs are there, for the sum of their
@@ -63,35 +66,43 @@ def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) ->
     return Timeline(t.f_start[0], t.f_end[0], t.b_start[0], t.b_end[0])
 
 
-def simulate_coupled(fwd: np.ndarray, bwd: np.ndarray, groups, p2p_latency: float = 0.0) -> Timeline:
+def simulate_coupled(fwd: np.ndarray, bwd: np.ndarray, groups, p2p_latency: float = 0.0, splits=None) -> Timeline:
     """Exact 1F1B timeline of L ranks (fwd, bwd float[L, P, M]) whose stage s is run by one replica
     per ``groups[s]`` consecutive ranks: that replica's op (kind, s, m) starts once its previous op
-    is done and the inputs of all its ranks are there, and lasts the sum of their times.
+    is done and the inputs of all its ranks are there, and lasts the sum of their times. With
+    ``splits[s] = k > 1`` (groups[s] must be 1) each rank has k replicas of stage s and replica j
+    runs the ops of the microbatches m with m % k == j, in the stage's order.
 
     Event-driven: every replica repeatedly runs the next op of its stage order whose inputs are
     ready, until all are scheduled (no precomputed order, so it checks the compiled kernels)."""
     fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
     L, P, M = fwd.shape
     groups = [int(g) for g in groups]
+    splits = [1] * P if splits is None else [int(k) for k in splits]
     if len(groups) != P or any(g < 1 or L % g for g in groups):
         raise ValueError(f"groups {groups} must give, for each of the {P} stages, a divisor of {L} ranks")
+    if len(splits) != P or any(k < 1 or (k > 1 and g > 1) for k, g in zip(splits, groups)):
+        raise ValueError(f"splits {splits} must give a positive count per stage, 1 where a stage is shared")
     nan = np.full((L, P, M), np.nan)
     t = Timeline(nan.copy(), nan.copy(), nan.copy(), nan.copy())
-    replicas = [(s, j0) for s in range(P) for j0 in range(0, L, groups[s])]
-    orders = [stage_order(P, M, s) for s in range(P)]
+    replicas = [(s, j0, j) for s in range(P) for j0 in range(0, L, groups[s]) for j in range(splits[s])]
+    orders = {(s, j): [(kind, m) for kind, m in stage_order(P, M, s) if m % splits[s] == j]
+              for s in range(P) for j in range(splits[s])}
     cursor = {rep: 0 for rep in replicas}
     free_at = {rep: 0.0 for rep in replicas}
-    remaining = sum(len(orders[s]) for s, _ in replicas)
+    remaining = sum(len(orders[s, j]) for s, _, j in replicas)
     while remaining:
         progressed = False
-        for s, j0 in replicas:
+        for rep in replicas:
+            s, j0, j = rep
             members = range(j0, j0 + groups[s])
-            while cursor[s, j0] < len(orders[s]):
-                kind, m = orders[s][cursor[s, j0]]
+            order = orders[s, j]
+            while cursor[rep] < len(order):
+                kind, m = order[cursor[rep]]
                 inputs = [_ready_time(t, kind, r, s, m, P, p2p_latency) for r in members]
                 if any(x is None for x in inputs):
                     break
-                start = max(free_at[s, j0], *cast(list[float], inputs))  # none is None (checked above)
+                start = max(free_at[rep], *cast(list[float], inputs))  # none is None (checked above)
                 times = fwd if kind == "F" else bwd
                 end = start + sum(times[r, s, m] for r in members)
                 for r in members:
@@ -99,12 +110,32 @@ def simulate_coupled(fwd: np.ndarray, bwd: np.ndarray, groups, p2p_latency: floa
                         t.f_start[r, s, m], t.f_end[r, s, m] = start, end
                     else:
                         t.b_start[r, s, m], t.b_end[r, s, m] = start, end
-                free_at[s, j0] = end
-                cursor[s, j0] += 1
+                free_at[rep] = end
+                cursor[rep] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "1F1B dependency cycle: the schedule is malformed"
     return t
+
+
+def replica_ops(model: StageModel, fwd: np.ndarray,
+                bwd: np.ndarray) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+    """The simulator's prediction of who runs what: for every (stage, replica) the ops (kind, rank,
+    microbatch) in the order of their simulated start (ranks of one shared op in rank order), from
+    the reference simulation of D ranks' stage times fwd, bwd float[D, P, M]. Replicas are numbered
+    as disttrain_api.layout numbers them: rank // g when g ranks share one, rank * k + m % k when
+    each rank has k."""
+    D, P, M = np.shape(fwd)
+    groups, splits = model.stage_groups(), model.stage_splits()
+    t = simulate_coupled(fwd, bwd, groups, model.p2p_latency, splits)
+    out: dict[tuple[int, int], list[tuple[float, int, str, int, int]]] = {}
+    for s in range(P):
+        for r in range(D):
+            for m in range(M):
+                replica = r // int(groups[s]) if splits[s] == 1 else r * int(splits[s]) + m % int(splits[s])
+                for kind, start in (("F", t.f_start[r, s, m]), ("B", t.b_start[r, s, m])):
+                    out.setdefault((s, replica), []).append((float(start), r, kind, r, m))
+    return {key: [(kind, r, m) for _, _, kind, r, m in sorted(ops)] for key, ops in out.items()}
 
 
 def _ready_time(t: Timeline, kind: str, r: int, s: int, m: int, P: int, latency: float) -> float | None:
@@ -144,7 +175,7 @@ def component_makespans(fwd: np.ndarray, bwd: np.ndarray, model: StageModel) -> 
     bwd = np.ascontiguousarray(bwd, dtype=float)
     D, P, M = fwd.shape
     model.check_ranks(D)
-    return simkernels.component_spans(fwd, bwd, model.component, model.stage_groups(),
+    return simkernels.component_spans(fwd, bwd, model.component, model.kernel_groups(),
                                       *_topological_order(P, M), float(model.p2p_latency))
 
 

@@ -4,7 +4,9 @@ Disaggregated layout: the encoder runs as its own group (DP_e replicas of TP_e),
 DP_b x TP_b x PP stages, the generator as its own group (DP_g x TP_g). Every backbone DP rank
 streams M = global_batch / (DP_b * S) microbatches through the pipeline
 encoder -> backbone stage 1..PP -> generator; the encoder and generator groups serve all DP_b
-ranks, so each of their microbatch slots carries DP_b / DP_e (DP_b / DP_g) microbatches.
+ranks, so each of their microbatch slots carries DP_b / DP_e (DP_b / DP_g) microbatches. DP_e
+divides DP_b or is a multiple of it (disttrain_api.layout.PipelineLayout); k = DP_e / DP_b
+replicas per rank take turns, counted as 1/k of a microbatch per slot (their throughput).
 
 Monolithic layout (Megatron-like): one DP x TP x PP grid; the encoder runs inside the first
 pipeline stage and the generator inside the last, at the backbone's TP, and the backbone's layers
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from disttrain_api.layout import PipelineLayout
 from trainer.orchestration.profile import Accelerator, Content, ModuleProfile
 
 TP_SIZES = (1, 2, 4, 8)
@@ -56,6 +59,12 @@ class Plan:
     """Sequences per second."""
     mfu: float = 0.0
     notes: dict = field(default_factory=dict)
+
+    def layout(self) -> PipelineLayout:
+        """The runtime's and the service's layout of this plan (disttrain_api.layout)."""
+        if self.kind == "monolithic":
+            return PipelineLayout(0, self.bb.dp, self.bb.pp, 0, 1, self.bb.tp, 1)
+        return PipelineLayout(self.enc.dp, self.bb.dp, self.bb.pp, self.gen.dp, self.enc.tp, self.bb.tp, self.gen.tp)
 
     def describe(self) -> str:
         if self.kind == "monolithic":
@@ -109,8 +118,9 @@ def disaggregated(problem: Problem, enc: Parallel, bb: Parallel, gen: Parallel) 
     """The plan of one disaggregated layout, or None if it does not fit (GPUs, batch, memory)."""
     c, M = problem.content, problem.global_batch // (bb.dp * problem.seqs_per_microbatch)
     if (enc.gpus + bb.gpus + gen.gpus > problem.num_gpus or problem.global_batch % (bb.dp * problem.seqs_per_microbatch)
-            or problem.backbone_layers % bb.pp or max(enc.tp, bb.tp, gen.tp) > problem.accelerator.max_tp):
-        return None
+            or problem.backbone_layers % bb.pp or max(enc.tp, bb.tp, gen.tp) > problem.accelerator.max_tp
+            or (bb.dp % enc.dp and enc.dp % bb.dp) or (bb.dp % gen.dp and gen.dp % bb.dp)):
+        return None  # a replica serves whole backbone DP ranks, or each has k replicas (PipelineLayout)
     share = 1 / bb.pp
     stages = [bb.dp / enc.dp * _fb(problem.encoder, c, enc.tp)]
     stages += [_fb(problem.backbone, c, bb.tp, share)] * bb.pp
@@ -189,11 +199,41 @@ def search_disaggregated(problem: Problem) -> Plan | None:
                     for gen_tp in TP_SIZES:
                         a, b = dp * _fb(problem.encoder, c, enc_tp), dp * _fb(problem.generator, c, gen_tp)
                         ideal = left * a / (a * enc_tp + b * gen_tp)  # enc replicas with a/x == b/y
-                        for enc_dp in {max(1, math.floor(ideal)), max(1, math.ceil(ideal))}:
-                            gen_dp = (left - enc_dp * enc_tp) // gen_tp
-                            if gen_dp < 1:
+                        # one replica serves whole backbone DP ranks, or each rank has k replicas
+                        replicas = _divisors(dp) + [dp * k for k in range(2, left // dp + 1)]
+                        below = [r for r in replicas if r <= ideal]
+                        for enc_dp in {below[-1] if below else 1, next((r for r in replicas if r >= ideal), dp)}:
+                            fits = [r for r in replicas if r * gen_tp <= left - enc_dp * enc_tp]
+                            if not fits:
                                 continue
+                            gen_dp = fits[-1]
                             plan = disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(gen_dp, gen_tp))
                             if plan and (best is None or plan.iteration_s < best.iteration_s):
                                 best = plan
+    return best
+
+
+def search_exact(problem: Problem) -> Plan | None:
+    """The fastest layout that uses exactly ``num_gpus`` processes (a torchrun world): every
+    monolithic grid and every disaggregated split of it. Exhaustive: for small worlds."""
+    best = None
+    n = problem.num_gpus
+    for bb_tp in TP_SIZES:
+        for pp in _divisors(problem.backbone_layers):
+            for dp in _divisors(problem.global_batch // problem.seqs_per_microbatch):
+                bb = Parallel(dp, bb_tp, pp)
+                if bb.gpus > n:
+                    continue
+                candidates = [monolithic(problem, bb)] if bb.gpus == n else []
+                for enc_tp in TP_SIZES:
+                    for gen_tp in TP_SIZES:
+                        for enc_dp in _divisors(dp) + [dp * k for k in range(2, n // dp + 1)]:
+                            left = n - bb.gpus - enc_dp * enc_tp
+                            gen_dp = left // gen_tp
+                            if left > 0 and left % gen_tp == 0 and (dp % gen_dp == 0 or gen_dp % dp == 0):
+                                candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb,
+                                                                Parallel(gen_dp, gen_tp)))
+                for plan in candidates:
+                    if plan and plan.gpus == n and (best is None or plan.iteration_s < best.iteration_s):
+                        best = plan
     return best

@@ -28,6 +28,9 @@ class Content:
     """Images the generator must produce."""
     doc_len: int = 0
     """Mean document length in tokens (attention cost); 0: one document per sequence."""
+    image_len: float = 1024.0
+    """Size-weighted mean tokens per image, sum(t^2) / sum(t) over the images (the encoder's
+    attention runs inside one image)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,12 @@ class Accelerator:
 
 H100 = Accelerator("H100 SXM (simulated)", peak_flops=989e12, efficiency=0.55, memory_bytes=80e9,
                    tp_link_bytes_s=450e9, dp_link_bytes_s=50e9)
+A800 = Accelerator("A800 SXM (simulated)", peak_flops=312e12, efficiency=0.65, memory_bytes=80e9,
+                   tp_link_bytes_s=200e9, dp_link_bytes_s=12.5e9)
+"""The paper's GPU (DistTrain, SIGCOMM'25): an A100 with NVLink cut to 400 GB/s (200 GB/s each way,
+what a TP all-reduce sees); 4 x 200 Gb/s RoCE per 8-GPU node = 12.5 GB/s per GPU between nodes.
+Efficiency 0.65: large bf16 GEMMs reach about 75-80% of 312 TFLOP/s on an A100, whole transformer
+layers (attention, norms, activations) less; an assumption, not a measurement."""
 CPU_PROCESS = Accelerator("CPU process", peak_flops=1e11, efficiency=1.0, memory_bytes=8e9,
                           tp_link_bytes_s=5e9, dp_link_bytes_s=5e9)
 
@@ -104,7 +113,7 @@ class FlopProfile(ModuleProfile):
             return c.tokens, c.tokens * doc
         if self.work_per == "image_token":
             patches = c.image_tokens * self.patches_per_token
-            per_image = 1024 * self.patches_per_token
+            per_image = c.image_len * self.patches_per_token
             return patches, patches * per_image
         positions = c.gen_images * self.work_per_gen_image
         return positions, positions * self.work_per_gen_image
@@ -116,14 +125,43 @@ class FlopProfile(ModuleProfile):
     def flops(self, c: Content) -> float:
         return (1 + self.bwd_factor) * self.flops_fwd(c)
 
-    def fwd_s(self, c: Content, tp: int, layers_share: float = 1.0) -> float:
+    def _throughput(self, tp: int) -> float:
+        """FLOP/s of one TP group of ``tp`` GPUs."""
         acc = self.accelerator
-        efficiency = acc.efficiency * (1 - 0.05 * math.log2(tp))
-        compute = self.flops_fwd(c) * layers_share / (tp * acc.peak_flops * efficiency)
+        return tp * acc.peak_flops * acc.efficiency * (1 - 0.05 * math.log2(tp))
+
+    def _comm_s(self, work: float, tp: int, layers_share: float = 1.0) -> float:
+        """Two all-reduces of the activations per layer (bf16, ring) over the TP link."""
+        if tp == 1:
+            return 0.0
+        bytes_moved = 2 * self.layers * layers_share * work * self.hidden * 2 * (tp - 1) / tp
+        return bytes_moved / self.accelerator.tp_link_bytes_s
+
+    def fwd_s(self, c: Content, tp: int, layers_share: float = 1.0) -> float:
         work, _ = self._work(c)
-        comm = 0.0 if tp == 1 else (2 * self.layers * layers_share * work * self.hidden * 2 * (tp - 1) / tp
-                                    / acc.tp_link_bytes_s)
-        return compute + comm
+        return self.flops_fwd(c) * layers_share / self._throughput(tp) + self._comm_s(work, tp, layers_share)
+
+    def flop_coefficients(self) -> tuple[float, float]:
+        """(linear, quadratic) forward FLOPs in the units of the service's per-sequence cost model
+        (preprocess_service/core/cost.py): per backbone token and per squared document length; per
+        encoder (merged) image token and per squared token count of one image; per generated image
+        (quadratic 0). ``flops_fwd`` of a Content is linear * work + quadratic * attention in those units."""
+        if self.work_per == "token":
+            return 2 * self.params, 2 * self.layers * self.hidden
+        if self.work_per == "image_token":
+            k = self.patches_per_token
+            return 2 * self.params * k, 2 * self.layers * self.hidden * k * k
+        w = self.work_per_gen_image
+        return 2 * self.params * w + 2 * self.layers * self.hidden * w * w, 0.0
+
+    def cost_coefficients(self, tp: int) -> tuple[float, float]:
+        """(linear, quadratic) forward seconds at TP ``tp`` in the cost model's units (see
+        ``flop_coefficients``), TP communication included: what CostConfig's ``*_linear_s`` and
+        ``*_quadratic_s`` (or ``gen_per_image_s``) would be for this module on this accelerator."""
+        linear, quadratic = self.flop_coefficients()
+        per_unit = {"token": 1, "image_token": self.patches_per_token}.get(self.work_per, self.work_per_gen_image)
+        return (linear / self._throughput(tp) + self._comm_s(per_unit, tp),
+                quadratic / self._throughput(tp))
 
     def memory_bytes(self, c: Content, tp: int, layers_share: float, in_flight: int, dp: int) -> float:
         params = self.params * layers_share / tp

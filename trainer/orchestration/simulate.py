@@ -11,15 +11,20 @@ H100 (989 TFLOP/s dense bf16, 55% achievable, 80 GB, 450 GB/s NVLink and 50 GB/s
   sequences of 2048-token documents;
 - one sequence per microbatch holding 4 images of 1024 tokens (4096 encoder tokens = 16384 ViT
   patches) and 1 image to generate.
+
+Every sequence is priced alike here, so data heterogeneity (and what reordering does about it) is
+out of view: bench/paper.py runs the same modules on LAION-like packed sequences through the
+service's planners and exact 1F1B simulator, on A800 (the paper's GPU) and H100.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from trainer.orchestration.planner import Problem, search_disaggregated, search_monolithic
-from trainer.orchestration.profile import H100, Content, FlopProfile
+from trainer.orchestration.planner import Plan, Problem, _grad_sync_s, search_disaggregated, search_monolithic
+from trainer.orchestration.profile import H100, Accelerator, Content, FlopProfile
 
 VIT_H = FlopProfile("ViT-H/14", params=632e6, layers=32, hidden=1280, accelerator=H100, work_per="image_token",
                     patches_per_token=4)
@@ -31,6 +36,22 @@ BACKBONES = {
     "72B": (FlopProfile("72B", params=72e9, layers=80, hidden=8192, accelerator=H100, work_per="token"), 80),
 }
 CONTENT = Content(tokens=8192, image_tokens=4096, gen_images=1.0, doc_len=2048)
+
+
+def on(profile: FlopProfile, accelerator: Accelerator) -> FlopProfile:
+    """The same module priced on another accelerator."""
+    return dataclasses.replace(profile, accelerator=accelerator)
+
+
+def grad_sync_s(problem: Problem, plan: Plan) -> float:
+    """The gradient all-reduce the planner adds to ``plan``'s iteration (the slowest group's, not
+    overlapped with compute), so that an exact simulation of the same layout adds the same."""
+    bb_params = problem.backbone.params / plan.bb.pp
+    if plan.kind == "monolithic":
+        return _grad_sync_s(problem, (bb_params + problem.encoder.params) / plan.bb.tp, plan.bb.dp)
+    return max(_grad_sync_s(problem, problem.encoder.params / plan.enc.tp, plan.enc.dp),
+               _grad_sync_s(problem, bb_params / plan.bb.tp, plan.bb.dp),
+               _grad_sync_s(problem, problem.generator.params / plan.gen.tp, plan.gen.dp))
 
 
 def paper_scale(num_gpus: int = 1152, global_batch: int = 1536, backbones=("7B", "13B", "72B")) -> list[dict]:

@@ -1,5 +1,6 @@
 """One worker per role of the disaggregated pipeline: it owns its module's parameters and runs
-its ops of one step (layout.py), exchanging activations and gradients point-to-point (p2p.py).
+its ops of one step (``PipelineLayout.ops``: the order the service's simulator times), exchanging
+activations and gradients point-to-point (p2p.py).
 
 Backbone stage 0 of chain d reads chain d's microbatches from the service (DataClient for DP rank
 d), sends each microbatch's images and audio to its encoder replica, receives the encoder's
@@ -22,17 +23,21 @@ import time
 import torch
 import torch.distributed as dist
 
+from disttrain_api.layout import PipelineLayout
 from trainer.models.backbone import lm_loss, lm_targets, spans_index, stage_layers
 from trainer.models.mllm import MultimodalModel, media_index, microbatch_seed
-from trainer.runtime.layout import RuntimeLayout, one_f_one_b
 from trainer.runtime.p2p import Outbox, recv
 from trainer.runtime.tensor_parallel import SOLO, TPGroup, shard
 
 
 class Worker:
-    def __init__(self, model: MultimodalModel, layout: RuntimeLayout, num_microbatches: int, seed: int,
+    def __init__(self, model: MultimodalModel, layout: PipelineLayout, num_microbatches: int, seed: int,
                  tp: TPGroup = SOLO):
         self.model, self.layout, self.M, self.seed, self.tp = model, layout, num_microbatches, seed, tp
+        self.trace: list[tuple[str, int, int]] = []
+        """(op, chain, microbatch) this step, in the order run; encoder and generator take the chain
+        and microbatch from the message they received (what the layout test compares with the
+        simulator)."""
         self.outbox = Outbox()
         self.busy_s = 0.0
         self.per_microbatch: dict[tuple[int, int], float] = {}
@@ -94,16 +99,19 @@ class EncoderWorker(Worker):
 
     def run_step(self, step: int) -> None:
         saved = {}
-        for op, d, m in self.layout.shared_ops("enc", self.replica, self.M):
+        for op, d, m in self.layout.stage_model().stage_ops(0, self.replica, self.M):
             src, self._current = self.layout.bb_rank(d, 0), (d, m)
             if op == "F":
                 counts, *media = self._recv(src, "media")
+                self.trace.append((op, *counts[2:].tolist()))
                 images, mels = media[:int(counts[0])], media[int(counts[0]):]
                 out = self._timed(lambda: torch.cat([self.model.image_encoder(images), self.model.audio_encoder(mels)]))  # noqa: B023 (_timed calls it at once)
                 if out.shape[0]:
                     self._send([out], src, "embed")
                     saved[(d, m)] = out
-            elif (d, m) in saved:
+                continue
+            self.trace.append((op, d, m))
+            if (d, m) in saved:
                 grad = self._recv(src, "embed_grad")[0]
                 self._timed(saved.pop((d, m)).backward, grad)
 
@@ -120,24 +128,30 @@ class GeneratorWorker(Worker):
         return list(self.model.generator.parameters())
 
     def run_step(self, step: int) -> None:
-        for op, d, m in self.layout.shared_ops("gen", self.replica, self.M):
-            if op != "F":
-                continue  # the last stage: each backward runs right after its forward, below
+        last = self.layout.num_stages - 1
+        saved = {}
+        for op, d, m in self.layout.stage_model().stage_ops(last, self.replica, self.M):
             src, self._current = self.layout.bb_rank(d, self.layout.bb_pp - 1), (d, m)
-            queries, images, seed, total = self._recv(src, "gen")
+            if op == "B":
+                self.trace.append((op, d, m))
+                if (d, m) in saved:
+                    queries, scaled = saved.pop((d, m))
+                    self._timed(scaled.backward)
+                    self._send([queries.grad], src, "gen_grad")
+                continue
+            queries, images, seed, total, ident = self._recv(src, "gen")
+            self.trace.append((op, *ident.tolist()))
             if queries.shape[0] == 0:
                 continue
             queries.requires_grad_()
 
-            def forward_backward():
+            def forward():
                 # called at once, by _timed below, in this iteration
                 loss = self.model.generator.loss(queries, images, torch.Generator().manual_seed(int(seed)))  # noqa: B023
-                scaled = self.gen_weight * loss / total.double().clamp(min=1).item()  # noqa: B023
-                scaled.backward()
-                return scaled
-            scaled = self._timed(forward_backward)
+                return self.gen_weight * loss / total.double().clamp(min=1).item()  # noqa: B023
+            scaled = self._timed(forward)
             self._add_loss(1, scaled.item())
-            self._send([queries.grad], src, "gen_grad")
+            saved[(d, m)] = (queries, scaled)
 
 
 class BackboneWorker(Worker):
@@ -198,7 +212,7 @@ class BackboneWorker(Worker):
             if self.local_encoder:
                 self._media[m] = (mb.images, mb.mels)
             else:
-                self._send([torch.tensor([len(mb.images), len(mb.mels)]), *mb.images, *mb.mels],
+                self._send([torch.tensor([len(mb.images), len(mb.mels), self.dp, m]), *mb.images, *mb.mels],
                            self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
             seed = torch.tensor([microbatch_seed(self.seed, step, self.dp, m)])
             metas.append([mb.tokens, mb.position_ids, mb.modality, mb.cu_seqlens, media_index(mb),
@@ -218,8 +232,9 @@ class BackboneWorker(Worker):
     def run_step(self, step: int) -> None:
         metas = self._read_step(step) if self.first else [None] * self.M
         saved = {}
-        for op, m in one_f_one_b(self.layout.num_stages, self.layout.chain_stage(self.stage), self.M):
-            self._current = (self.dp, m)
+        for op, d, m in self.layout.stage_model().stage_ops(self.layout.chain_stage(self.stage), self.dp, self.M):
+            self._current = (d, m)
+            self.trace.append((op, d, m))
             if op == "F":
                 saved[m] = self._forward(step, m, metas[m])
             else:
@@ -261,7 +276,7 @@ class BackboneWorker(Worker):
                 self._add_loss(1, gen_scaled.item())
                 outputs.append(gen_scaled)
             return x, media, outputs, (None, m)
-        self._send([queries, gen_images, seed, counts[1:2]],
+        self._send([queries, gen_images, seed, counts[1:2], torch.tensor([self.dp, m])],
                    self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen")
         return x, media, [scaled], (queries if num_gen else None, m)
 
@@ -271,7 +286,7 @@ class BackboneWorker(Worker):
             grads = [torch.ones_like(o) for o in outputs]
             if gen[0] is not None:
                 outputs = outputs + [gen[0]]
-                grads.append(self._recv(self.layout.gen_rank(self.layout.gen_of(self.dp, gen[1])), "gen_grad")[0])
+                grads.append(self._recv(self.layout.gen_rank(self.layout.gen_of(self.dp, m)), "gen_grad")[0])
         else:
             grads = self._recv(self.layout.bb_rank(self.dp, self.stage + 1), "act_grad")
         self._timed(torch.autograd.backward, outputs, grads)

@@ -128,7 +128,7 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
     model.check_ranks(D)
     seq_fwd, seq_bwd = model.stage_times(instance.costs)  # float[P, B]
     seq_fwd, seq_bwd = np.ascontiguousarray(seq_fwd), np.ascontiguousarray(seq_bwd)
-    P, L, groups = model.num_stages, model.component, model.stage_groups()
+    P, L, groups = model.num_stages, model.component, model.kernel_groups()
     if ops is None:
         ops = SEARCH_OPS * max(1.0, D * M * S / 1024)
     order = _topological_order(P, M)

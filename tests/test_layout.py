@@ -1,0 +1,160 @@
+"""One pipeline layout for the runtime, the service's simulator and the planner
+(disttrain_api.layout): its definitions, and a real run whose per-rank work must have the
+structure the simulator predicts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ConfigError
+from disttrain_api.layout import PipelineLayout, StageModel
+from preprocess_service.adapters import synth
+from preprocess_service.core.simulate import component_makespans, replica_ops, simulate_1f1b, simulate_coupled
+from preprocess_service.service.server import create_server
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout,stage_map,shared,split", [
+    (PipelineLayout(0, 2, 1, 0), ("enc+bb+gen",), (1, 1, 1), (1, 1, 1)),
+    (PipelineLayout(0, 1, 2, 0), ("enc+bb/2", "bb/2+gen"), (1, 1, 1), (1, 1, 1)),
+    (PipelineLayout(1, 2, 2, 1), ("enc", "bb/2", "bb/2", "gen"), (2, 1, 2), (1, 1, 1)),
+    (PipelineLayout(4, 2, 1, 1), ("enc", "bb", "gen"), (1, 1, 2), (2, 1, 1)),
+    (PipelineLayout(0, 3, 3, 6), ("enc+bb/3", "bb/3", "bb/3", "gen"), (1, 1, 1), (1, 1, 2)),
+])
+def test_the_layout_derives_the_stage_model_the_service_plans_for(layout, stage_map, shared, split):
+    model = layout.stage_model()
+    assert model.stage_map == stage_map and model.shared_by == shared and model.split_by == split
+    config = JobConfig(shards=("s",), dp_size=layout.bb_dp, stage_map=model.stage_map,
+                       enc_shared_by=layout.enc_shared_by, gen_shared_by=layout.gen_shared_by,
+                       enc_split_by=layout.enc_split_by, gen_split_by=layout.gen_split_by)
+    assert config.stage_model() == model  # the service's model of the job is the layout's
+    # every (chain, microbatch) runs exactly once, forward and backward, on every stage
+    M = 5
+    for stage in range(model.num_stages):
+        ops = [op for replica in range(model.replicas(stage, layout.bb_dp))
+               for op in model.stage_ops(stage, replica, M)]
+        assert sorted(ops) == sorted((k, d, m) for k in "FB" for d in range(layout.bb_dp) for m in range(M))
+    # the runtime's ranks run their stage replica's ops; a module inside a backbone stage runs in it
+    for rank in range(layout.world_size):
+        role = layout.role(rank)
+        if role[0] == "bb":
+            assert layout.ops(rank, M) == model.stage_ops(layout.chain_stage(role[2]), role[1], M)
+    for d in range(layout.bb_dp):
+        for m in range(M):
+            if layout.enc_dp:
+                assert (m in [x[2] for x in model.stage_ops(0, layout.enc_of(d, m), M) if x[1] == d])
+            if layout.gen_dp:
+                assert (m in [x[2] for x in model.stage_ops(model.num_stages - 1, layout.gen_of(d, m), M)
+                              if x[1] == d])
+
+
+@pytest.mark.unit
+def test_layouts_that_no_replica_mapping_fits_are_refused():
+    with pytest.raises(ValueError, match="must divide bb_dp 4 or be a multiple"):
+        PipelineLayout(3, 4, 1, 1)
+    with pytest.raises(ValueError, match="gen_tp must be 1"):
+        PipelineLayout(1, 1, 1, 0, gen_tp=2)
+    with pytest.raises(ValueError, match="both shared"):
+        StageModel(stage_map=("enc", "bb"), shared_by=(2, 1, 1), split_by=(2, 1, 1))
+    with pytest.raises(ValueError, match="one stage is one replica"):
+        StageModel(stage_map=("enc+bb",), shared_by=(2, 1, 1))
+    with pytest.raises(ConfigError, match="enc_split_by"):
+        JobConfig(shards=("s",), enc_split_by=65)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(6))
+def test_split_stages_in_the_reference_and_the_compiled_simulator(seed):
+    """k replicas per rank: the reference and the kernel agree, one replica (k = 1) is never faster,
+    and with all the time on the split stage k replicas finish sooner, at most k times."""
+    rng = np.random.default_rng(seed)
+    D, M, k = [(1, 6, 2), (2, 8, 2), (3, 9, 3), (2, 7, 4), (4, 6, 2), (1, 5, 3)][seed]
+    P = 3
+    fwd, bwd = rng.lognormal(0, 1, (D, P, M)), rng.lognormal(0.5, 1, (D, P, M))
+    model = StageModel(stage_map=("enc", "bb", "gen"), split_by=(k, 1, 1), p2p_latency=0.01)
+    ref = simulate_coupled(fwd, bwd, [1] * P, 0.01, model.stage_splits())
+    assert component_makespans(fwd, bwd, model).max() == pytest.approx(ref.makespan, rel=1e-12)
+    single = max(simulate_1f1b(fwd[r], bwd[r], 0.01).makespan for r in range(D))
+    assert ref.makespan <= single + 1e-12
+    # the encoder's replica j runs only microbatches m % k == j, one at a time
+    for r in range(D):
+        for j in range(k):
+            spans = sorted((ref.f_start[r, 0, m], ref.f_end[r, 0, m]) for m in range(j, M, k))
+            spans += sorted((ref.b_start[r, 0, m], ref.b_end[r, 0, m]) for m in range(j, M, k))
+            spans.sort()
+            assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+    heavy = np.zeros((1, P, 12))
+    heavy[0, 0] = 1.0
+    split = StageModel(stage_map=("enc", "bb", "gen"), split_by=(k, 1, 1))
+    one = StageModel(stage_map=("enc", "bb", "gen"))
+    alone, turns = component_makespans(heavy, heavy, one)[0], component_makespans(heavy, heavy, split)[0]
+    assert alone / k - 1e-9 <= turns < alone  # faster, at most k times (1F1B limits what is in flight)
+
+
+def _trace_run(tmp_path: Path, address: str, shards: str, argv: list[str], nproc: int) -> dict[int, dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "trainer.train", "--address", address, "--shards", shards, "--steps", "2", "--seq-len", "1024",
+           "--model-layers", "2", "--trace", str(tmp_path / "trace"), *argv]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in (tmp_path / "trace").glob("rank*.json")}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layout-shards")
+    synth.main(["--out", str(root), "--num-shards", "1", "--samples-per-shard", "120", "--seed", "9"])
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=0)
+    yield f"127.0.0.1:{port}", str(root)
+    server.stop(0).wait()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("argv,nproc", [
+    (["--enc-dp", "4", "--bb-dp", "2", "--bb-pp", "1", "--gen-dp", "1", "--num-microbatches", "3"], 7),
+    (["--orchestrate", "--global-batch", "4"], 4),
+], ids=["split-encoder-shared-generator", "orchestrated"])
+def test_the_runtime_runs_the_work_the_simulator_predicts(service, tmp_path, argv, nproc):
+    """A few real steps under torchrun: the job the service plans is the layout the trainer runs
+    (stage map, shared/split replicas, the trainer's measured costs), and every rank's executed
+    ops (which microbatch of which chain, forward or backward, in which order; encoder and
+    generator read the chain and microbatch from the messages they received) are the simulator's
+    prediction for that stage replica."""
+    address, shards = service
+    traces = _trace_run(tmp_path, address, shards, argv, nproc)
+    assert sorted(traces) == list(range(nproc))
+    layout = PipelineLayout(**traces[0]["layout"])
+    model = layout.stage_model()
+    readers = [t for t in traces.values() if "job" in t]
+    assert len(readers) == layout.bb_dp and len({t["job"]["job_id"] for t in readers}) == 1
+    job = readers[0]["job"]
+    assert tuple(job["stage_map"]) == model.stage_map
+    assert (job["enc_shared_by"], job["gen_shared_by"]) == (model.shared_by[0], model.shared_by[2])
+    assert (max(1, job["enc_split_by"]), max(1, job["gen_split_by"])) == (model.split_by[0], model.split_by[2])
+    assert job["cost"]["bb_linear_s"] > 0 and job["cost"]["bb_linear_s"] != JobConfig(shards=("s",)).cost.bb_linear_s
+    assert job["cost"]["enc_quadratic_s"] == 0.0  # the trainer's linear fit, sent as is
+    rng = np.random.default_rng(0)
+    for step in ("0", "1"):
+        M = traces[0]["steps"][step]["num_microbatches"]
+        P = model.num_stages
+        predicted = replica_ops(model, rng.lognormal(0, 1, (layout.bb_dp, P, M)),
+                                rng.lognormal(0, 1, (layout.bb_dp, P, M)))
+        for rank, trace in traces.items():
+            role = trace["role"]
+            if role[0] == "enc":
+                key = (0, role[1])
+            elif role[0] == "gen":
+                key = (P - 1, role[1])
+            else:
+                key = (layout.chain_stage(role[2]), role[1])
+            executed = [tuple(op) for op in trace["steps"][step]["ops"]]
+            assert executed == predicted.get(key, []), f"rank {rank} {role} step {step}"

@@ -1,0 +1,131 @@
+"""Measured per-module costs of this trainer's model on the job's own microbatches: what the
+trainer sends the service when it opens a job (its cost model) and what the orchestration
+planner picks a layout from.
+
+One process times the forward and the backward of the encoder, the backbone and the generator on
+a few real microbatches (the first is a warm-up and not counted), and divides by what the cost
+model counts: encoder tokens, non-padding backbone tokens, images to generate. The fit is linear
+(the quadratic attention terms are left at 0); with ``--feedback`` the service refits it from the
+running job's timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from disttrain_api.config import CostConfig, JobConfig
+from trainer.models.backbone import lm_loss, lm_targets, spans_index
+from trainer.models.config import ModelConfig
+from trainer.models.mllm import MultimodalModel, media_index
+from trainer.orchestration.planner import Problem
+from trainer.orchestration.profile import Accelerator, Content, MeasuredProfile
+
+PROBE_SEED_OFFSET = 7919
+"""The probe job reads the same shards with another seed, so it is a different job than the run's."""
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """Forward seconds per unit of work, backward / forward factors, and the mean microbatch."""
+
+    enc_s_per_token: float
+    bb_s_per_token: float
+    gen_s_per_image: float
+    bwd_factor: tuple[float, float, float]
+    content: Content
+    microbatches: int
+
+    def cost_config(self) -> CostConfig:
+        return CostConfig(enc_linear_s=self.enc_s_per_token, enc_quadratic_s=0.0, bb_linear_s=self.bb_s_per_token,
+                          bb_quadratic_s=0.0, gen_per_image_s=self.gen_s_per_image,
+                          enc_backward_factor=self.bwd_factor[0], bb_backward_factor=self.bwd_factor[1],
+                          gen_backward_factor=self.bwd_factor[2])
+
+    def problem(self, num_procs: int, global_batch: int, layers: int) -> Problem:
+        """The planner's problem for ``num_procs`` CPU processes (no TP on CPU)."""
+        acc = Accelerator("CPU process", peak_flops=1e11, efficiency=1.0, memory_bytes=1e12, tp_link_bytes_s=1e9,
+                          dp_link_bytes_s=1e12, max_tp=1)
+        enc, bb, gen = self.bwd_factor
+        return Problem(encoder=MeasuredProfile("enc", 1e6, (0, 0, self.enc_s_per_token, 0), bwd_factor=enc,
+                                               accelerator=acc),
+                       backbone=MeasuredProfile("bb", 1e6, (self.bb_s_per_token, 0, 0, 0), bwd_factor=bb,
+                                                accelerator=acc),
+                       generator=MeasuredProfile("gen", 1e6, (0, 0, 0, self.gen_s_per_image), bwd_factor=gen,
+                                                 accelerator=acc),
+                       content=self.content, global_batch=global_batch, seqs_per_microbatch=1,
+                       num_gpus=num_procs, accelerator=acc, backbone_layers=layers)
+
+    SIZE = 10
+    """Numbers in ``as_list``."""
+
+    def as_list(self) -> list[float]:
+        c = self.content
+        return [self.enc_s_per_token, self.bb_s_per_token, self.gen_s_per_image, *self.bwd_factor,
+                c.tokens, c.image_tokens, c.gen_images, self.microbatches]
+
+    @classmethod
+    def from_list(cls, v: list[float]) -> Measured:
+        return cls(v[0], v[1], v[2], (v[3], v[4], v[5]), Content(int(v[6]), int(v[7]), v[8]), int(v[9]))
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _ratio(num: float, den: float, default: float = 0.0) -> float:
+    return num / den if den > 0 else default
+
+
+def measure(address: str | list[str], config: JobConfig, model_layers: int, microbatches: int = 3) -> Measured:
+    """Times each module on ``microbatches`` microbatches of a probe job (dp_size 1, arrival order)."""
+    probe = dataclasses.replace(config, dp_size=1, num_microbatches=1, reorder_algorithm="arrival",
+                                seed=config.seed + PROBE_SEED_OFFSET, enc_shared_by=1, gen_shared_by=1,
+                                stage_map=("enc", "bb", "gen"), cost_feedback=False)
+    model = MultimodalModel(ModelConfig(layers=model_layers, max_positions=config.seq_len))
+    sums = torch.zeros(3, 3, dtype=torch.float64)  # rows enc, bb, gen; columns forward s, backward s, work
+    content = torch.zeros(3, dtype=torch.float64)
+    from trainer import DataClient  # the client (gRPC) only where a probe runs
+
+    with DataClient(address, probe, 0, prefetch=2) as client:
+        for i in range(microbatches + 1):
+            mb = next(client)
+            media, enc_f = _timed(lambda: model.encode(mb))  # noqa: B023 (called at once)
+            enc_b = 0.0
+            if media.shape[0]:
+                _, enc_b = _timed(lambda: media.sum().backward())  # noqa: B023
+            bb = model.backbone
+            x = bb.embed_inputs(mb.tokens, mb.position_ids, media.detach(), media_index(mb))
+            targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens)
+
+            def backbone_loss():
+                return lm_loss(bb.logits(bb.run_blocks(x, mb.cu_seqlens.tolist(), 0, model_layers))[1],  # noqa: B023
+                               targets)[0]  # noqa: B023
+            loss, bb_f = _timed(backbone_loss)
+            _, bb_b = _timed(loss.backward)
+            gen_f = gen_b = 0.0
+            num_gen = mb.gen_spans.shape[0]
+            if num_gen:
+                span = int(mb.gen_spans[0, 1] - mb.gen_spans[0, 0])  # query tokens per image to generate
+                queries = torch.randn(num_gen, span, model.config.dim, requires_grad=True)
+                gen_loss, gen_f = _timed(lambda: model.generator.loss(queries, mb.gen_images,  # noqa: B023
+                                                                      torch.Generator().manual_seed(0)))
+                _, gen_b = _timed(gen_loss.backward)
+            model.zero_grad(set_to_none=True)
+            if i == 0:
+                continue  # warm-up: first-call allocations
+            enc_tokens = len(spans_index(mb.image_spans)) + len(spans_index(mb.audio_spans))
+            text = int((mb.modality != 0).sum())
+            sums += torch.tensor([[enc_f, enc_b, enc_tokens], [bb_f, bb_b, text], [gen_f, gen_b, num_gen]],
+                                 dtype=torch.float64)
+            content += torch.tensor([text, enc_tokens, num_gen], dtype=torch.float64)
+    n = max(microbatches, 1)
+    per = [_ratio(float(sums[i, 0]), float(sums[i, 2])) for i in range(3)]
+    bwd = tuple(_ratio(float(sums[i, 1]), float(sums[i, 0]), 2.0) for i in range(3))
+    return Measured(per[0], per[1], per[2], (bwd[0], bwd[1], bwd[2]),
+                    Content(int(content[0] / n), int(content[1] / n), float(content[2]) / n), microbatches)

@@ -202,3 +202,30 @@ def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(serv
     assert REGISTRY.get_sample_value("disttrain_job_acknowledged_step", {"job": job.job_id}) == 12
     assert REGISTRY.get_sample_value("disttrain_job_held_plans", {"job": job.job_id}) == job.num_held_plans()
     assert [r["loss"] for r in resumed] == pytest.approx([expected[r["step"]] for r in resumed], rel=1e-6)
+
+
+def test_bf16_autocast_runs_the_same_code_and_stays_near_the_fp32_losses(service, tmp_path):
+    """--bf16 (autocast; the GPU path's option, run here on the CPU) trains the same steps: the
+    losses are bf16-close to fp32's, and not equal (autocast was on)."""
+    address, shards, _ = service
+    runs = {}
+    for name, extra in (("fp32", []), ("bf16", ["--bf16", "--device", "cpu"])):
+        (tmp_path / name).mkdir()
+        # a job of its own (seed): other tests acknowledge past step 0 of the default one
+        _torchrun(4, _args(address, shards, tmp_path / name, 2, extra=["--seed", "11", *extra]))
+        runs[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+    assert runs["bf16"] == pytest.approx(runs["fp32"], rel=0.05)
+    assert runs["bf16"] != runs["fp32"]
+
+
+@pytest.mark.unit
+def test_microbatch_to_moves_every_tensor_and_pinning_needs_cuda(service):
+    address, shards, _ = service
+    argv = ["--address", address, "--shards", shards, "--seq-len", "2048", "--profile-microbatches", "0"]
+    with DataClient(address, job_config(parse(argv)), 0, prefetch=1, pin_memory=True) as client:
+        assert client.pin_memory == torch.cuda.is_available()
+        mb = next(client)
+    moved = mb.to("meta")  # a device without data: every tensor must land there
+    assert all(getattr(moved, name).device.type == "meta" for name in mb.TENSORS)
+    assert all(t.device.type == "meta" for t in [*moved.images, *moved.mels])
+    assert moved.sample_keys == mb.sample_keys and mb.tokens.device.type == "cpu"

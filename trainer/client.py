@@ -17,6 +17,7 @@ several replicas: gRPC then picks a live one), a comma-separated list of them, o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -78,6 +79,16 @@ class Microbatch:
     nbytes: int = 0
     """Payload bytes on the wire."""
 
+    TENSORS = ("tokens", "position_ids", "modality", "cu_seqlens", "segment_doc", "image_spans", "audio_spans",
+               "gen_spans", "gen_images")
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Microbatch:
+        """This microbatch with every tensor on ``device``; from pinned memory (DataClient's
+        ``pin_memory``) the copies are asynchronous with ``non_blocking``."""
+        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self.TENSORS}
+        return dataclasses.replace(self, **moved, images=[t.to(device, non_blocking=non_blocking) for t in self.images],
+                                   mels=[t.to(device, non_blocking=non_blocking) for t in self.mels])
+
 
 def to_microbatch(raw: bytes) -> Microbatch:
     """A serialized Microbatch -> torch tensors; each array is copied once out of ``raw``, so the
@@ -85,8 +96,8 @@ def to_microbatch(raw: bytes) -> Microbatch:
     return _to_microbatch(*wire.decode_microbatch(raw))
 
 
-def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray]) -> Microbatch:
-    tensors = {name: torch.from_numpy(a.copy()) for name, a in arrays.items()}
+def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], pin: bool = False) -> Microbatch:
+    tensors = {name: _own(a, pin) for name, a in arrays.items()}
     return Microbatch(
         step=message.step, epoch=message.epoch, microbatch_index=message.microbatch_index,
         num_microbatches=message.num_microbatches, tokens=tensors["tokens"],
@@ -100,6 +111,16 @@ def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray]) -> Mic
         skipped=[(s.key, s.shard, s.reason) for s in message.skipped],
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
+
+
+def _own(array: np.ndarray, pin: bool) -> torch.Tensor:
+    """A tensor that owns a copy of ``array`` (a view of the received bytes), in page-locked memory
+    when ``pin``, so the copy to a GPU can be asynchronous."""
+    if not pin:
+        return torch.from_numpy(array.copy())
+    out = torch.empty(array.shape, dtype=torch.from_numpy(array[:0].copy()).dtype, pin_memory=True)
+    out.numpy()[...] = array
+    return out
 
 
 def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -224,7 +245,7 @@ class DataClient:
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
                  connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0,
                  credentials: Credentials | None = None, keepalive_s: float = 15.0, call_timeout_s: float = 20.0,
-                 message_timeout_s: float = 900.0):
+                 message_timeout_s: float = 900.0, pin_memory: bool = False):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
@@ -234,6 +255,9 @@ class DataClient:
             raise ValueError("no service address given")
         self.dp_rank = dp_rank
         self.prefetch = prefetch
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        """Copy each microbatch into page-locked memory in the background thread (for non_blocking
+        copies to a GPU: ``Microbatch.to``). Only where CUDA is available; else a no-op."""
         self.connect_timeout_s = connect_timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -324,7 +348,7 @@ class DataClient:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        mb = _to_microbatch(*item)
+        mb = item if isinstance(item, Microbatch) else _to_microbatch(*item)
         last = mb.microbatch_index + 1 == mb.num_microbatches
         self._next = (mb.step + 1, 0) if last else (mb.step, mb.microbatch_index + 1)
         return mb
@@ -373,7 +397,7 @@ class DataClient:
                         if failing_since is not None:
                             self.resumed_at.append(time.monotonic())
                             failing_since = None
-                        if not self._put(message):
+                        if not self._put(_to_microbatch(*message, pin=True) if self.pin_memory else message):
                             return
                         self._last_progress = time.monotonic()  # a slow consumer is not a stuck server
                     self._put(_END)

@@ -66,6 +66,10 @@ def parse(argv):
     p.add_argument("--profile-microbatches", type=int, default=2,
                    help="rank 0 times each module on this many microbatches of a probe job and opens the job "
                         "with those costs (0: the job's default cost model)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo; cuda: NCCL, one GPU per process (LOCAL_RANK), pinned-memory prefetch and "
+                        "non_blocking copies")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward passes (CPU or GPU)")
     p.add_argument("--trace", type=Path, help="every rank writes the ops it ran per step here (rank{R}.json)")
     p.add_argument("--enc-dp", type=int, default=1)
     p.add_argument("--bb-dp", type=int, default=1)
@@ -104,7 +108,8 @@ def runtime_layout(args) -> PipelineLayout:
         raise SystemExit(f"layout: {exc}") from None
 
 
-def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: CostConfig | None = None):
+def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: CostConfig | None = None,
+                 device: torch.device | None = None):
     """This rank's worker, its module sharded for its TP rank."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank; each keeps its module
     model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len))
@@ -113,16 +118,22 @@ def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: Co
     common = (model, layout, args.num_microbatches, args.seed)
     role = layout.role(rank)
     if role[0] == "enc":
-        return EncoderWorker(*common, replica=role[1], tp=tp)
-    if role[0] == "gen":
-        return GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight, tp=tp)
-    _, dp, stage = role
-    client = None
-    if stage == 0 and tp.leader:  # the other TP ranks get the microbatches from their leader
-        from trainer import DataClient
+        worker = EncoderWorker(*common, replica=role[1], tp=tp, device=device or "cpu")
+    elif role[0] == "gen":
+        worker = GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight, tp=tp,
+                                 device=device or "cpu")
+    else:
+        _, dp, stage = role
+        client = None
+        if stage == 0 and tp.leader:  # the other TP ranks get the microbatches from their leader
+            from trainer import DataClient
 
-        client = DataClient(args.address, job_config(args, cost), dp, prefetch=args.num_microbatches)
-    return BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0.tp0"], tp=tp)
+            client = DataClient(args.address, job_config(args, cost), dp, prefetch=args.num_microbatches,
+                                pin_memory=device is not None and device.type == "cuda")
+        worker = BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0.tp0"], tp=tp,
+                                device=device or "cpu")
+    model.to(device or "cpu")  # after sharding: each rank holds its slices
+    return worker
 
 
 def fill_missing_grads(params) -> None:
@@ -162,7 +173,8 @@ def latest_checkpoint(directory: Path | None, world: int) -> int:
 LAYOUT_FIELDS = ("enc_dp", "bb_dp", "bb_pp", "gen_dp", "enc_tp", "bb_tp", "gen_tp")
 
 
-def settle_layout(args, rank: int, world: int, start: int) -> tuple[PipelineLayout, CostConfig | None, list[float]]:
+def settle_layout(args, rank: int, world: int, start: int,
+                  control=None) -> tuple[PipelineLayout, CostConfig | None, list[float]]:
     """Rank 0 settles the layout and the measured costs (from the checkpoint at ``start`` if any,
     else by measuring and, with --orchestrate, planning) and broadcasts them; every rank sets them
     in ``args``. Returns (layout, costs or None, the broadcast vector the checkpoints keep)."""
@@ -177,7 +189,7 @@ def settle_layout(args, rank: int, world: int, start: int) -> tuple[PipelineLayo
             vec = torch.tensor(saved, dtype=torch.float64)
         else:
             vec = torch.tensor(_decide(args, world), dtype=torch.float64)
-    dist.broadcast(vec, src=0)
+    dist.broadcast(vec, src=0, group=control)
     values = vec.tolist()
     for name, value in zip(LAYOUT_FIELDS, values):
         setattr(args, name, int(value))
@@ -216,25 +228,39 @@ def _decide(args, world: int) -> list[float]:
             + (measured.as_list() if measured else zeros))
 
 
+def init_distributed(args) -> tuple[torch.device, object]:
+    """The process group (gloo on CPU; NCCL on GPUs, this process's GPU from LOCAL_RANK) and a gloo
+    group for the small CPU-side control collectives (layout, step sizes, statistics)."""
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible to this process")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device, dist.new_group(backend="gloo")
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    return torch.device("cpu"), None
+
+
 def main(argv=None) -> int:
     args = parse(argv)
-    dist.init_process_group("gloo")
+    device, control = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
     start = latest_checkpoint(args.checkpoint_dir, world)
-    layout, cost, settled = settle_layout(args, rank, world, start)
+    layout, cost, settled = settle_layout(args, rank, world, start, control)
     # every rank creates every group, in the same order
     groups = {name: dist.new_group(ranks) for name, ranks in layout.groups().items()}
     groups.update({tuple(ranks): dist.new_group(ranks) for ranks in layout.tp_groups()})
     sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
-    worker = build_worker(args, layout, rank, groups, cost)
+    worker = build_worker(args, layout, rank, groups, cost, device)
     group = layout.group_of(rank)
     params = worker.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     source = layout.bb_rank(0, 0)  # reads the first microbatch of every step
     traces = {}
     if start:
-        state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False)
+        state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False, map_location=device)
         for p, saved in zip(params, state["params"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
@@ -245,10 +271,11 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         # every rank runs the step's 1F1B over the number of microbatches the service planned for it
         num = torch.tensor([worker.peek_num_microbatches(step) if rank == source else 0])
-        dist.broadcast(num, src=source)
+        dist.broadcast(num, src=source, group=control)
         worker.M = int(num)
         worker.trace = []
-        worker.run_step(step)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            worker.run_step(step)
         traces[step] = {"num_microbatches": worker.M, "ops": worker.trace}
         worker.outbox.wait()
         reduce_gradients(params, groups[group], sizes[group])
@@ -257,15 +284,15 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - began
         stats = torch.tensor([*worker.loss_parts.tolist(), elapsed, worker.busy_s], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
-        dist.all_gather(gathered, stats)
+        dist.all_gather(gathered, stats, group=control)
         record = _record(step, layout, gathered)
         if rank == 0:
             _log(args, record)
         if args.feedback:
-            _feed_back(worker, layout, step, record["bubble_mean"])
+            _feed_back(worker, layout, step, record["bubble_mean"], control)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             _save(args, step + 1, rank, worker, params, optimizer, settled)
-            dist.barrier()  # every rank's file is written: the checkpoint is complete
+            dist.barrier(group=control)  # every rank's file is written: the checkpoint is complete
             if getattr(worker, "client", None) is not None:
                 worker.client.acknowledge(step + 1)  # the service may drop the plans before it
     if args.save_params:
@@ -276,7 +303,7 @@ def main(argv=None) -> int:
         _write_trace(args.trace, rank, layout, worker, traces)
     if getattr(worker, "client", None) is not None:
         worker.client.close()
-    dist.barrier()
+    dist.barrier(group=control)
     dist.destroy_process_group()
     return 0
 
@@ -297,7 +324,7 @@ def _write_trace(directory: Path, rank: int, layout: PipelineLayout, worker, tra
     (directory / f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def _feed_back(worker, layout: PipelineLayout, step: int, bubble: float) -> None:
+def _feed_back(worker, layout: PipelineLayout, step: int, bubble: float, control=None) -> None:
     """Gathers every rank's per-microbatch busy seconds into [bb_dp, M, module]; each chain's
     stage 0 reports its row to the service, which refits its cost model. A TP group counts
     once (its leader's time)."""
@@ -305,7 +332,7 @@ def _feed_back(worker, layout: PipelineLayout, step: int, bubble: float) -> None
     for (d, m), seconds in worker.per_microbatch.items():
         if worker.tp.leader:
             table[d, m, worker.module_index] += seconds
-    dist.all_reduce(table)
+    dist.all_reduce(table, group=control)
     if getattr(worker, "client", None) is not None:
         worker.client.report_timings([(step, m, *table[worker.dp, m].tolist()) for m in range(worker.M)],
                                      bubble=(step, bubble))

@@ -69,9 +69,10 @@ def lm_targets(tokens: torch.Tensor, modality: torch.Tensor, cu_seqlens: torch.T
     """int64 [S, L] next-token targets: the next token where it is text in the same document, else
     -100. Flatten it to match the logits."""
     num_seqs, seq_len = tokens.shape
-    segment = torch.bucketize(torch.arange(num_seqs * seq_len), cu_seqlens[1:].long(), right=True)
+    segment = torch.bucketize(torch.arange(num_seqs * seq_len, device=tokens.device),
+                              cu_seqlens[1:].long().to(tokens.device), right=True)
     segment = segment.reshape(num_seqs, seq_len)
-    targets = torch.full((num_seqs, seq_len), -100, dtype=torch.long)
+    targets = torch.full((num_seqs, seq_len), -100, dtype=torch.long, device=tokens.device)
     ok = (modality[:, 1:] == TEXT) & (segment[:, 1:] == segment[:, :-1])
     targets[:, :-1] = torch.where(ok, tokens[:, 1:].long(), torch.full_like(targets[:, :-1], -100))
     return targets

@@ -86,8 +86,9 @@ class DiffusionGenerator(nn.Module):
         x0 = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
         if x0.shape[-1] != r:
             x0 = F.interpolate(x0, size=(r, r), mode="area")
-        t = torch.randint(0, self.config.diffusion_steps, (x0.shape[0],), generator=generator)
-        eps = torch.randn(x0.shape, generator=generator)
+        # drawn on the CPU from the caller's generator (the same numbers on every device), then moved
+        t = torch.randint(0, self.config.diffusion_steps, (x0.shape[0],), generator=generator).to(x0.device)
+        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
         a = self.alphas[t][:, None, None, None]
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * eps
         predicted = self.predict_noise(x_t, self.condition(query_states, t))

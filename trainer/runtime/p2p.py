@@ -18,10 +18,12 @@ _HEADER = 512
 
 
 class Outbox:
-    """Pending asynchronous sends, and the tensors they read from."""
+    """Pending asynchronous sends, and the tensors they read from. ``device``: where the headers
+    are made (NCCL sends only GPU tensors; gloo CPU ones)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
         self._pending = []
+        self.device = torch.device(device)
 
     def send(self, tensors: list[torch.Tensor], dst: int, kind: str) -> None:
         tag = TAGS[kind]
@@ -30,10 +32,10 @@ class Outbox:
             header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
         if len(header) > _HEADER:
             raise ValueError(f"message of {len(tensors)} tensors does not fit a {_HEADER}-number header")
-        head = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64)
+        head = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=self.device)
         self._pending.append((dist.isend(head, dst, tag=tag), head))
         for t in tensors:
-            t = t.detach().contiguous()
+            t = t.detach().to(self.device).contiguous()
             if t.numel():
                 self._pending.append((dist.isend(t, dst, tag=tag), t))
 
@@ -43,16 +45,16 @@ class Outbox:
         self._pending.clear()
 
 
-def recv(src: int, kind: str) -> list[torch.Tensor]:
+def recv(src: int, kind: str, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     tag = TAGS[kind]
-    head = torch.empty(_HEADER, dtype=torch.int64)
+    head = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(head, src, tag=tag)
     values, out, i = head.tolist(), [], 1
     for _ in range(values[0]):
         dtype, ndim = _DTYPES[values[i]], values[i + 1]
         shape = values[i + 2:i + 2 + ndim]
         i += 2 + ndim
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=device)
         if t.numel():
             dist.recv(t, src, tag=tag)
         out.append(t)

@@ -32,13 +32,15 @@ from trainer.runtime.tensor_parallel import SOLO, TPGroup, shard
 
 class Worker:
     def __init__(self, model: MultimodalModel, layout: PipelineLayout, num_microbatches: int, seed: int,
-                 tp: TPGroup = SOLO):
+                 tp: TPGroup = SOLO, device: torch.device | str = "cpu"):
         self.model, self.layout, self.M, self.seed, self.tp = model, layout, num_microbatches, seed, tp
+        self.device = torch.device(device)
+        """Where this rank's module, activations and messages live (the model is moved by the caller)."""
         self.trace: list[tuple[str, int, int]] = []
         """(op, chain, microbatch) this step, in the order run; encoder and generator take the chain
         and microbatch from the message they received (what the layout test compares with the
         simulator)."""
-        self.outbox = Outbox()
+        self.outbox = Outbox(self.device)
         self.busy_s = 0.0
         self.per_microbatch: dict[tuple[int, int], float] = {}
         """Busy seconds per (chain dp, microbatch) this step: the timings fed back to the service."""
@@ -59,8 +61,8 @@ class Worker:
         """A message from another module or stage: the TP leader receives it from ``src`` and
         forwards it to the other TP ranks, which take it from the leader."""
         if not self.tp.leader:
-            return recv(self.tp.ranks[0], "tp")
-        tensors = recv(src, kind)
+            return recv(self.tp.ranks[0], "tp", self.device)
+        tensors = recv(src, kind, self.device)
         self._to_peers(tensors)
         return tensors
 
@@ -73,15 +75,22 @@ class Worker:
         if self.tp.leader:
             self.outbox.send(tensors, dst, kind)
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _add_loss(self, part: int, value: float) -> None:
         if self.tp.leader:  # each TP rank computes the same loss; it counts once
             self.loss_parts[part] += value
 
     def _timed(self, fn, *args):
+        """Runs fn and counts its seconds as busy; on a GPU after the device finished its kernels."""
+        self._sync()
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
+            self._sync()
             elapsed = time.perf_counter() - start
             self.busy_s += elapsed
             self.per_microbatch[self._current] = self.per_microbatch.get(self._current, 0.0) + elapsed
@@ -200,15 +209,18 @@ class BackboneWorker(Worker):
         counts all-reduced; returns each microbatch's metadata as it travels down the chain. The
         other TP ranks of the stage get the same from their leader."""
         if not self.tp.leader:
-            return [self._peer_meta(m, recv(self.tp.ranks[0], "tp")) for m in range(self.M)]
-        metas, counts = [], torch.zeros(2, dtype=torch.float64)
+            return [self._peer_meta(m, recv(self.tp.ranks[0], "tp", self.device)) for m in range(self.M)]
+        metas, counts = [], torch.zeros(2, dtype=torch.float64, device=self.device)
         for m in range(self.M):
             mb, self._first = (self._first, None) if m == 0 and self._first is not None else (next(self.client), None)
             if (mb.step, mb.microbatch_index) != (step, m):
                 raise RuntimeError(f"rank {self.dp} expected step {step} microbatch {m}, the service sent "
                                    f"step {mb.step} microbatch {mb.microbatch_index}")
+            if self.device.type != "cpu":
+                mb = mb.to(self.device, non_blocking=True)  # from the client's pinned buffers
             targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens)
-            counts += torch.tensor([(targets != -100).sum().item(), mb.gen_spans.shape[0]], dtype=torch.float64)
+            counts += torch.tensor([(targets != -100).sum().item(), mb.gen_spans.shape[0]], dtype=torch.float64,
+                                   device=self.device)
             if self.local_encoder:
                 self._media[m] = (mb.images, mb.mels)
             else:
@@ -251,8 +263,8 @@ class BackboneWorker(Worker):
                                                        self.model.audio_encoder(mels)]))
             elif index.numel():
                 media = self._recv(self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "embed")[0].requires_grad_()
-            x = self._timed(bb.embed_inputs, tokens, positions,
-                            media if media is not None else torch.zeros(0, bb.embed.embedding_dim), index)
+            none = torch.zeros(0, bb.embed.embedding_dim, device=self.device)
+            x = self._timed(bb.embed_inputs, tokens, positions, none if media is None else media, index)
         else:
             x, *meta = self._recv(self.layout.bb_rank(self.dp, self.stage - 1), "act")
             x.requires_grad_()

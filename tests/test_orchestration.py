@@ -14,6 +14,7 @@ from trainer.orchestration.planner import (
     disaggregated,
     monolithic,
     search_disaggregated,
+    search_exact,
     search_monolithic,
 )
 from trainer.orchestration.profile import Accelerator, Content, MeasuredProfile
@@ -82,6 +83,38 @@ def test_disaggregation_wins_when_the_encoder_makes_the_first_stage_a_straggler(
     assert max(mono.stage_s) == mono.stage_s[0]
     assert dis.throughput > 1.3 * mono.throughput
     assert max(dis.stage_s) < max(mono.stage_s)
+
+
+def test_partly_disaggregated_layouts_keep_one_module_inside_the_backbone():
+    problem = _problem(num_gpus=8)
+    # encoder apart, generator inside the last of 2 backbone stages (fwd: enc 0.4, bb 0.5 per stage, gen 0.2)
+    plan = disaggregated(problem, Parallel(1, 1), Parallel(2, 1, 2), Parallel(0, 1))
+    assert plan.stage_s == pytest.approx([2 * 1.2, 1.5, 1.5 + 0.6])
+    assert plan.gpus == 5 and plan.layout().stage_map == ("enc", "bb/2", "bb/2+gen")
+    assert "gen in bb stage 2" in plan.describe()
+    plan = disaggregated(problem, Parallel(0, 1), Parallel(2, 1, 1), Parallel(2, 1))
+    assert plan.stage_s == pytest.approx([3.0 + 1.2, 0.6]) and plan.layout().stage_map == ("enc+bb", "gen")
+    assert disaggregated(problem, Parallel(0, 1), Parallel(2, 1, 1), Parallel(0, 1)) is None  # monolithic's
+
+
+@pytest.mark.parametrize("num_gpus", [2, 3, 5])
+def test_exact_search_is_the_fastest_layout_of_exactly_the_world_size(num_gpus):
+    """search_exact against brute force over every monolithic grid and every (partly) disaggregated
+    layout of exactly num_gpus processes (on 2 processes the partly disaggregated ones are the only
+    disaggregated candidates)."""
+    problem = _problem(num_gpus=num_gpus, enc=(0, 0, 2.5e-3, 0), gen=(0, 0, 0, 0.05), global_batch=8, max_tp=2)
+    grids = list(itertools.product((1, 2), (1, 2, 4, 8), range(1, 9)))
+    plans = [monolithic(problem, Parallel(dp, tp, pp)) for tp, pp, dp in grids]
+    for bb_tp, pp, dp in grids:
+        for enc_tp, gen_tp, enc_dp, gen_dp in itertools.product((1, 2), (1, 2), range(6), range(6)):
+            plans.append(disaggregated(problem, Parallel(enc_dp, enc_tp if enc_dp else 1), Parallel(dp, bb_tp, pp),
+                                       Parallel(gen_dp, gen_tp if gen_dp else 1)))
+    exact = [p for p in plans if p and p.gpus == num_gpus]
+    best = min(exact, key=lambda p: p.iteration_s)
+    found = search_exact(problem)
+    assert found.gpus == num_gpus and found.iteration_s == pytest.approx(best.iteration_s)
+    if num_gpus == 2:
+        assert {(p.enc.dp, p.gen.dp) for p in exact if p.kind == "disaggregated"} == {(1, 0), (0, 1)}
 
 
 def test_paper_scale_simulation_prints_both_layouts_labelled_as_simulation(capsys):

@@ -76,6 +76,8 @@ def test_member_names_encode_shard_and_index(dataset):
 
 
 def sample_kind(meta: dict) -> str:
+    if meta.get("kind") == "text":
+        return "text"
     if "generate" in meta:
         return "generate"
     if "order" in meta:
@@ -254,6 +256,28 @@ def test_plain_samples_do_not_depend_on_the_new_shares(tmp_path):
     kept = [key for key, members in mixed.items() if sample_kind(json.loads(members["json"])) == "plain"]
     assert 5 <= len(kept) < 20
     assert all(mixed[key] == plain[key] for key in kept)
+
+
+def test_text_only_documents(tmp_path):
+    """text_share adds text-only documents of lognormal length; the other samples stay as they were."""
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=60, seed=5, text_share=0.4, text_words=100)
+    base = dataclasses.replace(config, text_share=0.0)
+    with_text = read_samples(synth.write_dataset(tmp_path / "t", config)[0])
+    without = read_samples(synth.write_dataset(tmp_path / "b", base)[0])
+    texts = {key: m for key, m in with_text.items() if sample_kind(json.loads(m["json"])) == "text"}
+    assert 0.2 <= len(texts) / len(with_text) <= 0.6
+    for key, members in texts.items():
+        assert set(members) == {"txt", "json"}, key
+        meta = json.loads(members["json"])
+        assert meta["num_images"] == 0 and 20 <= meta["words"] <= 2000
+        assert len(members["txt"].decode("utf-8").split()) == meta["words"]
+    lengths = sorted(json.loads(m["json"])["words"] for m in texts.values())
+    assert 50 <= lengths[len(lengths) // 2] <= 200 and lengths[-1] > 2 * lengths[0]
+    assert all(with_text[key] == without[key] for key in with_text if key not in texts)
+    with pytest.raises(ValueError, match="text_words"):
+        synth.SynthConfig(text_words=0)
+    with pytest.raises(ValueError, match="add up"):
+        synth.SynthConfig(audio_share=0.5, text_share=0.6)
 
 
 def test_same_seed_gives_identical_tars(tmp_path):

@@ -12,7 +12,10 @@ Besides plain image-caption samples (img2dataset's layout, unchanged) a dataset 
 * interleaved samples: texts ``txt``, ``1.txt``, ... mixed with images and sometimes audio, in the
   document order the json field ``order`` gives (a list of member names);
 * generation samples: a prompt ``txt`` and images, where json ``generate`` lists the image members
-  the model must generate rather than encode, and ``order`` puts the text first.
+  the model must generate rather than encode, and ``order`` puts the text first;
+* text-only documents (off by default, ``text_share``): one ``txt`` of lognormal length (median
+  ``text_words`` words), the text-only data multimodal training mixes in to keep the backbone's
+  language ability; json ``num_images`` 0 and ``kind`` "text".
 
 A sample without ``order`` is read in the default order: images, then audio clips, then texts,
 each by member index.
@@ -57,7 +60,7 @@ GENERATOR_VERSION = 2
 CORRUPT_SHARD_ID = 99999
 CORRUPT_KINDS = ("truncated_image", "random_bytes_image", "bad_utf8", "invalid_json", "decompression_bomb",
                  "corrupt_audio")
-SAMPLE_KINDS = ("plain", "audio", "interleaved", "generate")
+SAMPLE_KINDS = ("plain", "audio", "interleaved", "generate", "text")
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg")
 SAMPLE_RATES = (8000, 16000, 22050, 44100, 48000)
 # 400 Mpx is more than twice Pillow's default MAX_IMAGE_PIXELS (~89 Mpx), so even a loader that
@@ -127,9 +130,11 @@ class SynthConfig:
     audio_share: float = 0.10  # share of audio samples: 1-2 clips and a caption, some with an image
     interleaved_share: float = 0.05  # share of interleaved text/image(/audio) documents with "order"
     generate_share: float = 0.05  # share of text-to-image generation samples ("generate" in the json)
+    text_share: float = 0.0  # share of text-only documents (no media)
+    text_words: int = 150  # median words of a text-only document (lognormal, sigma 0.8, 20..2000)
 
     def __post_init__(self) -> None:
-        for name in ("num_shards", "samples_per_shard", "seed", "max_images"):
+        for name in ("num_shards", "samples_per_shard", "seed", "max_images", "text_words"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an int, got {value!r}.")
@@ -141,13 +146,15 @@ class SynthConfig:
             raise ValueError(f"seed must not be negative, got {self.seed}.")
         if not 2 <= self.max_images <= 100:
             raise ValueError(f"max_images must be between 2 and 100, got {self.max_images}.")
+        if not 1 <= self.text_words <= 2000:
+            raise ValueError(f"text_words must be between 1 and 2000, got {self.text_words}.")
         for name in ("multi_image_share", "png_share", "webp_share", "exif_rotated_share", "audio_share",
-                     "interleaved_share", "generate_share"):
+                     "interleaved_share", "generate_share", "text_share"):
             _check_share(name, getattr(self, name))
         if self.png_share + self.webp_share > 1.0:
             raise ValueError("png_share and webp_share must add up to at most 1.")
-        if self.audio_share + self.interleaved_share + self.generate_share > 1.0:
-            raise ValueError("audio_share, interleaved_share and generate_share must add up to at most 1.")
+        if self.audio_share + self.interleaved_share + self.generate_share + self.text_share > 1.0:
+            raise ValueError("audio_share, interleaved_share, generate_share and text_share must add up to at most 1.")
 
 
 @dataclass(slots=True)
@@ -258,7 +265,8 @@ def _make_plain_sample(rng: np.random.Generator, key: str, config: SynthConfig) 
 
 def _draw_kind(config: SynthConfig, shard: int, index: int) -> str:
     u = np.random.default_rng([config.seed, shard, index, _KIND_STREAM]).random()
-    for kind, share in zip(SAMPLE_KINDS[1:], (config.audio_share, config.interleaved_share, config.generate_share)):
+    shares = (config.audio_share, config.interleaved_share, config.generate_share, config.text_share)
+    for kind, share in zip(SAMPLE_KINDS[1:], shares):
         if u < share:
             return kind
         u -= share
@@ -456,8 +464,20 @@ def _make_generate_sample(rng: np.random.Generator, key: str, config: SynthConfi
     return _Sample(key, b.members, meta)
 
 
+def _make_text_sample(rng: np.random.Generator, key: str, config: SynthConfig) -> _Sample:
+    """A text-only document: sentences of caption words, lognormal length around ``text_words``."""
+    count = int(np.clip(round(config.text_words * np.exp(rng.normal(0.0, 0.8))), 20, 2000))
+    words = [_WORDS[i] for i in rng.integers(0, len(_WORDS), count)]
+    sentences = [" ".join(words[i:i + 15]).capitalize() + "." for i in range(0, count, 15)]
+    text = " ".join(sentences)
+    meta = {"url": f"https://example.invalid/doc/{key}.txt", "caption": text[:200], "key": key, "status": "success",
+            "error_message": None, "num_images": 0, "kind": "text", "words": count,
+            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    return _Sample(key, {"txt": text.encode("utf-8")}, meta)
+
+
 _MAKERS = {"plain": _make_plain_sample, "audio": _make_audio_sample, "interleaved": _make_interleaved_sample,
-           "generate": _make_generate_sample}
+           "generate": _make_generate_sample, "text": _make_text_sample}
 
 
 def _make_sample(config: SynthConfig, shard: int, index: int, kind: str | None = None) -> _Sample:

@@ -7,6 +7,9 @@ encoder -> backbone stage 1..PP -> generator; the encoder and generator groups s
 ranks, so each of their microbatch slots carries DP_b / DP_e (DP_b / DP_g) microbatches. DP_e
 divides DP_b or is a multiple of it (disttrain_api.layout.PipelineLayout); k = DP_e / DP_b
 replicas per rank take turns, counted as 1/k of a microbatch per slot (their throughput).
+Partly disaggregated: only the encoder (or only the generator) runs as its own group, the other
+inside the backbone's last (first) stage; ``search_exact`` considers these too (on a 2-process
+world they are the only disaggregated layouts).
 
 Monolithic layout (Megatron-like): one DP x TP x PP grid; the encoder runs inside the first
 pipeline stage and the generator inside the last, at the backbone's TP, and the backbone's layers
@@ -69,8 +72,9 @@ class Plan:
     def describe(self) -> str:
         if self.kind == "monolithic":
             return f"DP{self.bb.dp} x TP{self.bb.tp} x PP{self.bb.pp} (enc in stage 1, gen in stage {self.bb.pp})"
-        return (f"enc DP{self.enc.dp} x TP{self.enc.tp} | bb DP{self.bb.dp} x TP{self.bb.tp} x PP{self.bb.pp} | "
-                f"gen DP{self.gen.dp} x TP{self.gen.tp}")
+        enc = f"enc DP{self.enc.dp} x TP{self.enc.tp}" if self.enc.dp else "enc in bb stage 1"
+        gen = f"gen DP{self.gen.dp} x TP{self.gen.tp}" if self.gen.dp else f"gen in bb stage {self.bb.pp}"
+        return f"{enc} | bb DP{self.bb.dp} x TP{self.bb.tp} x PP{self.bb.pp} | {gen}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,25 +119,46 @@ def _finish(problem: Problem, plan: Plan) -> Plan:
 
 
 def disaggregated(problem: Problem, enc: Parallel, bb: Parallel, gen: Parallel) -> Plan | None:
-    """The plan of one disaggregated layout, or None if it does not fit (GPUs, batch, memory)."""
+    """The plan of one disaggregated layout, or None if it does not fit (GPUs, batch, memory).
+
+    ``enc.dp == 0`` (``gen.dp == 0``) keeps the encoder (generator) inside the backbone's first
+    (last) stage at the backbone's TP, as the monolithic layout does: a partly disaggregated
+    layout (PipelineLayout's ``enc_dp = 0`` / ``gen_dp = 0``). Both 0 is ``monolithic``'s."""
     c, M = problem.content, problem.global_batch // (bb.dp * problem.seqs_per_microbatch)
-    if (enc.gpus + bb.gpus + gen.gpus > problem.num_gpus or problem.global_batch % (bb.dp * problem.seqs_per_microbatch)
+    if (not (enc.dp or gen.dp) or enc.gpus + bb.gpus + gen.gpus > problem.num_gpus
+            or problem.global_batch % (bb.dp * problem.seqs_per_microbatch)
             or problem.backbone_layers % bb.pp or max(enc.tp, bb.tp, gen.tp) > problem.accelerator.max_tp
-            or (bb.dp % enc.dp and enc.dp % bb.dp) or (bb.dp % gen.dp and gen.dp % bb.dp)):
+            or (enc.dp and bb.dp % enc.dp and enc.dp % bb.dp) or (gen.dp and bb.dp % gen.dp and gen.dp % bb.dp)):
         return None  # a replica serves whole backbone DP ranks, or each has k replicas (PipelineLayout)
     share = 1 / bb.pp
-    stages = [bb.dp / enc.dp * _fb(problem.encoder, c, enc.tp)]
-    stages += [_fb(problem.backbone, c, bb.tp, share)] * bb.pp
-    stages += [bb.dp / gen.dp * _fb(problem.generator, c, gen.tp)]
-    n = len(stages)
-    memory = [problem.encoder.memory_bytes(c, enc.tp, 1.0, math.ceil(min(M, n) * bb.dp / enc.dp), enc.dp)]
-    memory += [problem.backbone.memory_bytes(c, bb.tp, share, min(M, n - 1 - i), bb.dp) for i in range(bb.pp)]
-    memory += [problem.generator.memory_bytes(c, gen.tp, 1.0, math.ceil(bb.dp / gen.dp), gen.dp)]
+    inner = [_fb(problem.backbone, c, bb.tp, share)] * bb.pp
+    if not enc.dp:
+        inner[0] += _fb(problem.encoder, c, bb.tp)
+    if not gen.dp:
+        inner[-1] += _fb(problem.generator, c, bb.tp)
+    stages = ([bb.dp / enc.dp * _fb(problem.encoder, c, enc.tp)] if enc.dp else []) + inner
+    stages += [bb.dp / gen.dp * _fb(problem.generator, c, gen.tp)] if gen.dp else []
+    n, first = len(stages), 1 if enc.dp else 0
+    memory = [problem.encoder.memory_bytes(c, enc.tp, 1.0, math.ceil(min(M, n) * bb.dp / enc.dp), enc.dp)] if enc.dp \
+        else []
+    for i in range(bb.pp):
+        in_flight = min(M, n - first - i)
+        m = problem.backbone.memory_bytes(c, bb.tp, share, in_flight, bb.dp)
+        if i == 0 and not enc.dp:
+            m += problem.encoder.memory_bytes(c, bb.tp, 1.0, in_flight, bb.dp)
+        if i == bb.pp - 1 and not gen.dp:
+            m += problem.generator.memory_bytes(c, bb.tp, 1.0, in_flight, bb.dp)
+        memory.append(m)
+    if gen.dp:
+        memory.append(problem.generator.memory_bytes(c, gen.tp, 1.0, math.ceil(bb.dp / gen.dp), gen.dp))
     if max(memory) > problem.accelerator.memory_bytes:
         return None
-    sync = max(_grad_sync_s(problem, problem.encoder.params / enc.tp, enc.dp),
-               _grad_sync_s(problem, problem.backbone.params * share / bb.tp, bb.dp),
-               _grad_sync_s(problem, problem.generator.params / gen.tp, gen.dp))
+    stage_params = [problem.backbone.params * share] * bb.pp
+    stage_params[0] += 0 if enc.dp else problem.encoder.params
+    stage_params[-1] += 0 if gen.dp else problem.generator.params
+    sync = max(_grad_sync_s(problem, problem.encoder.params / enc.tp, enc.dp) if enc.dp else 0.0,
+               _grad_sync_s(problem, max(stage_params) / bb.tp, bb.dp),
+               _grad_sync_s(problem, problem.generator.params / gen.tp, gen.dp) if gen.dp else 0.0)
     iteration = _pipeline_s(stages, M, problem.p2p_s) + sync
     return _finish(problem, Plan("disaggregated", enc, bb, gen, M, stages, iteration,
                                  enc.gpus + bb.gpus + gen.gpus, max(memory)))
@@ -215,7 +240,8 @@ def search_disaggregated(problem: Problem) -> Plan | None:
 
 def search_exact(problem: Problem) -> Plan | None:
     """The fastest layout that uses exactly ``num_gpus`` processes (a torchrun world): every
-    monolithic grid and every disaggregated split of it. Exhaustive: for small worlds."""
+    monolithic grid and every disaggregated split of it, partly disaggregated ones included (the
+    encoder or the generator inside the backbone). Exhaustive: for small worlds."""
     best = None
     n = problem.num_gpus
     for bb_tp in TP_SIZES:
@@ -225,12 +251,14 @@ def search_exact(problem: Problem) -> Plan | None:
                 if bb.gpus > n:
                     continue
                 candidates = [monolithic(problem, bb)] if bb.gpus == n else []
-                for enc_tp in TP_SIZES:
-                    for gen_tp in TP_SIZES:
-                        for enc_dp in _divisors(dp) + [dp * k for k in range(2, n // dp + 1)]:
-                            left = n - bb.gpus - enc_dp * enc_tp
+                for enc_dp in [0] + _divisors(dp) + [dp * k for k in range(2, n // dp + 1)]:
+                    for enc_tp in TP_SIZES if enc_dp else (1,):
+                        left = n - bb.gpus - enc_dp * enc_tp
+                        if left == 0 and enc_dp:
+                            candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(0, 1)))
+                        for gen_tp in TP_SIZES if left > 0 else ():
                             gen_dp = left // gen_tp
-                            if left > 0 and left % gen_tp == 0 and (dp % gen_dp == 0 or gen_dp % dp == 0):
+                            if left % gen_tp == 0 and (dp % gen_dp == 0 or gen_dp % dp == 0):
                                 candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb,
                                                                 Parallel(gen_dp, gen_tp)))
                 for plan in candidates:

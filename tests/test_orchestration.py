@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -113,8 +114,32 @@ def test_exact_search_is_the_fastest_layout_of_exactly_the_world_size(num_gpus):
     best = min(exact, key=lambda p: p.iteration_s)
     found = search_exact(problem)
     assert found.gpus == num_gpus and found.iteration_s == pytest.approx(best.iteration_s)
+    for kind in ("monolithic", "disaggregated"):
+        fastest = min((p for p in exact if p.kind == kind), key=lambda p: p.iteration_s, default=None)
+        found = search_exact(problem, kind)
+        assert (found is None) if fastest is None else found.iteration_s == pytest.approx(fastest.iteration_s)
+    if num_gpus == 5:  # no grid of 5 ranks divides both the batch (8) and the layers (8)
+        assert search_exact(problem, "monolithic") is None
     if num_gpus == 2:
         assert {(p.enc.dp, p.gen.dp) for p in exact if p.kind == "disaggregated"} == {(1, 0), (0, 1)}
+
+
+def test_measured_costs_round_trip_through_a_file_and_bad_files_are_named(tmp_path):
+    from trainer.orchestration.measure import Measured
+
+    measured = Measured(1.5e-4, 2e-5, 9e-3, (2.5, 2.3, 1.0), Content(2000, 900, 0.4), 6)
+    path = tmp_path / "costs.json"
+    measured.save(path)
+    assert Measured.load(path) == measured
+    assert Measured.load(path).cost_config().enc_linear_s == 1.5e-4
+    data = json.loads(path.read_text())
+    for key, value in (("bb_s_per_token", -1.0), ("gen_s_per_image", "0.1"), ("microbatches", float("inf"))):
+        path.write_text(json.dumps({**data, key: value}))
+        with pytest.raises(ValueError, match=key):
+            Measured.load(path)
+    path.write_text(json.dumps({**data, "extra": 1}))
+    with pytest.raises(ValueError, match="extra"):
+        Measured.load(path)
 
 
 def test_paper_scale_simulation_prints_both_layouts_labelled_as_simulation(capsys):

@@ -66,6 +66,9 @@ def parse(argv):
     p.add_argument("--profile-microbatches", type=int, default=2,
                    help="rank 0 times each module on this many microbatches of a probe job and opens the job "
                         "with those costs (0: the job's default cost model)")
+    p.add_argument("--costs", type=Path,
+                   help="per-module costs as JSON: read from this file if it exists (no probe), else measured and "
+                        "written there, so later runs plan with the same prices")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo; cuda: NCCL, one GPU per process (LOCAL_RANK), pinned-memory prefetch and "
                         "non_blocking copies")
@@ -206,9 +209,18 @@ def _decide(args, world: int) -> list[float]:
     from trainer.orchestration.planner import search_exact
 
     measured = None
-    if args.profile_microbatches > 0 or args.orchestrate:
+    if args.costs and args.costs.exists():
+        try:
+            measured = Measured.load(args.costs)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--costs: {exc}") from None
+    elif args.profile_microbatches > 0 or args.orchestrate or args.costs:
         measured = measure(args.address, job_config(args), args.model_layers, max(args.profile_microbatches, 1))
-        print(f"measured per module (forward s per unit; backward factors): enc {measured.enc_s_per_token:.3g}/token "
+        if args.costs:
+            measured.save(args.costs)
+    if measured is not None:
+        source = "loaded from --costs" if args.costs and args.costs.exists() else "measured"
+        print(f"{source} per module (forward s per unit; backward factors): enc {measured.enc_s_per_token:.3g}/token "
               f"bb {measured.bb_s_per_token:.3g}/token gen {measured.gen_s_per_image:.3g}/image "
               f"bwd {tuple(round(f, 2) for f in measured.bwd_factor)}", flush=True)
     layout, microbatches = runtime_layout(args), args.num_microbatches

@@ -12,8 +12,11 @@ running job's timings.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,6 +74,28 @@ class Measured:
     def from_list(cls, v: list[float]) -> Measured:
         return cls(v[0], v[1], v[2], (v[3], v[4], v[5]), Content(int(v[6]), int(v[7]), v[8]), int(v[9]))
 
+    FIELDS = ("enc_s_per_token", "bb_s_per_token", "gen_s_per_image", "enc_bwd_factor", "bb_bwd_factor",
+              "gen_bwd_factor", "mean_tokens", "mean_encoder_tokens", "mean_gen_images", "microbatches")
+    """Keys of ``save``'s JSON, in ``as_list`` order."""
+    MAX_VALUE = 1e9
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(dict(zip(self.FIELDS, self.as_list())), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Measured:
+        """Costs ``save`` wrote; a missing or unknown key, or a value that is not a finite number in
+        [0, 1e9], is a ValueError naming it."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or set(data) != set(cls.FIELDS):
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{path}: expected the keys {list(cls.FIELDS)}, got {got}")
+        for key, value in data.items():
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not 0 <= value <= cls.MAX_VALUE):
+                raise ValueError(f"{path}: {key} must be a finite number in [0, {cls.MAX_VALUE:g}], got {value!r}")
+        return cls.from_list([float(data[k]) for k in cls.FIELDS])
+
 
 def _timed(fn):
     start = time.perf_counter()
@@ -124,8 +149,25 @@ def measure(address: str | list[str], config: JobConfig, model_layers: int, micr
             sums += torch.tensor([[enc_f, enc_b, enc_tokens], [bb_f, bb_b, text], [gen_f, gen_b, num_gen]],
                                  dtype=torch.float64)
             content += torch.tensor([text, enc_tokens, num_gen], dtype=torch.float64)
+        client.close_job()  # the probe job is done: free its slot and its plans on the service
     n = max(microbatches, 1)
     per = [_ratio(float(sums[i, 0]), float(sums[i, 2])) for i in range(3)]
     bwd = tuple(_ratio(float(sums[i, 1]), float(sums[i, 0]), 2.0) for i in range(3))
     return Measured(per[0], per[1], per[2], (bwd[0], bwd[1], bwd[2]),
                     Content(int(content[0] / n), int(content[1] / n), float(content[2]) / n), microbatches)
+
+
+def _measure_in_process(address: str | list[str], config: JobConfig, layers: int, microbatches: int) -> list[float]:
+    torch.set_num_threads(1)
+    return measure(address, config, layers, microbatches).as_list()
+
+
+def measure_concurrently(address: str | list[str], configs: list[JobConfig], model_layers: int,
+                         microbatches: int = 3) -> Measured:
+    """``measure`` of each config in its own (spawned) process, all at once, e.g. one per core with
+    a probe seed each: the costs with every core busy, as in a run; their mean."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(len(configs)) as pool:
+        results = pool.starmap(_measure_in_process, [(address, c, model_layers, microbatches) for c in configs])
+    return Measured.from_list([sum(column) / len(results) for column in zip(*results)])

@@ -238,10 +238,11 @@ def search_disaggregated(problem: Problem) -> Plan | None:
     return best
 
 
-def search_exact(problem: Problem) -> Plan | None:
+def search_exact(problem: Problem, kind: str | None = None) -> Plan | None:
     """The fastest layout that uses exactly ``num_gpus`` processes (a torchrun world): every
     monolithic grid and every disaggregated split of it, partly disaggregated ones included (the
-    encoder or the generator inside the backbone). Exhaustive: for small worlds."""
+    encoder or the generator inside the backbone); ``kind`` ("monolithic", "disaggregated") keeps
+    only that kind. Exhaustive: for small worlds."""
     best = None
     n = problem.num_gpus
     for bb_tp in TP_SIZES:
@@ -262,6 +263,7 @@ def search_exact(problem: Problem) -> Plan | None:
                                 candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb,
                                                                 Parallel(gen_dp, gen_tp)))
                 for plan in candidates:
-                    if plan and plan.gpus == n and (best is None or plan.iteration_s < best.iteration_s):
+                    if (plan and plan.gpus == n and kind in (None, plan.kind)
+                            and (best is None or plan.iteration_s < best.iteration_s)):
                         best = plan
     return best

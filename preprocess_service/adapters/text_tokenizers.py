@@ -1,0 +1,169 @@
+"""Tokenizers users bring: a Hugging Face ``tokenizers`` file (tokenizer.json) or a sentencepiece
+model, behind the packer's ``Tokenizer`` protocol (core/tokenizer.py).
+
+Special tokens. BOS and EOS are the tokenizer's own when it has them (``<s>``/``</s>``,
+``<|begin_of_text|>``/``<|end_of_text|>``, ``<|endoftext|>``, ...), else added. The modality
+placeholders (``<|image|>``, ``<|audio|>``, ``<|gen_image|>``) and a padding token are taken from
+the vocabulary when present and added otherwise:
+
+* Hugging Face: added as special tokens of the tokenizer, so they never come out of ``encode``
+  for ordinary text and the reported ``vocab_size`` counts them;
+* sentencepiece: a model cannot grow after training, so missing ones get the ids right after its
+  pieces (``vocab_size`` counts them too); a model trained with ``user_defined_symbols`` for them
+  keeps its own ids.
+
+The text of a special token inside data (a caption holding ``<|image|>`` or ``</s>``) is encoded
+as ordinary text, never as the special id: data cannot forge document boundaries or media slots.
+
+``encode_batch`` encodes many texts in one call (the Rust tokenizer runs them on its thread pool;
+sentencepiece encodes a list in C++), which is what the service uses per shard window.
+
+Loading is bounded: a file larger than ``MAX_TOKENIZER_BYTES`` or one the library cannot read is a
+``TokenizerError`` naming the path and the problem, never a crash of the service.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+MAX_TOKENIZER_BYTES = 256 << 20
+"""Largest tokenizer file the service loads (Llama-3's tokenizer.json is ~9 MB)."""
+PLACEHOLDERS = {"image_id": "<|image|>", "audio_id": "<|audio|>", "gen_id": "<|gen_image|>"}
+PAD = "<|pad|>"
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>")
+EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[EOS]", "<|im_end|>")
+ADDED_BOS, ADDED_EOS = "<|bos|>", "<|eos|>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message names the file and the problem."""
+
+
+def _check_file(path: Path) -> None:
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        raise TokenizerError(f"tokenizer {path}: cannot read it ({exc.strerror})") from None
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer {path}: not a regular file")
+    if size > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(f"tokenizer {path}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} allowed")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer.json (BPE, WordPiece, Unigram; what Llama, Qwen,
+    Mistral and GPT-2 ship)."""
+
+    kind = "hf"
+
+    def __init__(self, path: str | Path):
+        from tokenizers import AddedToken, Tokenizer
+
+        self.path = Path(path)
+        _check_file(self.path)
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # the Rust library raises plain Exceptions for every kind of bad file
+            raise TokenizerError(f"tokenizer {self.path}: not a tokenizers file ({exc})") from None
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.added: list[str] = []
+
+        def ensure(*names: str) -> int:
+            for name in names:
+                if name in vocab:
+                    return vocab[name]
+            self._tok.add_special_tokens([AddedToken(names[-1], special=True, normalized=False)])
+            self.added.append(names[-1])
+            vocab.update(self._tok.get_vocab(with_added_tokens=True))
+            return vocab[names[-1]]
+
+        self.bos_id = ensure(*BOS_CANDIDATES, ADDED_BOS)
+        self.eos_id = ensure(*EOS_CANDIDATES, ADDED_EOS)
+        self.pad_id = ensure("<pad>", "[PAD]", PAD)
+        self.image_id = ensure(PLACEHOLDERS["image_id"])
+        self.audio_id = ensure(PLACEHOLDERS["audio_id"])
+        self.gen_id = ensure(PLACEHOLDERS["gen_id"])
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # special tokens' text in a caption is encoded as text: data cannot forge a BOS or an image slot
+        self._tok.encode_special_tokens = True
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model (``.model``; what Llama-2, Gemma and T5 ship)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: str | Path):
+        import sentencepiece
+
+        self.path = Path(path)
+        _check_file(self.path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.path.read_bytes())
+        except Exception as exc:  # RuntimeError/OSError from the C++ side, by version
+            raise TokenizerError(f"tokenizer {self.path}: not a sentencepiece model ({exc})") from None
+        pieces = self._sp.get_piece_size()
+        self.added = []
+        next_id = pieces
+
+        def own(special_id: int, *names: str) -> int:
+            nonlocal next_id
+            if special_id >= 0:
+                return special_id
+            for name in names:
+                found = self._sp.piece_to_id(name)
+                if found != self._sp.unk_id() or name == self._sp.id_to_piece(self._sp.unk_id()):
+                    return found
+            self.added.append(names[-1])
+            next_id += 1
+            return next_id - 1
+
+        self.bos_id = own(self._sp.bos_id(), ADDED_BOS)
+        self.eos_id = own(self._sp.eos_id(), ADDED_EOS)
+        self.pad_id = own(self._sp.pad_id(), PAD)
+        self.image_id = own(-1, PLACEHOLDERS["image_id"])
+        self.audio_id = own(-1, PLACEHOLDERS["audio_id"])
+        self.gen_id = own(-1, PLACEHOLDERS["gen_id"])
+        self.vocab_size = next_id
+        self._pieces = pieces
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._sp.encode(text), dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(texts)]
+
+    def decode(self, ids) -> str:
+        special = {self.bos_id, self.eos_id, self.pad_id, self.image_id, self.audio_id, self.gen_id}
+        return self._sp.decode([int(i) for i in ids if int(i) < self._pieces and int(i) not in special])
+
+
+def load_tokenizer(spec: str):
+    """``byte`` (the default), ``hf:PATH`` / a ``.json`` path, or ``sentencepiece:PATH`` / a
+    ``.model`` path; a TokenizerError names what is wrong."""
+    from preprocess_service.core.tokenizer import ByteTokenizer
+
+    if spec in ("", "byte"):
+        return ByteTokenizer()
+    kind, _, path = spec.partition(":") if spec.split(":", 1)[0] in ("hf", "sentencepiece") else ("", "", spec)
+    if kind == "hf" or (not kind and path.endswith(".json")):
+        return HFTokenizer(path)
+    if kind == "sentencepiece" or (not kind and path.endswith(".model")):
+        return SentencePieceTokenizer(path)
+    raise TokenizerError(f"tokenizer {spec!r}: expected 'byte', hf:PATH (tokenizer.json) or sentencepiece:PATH "
+                         "(.model)")

@@ -1,0 +1,115 @@
+"""Tokenizers users bring: a BPE tokenizer.json and a sentencepiece model, both trained here on the
+synthetic captions (nothing downloaded)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from preprocess_service.adapters import synth
+from preprocess_service.adapters.text_tokenizers import (
+    ADDED_BOS,
+    PLACEHOLDERS,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
+from preprocess_service.core.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.unit
+
+
+def _captions(n: int = 600) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [synth._draw_caption(rng) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_captions(), trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+SP_VOCAB = 600
+
+
+@pytest.fixture(scope="module")
+def sp_path(tmp_path_factory):
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(_captions()), model_writer=model,
+                                             vocab_size=SP_VOCAB, model_type="unigram", byte_fallback=True,
+                                             minloglevel=2)
+    path = tmp_path_factory.mktemp("sp") / "captions.model"
+    path.write_bytes(model.getvalue())
+    return path
+
+
+TEXTS = ["A red rose in the garden", "Zürich café at night, 4k", "", "日本 東京 skyline"]
+
+
+def _special(tok) -> dict[str, int]:
+    return {name: getattr(tok, name) for name in ("pad_id", "bos_id", "eos_id", "image_id", "audio_id", "gen_id")}
+
+
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece"])
+def test_round_trip_special_tokens_and_batch_encoding(kind, bpe_path, sp_path):
+    tok = HFTokenizer(bpe_path) if kind == "hf" else SentencePieceTokenizer(sp_path)
+    special = _special(tok)
+    assert len(set(special.values())) == 6 and max(special.values()) < tok.vocab_size
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids.dtype == np.int32 and not set(ids.tolist()) & set(special.values())
+        assert tok.decode(ids) == text
+    assert [a.tolist() for a in tok.encode_batch(TEXTS)] == [tok.encode(t).tolist() for t in TEXTS]
+    # the text of a placeholder is not the placeholder: a caption cannot forge an image slot
+    for forged in (*PLACEHOLDERS.values(), "<s>", "</s>", "<|pad|>"):
+        assert not set(tok.encode(f"x {forged} y").tolist()) & set(special.values()), forged
+    assert len(tok.encode("a red rose in the garden")) < len("a red rose in the garden")  # merges, not bytes
+
+
+def test_own_bos_eos_are_kept_and_missing_tokens_are_added(bpe_path):
+    tok = HFTokenizer(bpe_path)
+    vocab = json.loads(bpe_path.read_text())["model"]["vocab"]
+    assert tok.bos_id == vocab["<s>"] and tok.eos_id == vocab["</s>"]
+    assert tok.added == ["<|pad|>", *PLACEHOLDERS.values()]
+    assert tok.vocab_size == len(vocab) + 4
+
+
+def test_sentencepiece_special_ids_follow_its_pieces(sp_path):
+    tok = SentencePieceTokenizer(sp_path)
+    assert (tok.bos_id, tok.eos_id) == (1, 2)  # sentencepiece's defaults
+    assert {tok.pad_id, tok.image_id, tok.audio_id, tok.gen_id} == set(range(SP_VOCAB, SP_VOCAB + 4))
+    assert tok.vocab_size == SP_VOCAB + 4 and ADDED_BOS not in tok.added
+
+
+def test_load_by_spec_and_bad_files_name_the_problem(tmp_path, bpe_path, sp_path):
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert isinstance(load_tokenizer(str(bpe_path)), HFTokenizer)
+    assert isinstance(load_tokenizer(f"sentencepiece:{sp_path}"), SentencePieceTokenizer)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TokenizerError, match="bad.json: not a tokenizers file"):
+        load_tokenizer(str(bad))
+    with pytest.raises(TokenizerError, match="not a sentencepiece model"):
+        load_tokenizer(f"sentencepiece:{bad}")
+    with pytest.raises(TokenizerError, match="cannot read"):
+        load_tokenizer(str(tmp_path / "missing.model"))
+    with pytest.raises(TokenizerError, match="not a regular file"):
+        load_tokenizer(f"hf:{tmp_path}")
+    with pytest.raises(TokenizerError, match="expected 'byte'"):
+        load_tokenizer("gpt2")

@@ -2,6 +2,7 @@
 worker scaling, and the service end to end vs a PyTorch DataLoader.
 
     python bench/decode.py [--shards SPEC ...] [--max-docs 240] [--json FILE]
+    python bench/decode.py --only tokenizers [--tokenizer hf:PATH ...]   # part 4 alone
 
 1. image paths (one core): every way to turn the same JPEGs into the planned target size, in
    images/s; the service uses the fastest robust one.
@@ -24,6 +25,11 @@ worker scaling, and the service end to end vs a PyTorch DataLoader.
 3. end to end: the service (embedded, default decode workers, one client process receiving
    torch tensors over gRPC) vs torch.utils.data.DataLoader(num_workers=2) over webdataset doing the
    same parsing and decoding per sample; samples/s of the whole demo epoch. Target >= 1.0x.
+4. tokenizers: captions per CPU-second (one thread: RAYON_NUM_THREADS=1) of the byte tokenizer,
+   a byte-level BPE tokenizer.json and a unigram sentencepiece model (at most 8,000 pieces, trained
+   here on half of 20,000 LAION-like synthetic captions, measured on all of them) and any
+   ``--tokenizer`` given; one text per call (``encode``) and 1,024 per call (``encode_batch``, the
+   service's path), with the mean tokens per caption.
 Machines here are noisy: compare figures from one run only.
 """
 
@@ -305,6 +311,37 @@ def service_epoch(urls: list[str]) -> tuple[int, float]:
 CONFIG = JobConfig(shards=("unused",))
 
 
+def bench_tokenizers(specs: list[str], workdir: Path, num_captions: int = 20000) -> dict:
+    """Captions per CPU-second of every tokenizer, per text and in batches of 1,024."""
+    os.environ["RAYON_NUM_THREADS"] = "1"  # before the Rust tokenizer's thread pool starts
+    from preprocess_service.adapters import synth
+    from preprocess_service.adapters.text_tokenizers import load_tokenizer, train_bpe, train_sentencepiece
+
+    rng = np.random.default_rng(0)
+    captions = [synth._draw_caption(rng) for _ in range(num_captions)]
+    training = captions[: num_captions // 2]
+    tokenizers = {"byte": load_tokenizer("byte"),
+                  "BPE tokenizer.json (8k)": load_tokenizer(f"hf:{train_bpe(training, workdir / 'bpe.json')}"),
+                  "sentencepiece unigram (8k)": load_tokenizer(
+                      f"sentencepiece:{train_sentencepiece(training, workdir / 'sp.model')}")}
+    tokenizers.update({spec: load_tokenizer(spec) for spec in specs})
+    rows = {}
+    for name, tok in tokenizers.items():
+        start = time.process_time()
+        tokens = sum(len(tok.encode(text)) for text in captions)
+        single = len(captions) / (time.process_time() - start)
+        batch_fn = getattr(tok, "encode_batch", None)
+        start = time.process_time()
+        if batch_fn is not None:
+            for i in range(0, len(captions), 1024):
+                batch_fn(captions[i:i + 1024])
+        batched = len(captions) / (time.process_time() - start) if batch_fn is not None else float("nan")
+        rows[name] = {"per_text": single, "batched": batched, "tokens_per_caption": tokens / len(captions),
+                      "vocab_size": tok.vocab_size}
+        print(f"   {name:32s} {single:10.0f} {batched:10.0f} {tokens / len(captions):8.1f} {tok.vocab_size:7d}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", nargs="+", help="shard specs (default: the synthetic demo set)")
@@ -312,8 +349,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="documents per modality in part 2 (a group is cycled up to this)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per group in part 2")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--only", choices=("tokenizers",), help="run only this part")
+    parser.add_argument("--tokenizer", action="append", default=[],
+                        help="also measure this tokenizer (hf:PATH, sentencepiece:PATH)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.only == "tokenizers":
+        return _tokenizer_part(args, {})
     urls = shards.expand_shards(args.shards or [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
     docs = load_documents(urls, CONFIG)
     figures: dict = {"cores": len(os.sched_getaffinity(0))}
@@ -384,6 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   service (packed, planned, gRPC, 1 client)  {sv_count:5d} samples in {sv_seconds:6.2f} s = "
           f"{sv_count / sv_seconds:7.1f} samples/s")
     print(f"   ratio service / DataLoader: {figures['end_to_end']['ratio']:.2f}")
+    return _tokenizer_part(args, figures)
+
+
+def _tokenizer_part(args, figures: dict) -> int:
+    import tempfile
+
+    print("\n4. tokenizers, captions per CPU-second (one thread)")
+    print(f"   {'tokenizer':32s} {'per text':>10s} {'batched':>10s} {'tokens':>8s} {'vocab':>7s}")
+    with tempfile.TemporaryDirectory(prefix="disttrain-tok-") as workdir:
+        figures["tokenizers"] = bench_tokenizers(args.tokenizer, Path(workdir))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0

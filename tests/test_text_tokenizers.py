@@ -3,7 +3,6 @@ synthetic captions (nothing downloaded)."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
@@ -17,6 +16,8 @@ from preprocess_service.adapters.text_tokenizers import (
     SentencePieceTokenizer,
     TokenizerError,
     load_tokenizer,
+    train_bpe,
+    train_sentencepiece,
 )
 from preprocess_service.core.tokenizer import ByteTokenizer
 
@@ -30,17 +31,7 @@ def _captions(n: int = 600) -> list[str]:
 
 @pytest.fixture(scope="module")
 def bpe_path(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_captions(), trainer)
-    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return train_bpe(_captions(), tmp_path_factory.mktemp("bpe") / "tokenizer.json", vocab_size=400)
 
 
 SP_VOCAB = 600
@@ -48,15 +39,7 @@ SP_VOCAB = 600
 
 @pytest.fixture(scope="module")
 def sp_path(tmp_path_factory):
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(_captions()), model_writer=model,
-                                             vocab_size=SP_VOCAB, model_type="unigram", byte_fallback=True,
-                                             minloglevel=2)
-    path = tmp_path_factory.mktemp("sp") / "captions.model"
-    path.write_bytes(model.getvalue())
-    return path
+    return train_sentencepiece(_captions(), tmp_path_factory.mktemp("sp") / "captions.model", vocab_size=SP_VOCAB)
 
 
 TEXTS = ["A red rose in the garden", "Zürich café at night, 4k", "", "日本 東京 skyline"]

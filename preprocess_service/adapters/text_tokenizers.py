@@ -153,6 +153,36 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids if int(i) < self._pieces and int(i) not in special])
 
 
+def train_bpe(texts, path: str | Path, vocab_size: int = 8000) -> Path:
+    """A byte-level BPE tokenizer.json trained on ``texts`` (with ``<s>``/``</s>``): for tests,
+    benchmarks and users without a tokenizer of their own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+    return Path(path)
+
+
+def train_sentencepiece(texts, path: str | Path, vocab_size: int = 8000) -> Path:
+    """A unigram sentencepiece model with byte fallback trained on ``texts`` (as ``train_bpe``); fewer
+    pieces than ``vocab_size`` where the texts hold fewer."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
+                                             model_type="unigram", byte_fallback=True, hard_vocab_limit=False,
+                                             minloglevel=2)
+    Path(path).write_bytes(model.getvalue())
+    return Path(path)
+
+
 def load_tokenizer(spec: str):
     """``byte`` (the default), ``hf:PATH`` / a ``.json`` path, or ``sentencepiece:PATH`` / a
     ``.model`` path; a TokenizerError names what is wrong."""

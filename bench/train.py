@@ -93,20 +93,15 @@ def base_argv(address: str, shards: Path, layers: int, seq_len: int) -> list[str
 
 
 def data_spread(address: str, argv: list[str], measured: Measured, sequences: int = 48) -> dict:
-    """Per-sequence encoder tokens and forward + backward seconds (the measured costs) of the
-    job's arrival stream: how heterogeneous the work is."""
-    config = job_config(parse(argv + ["--seed", "4242", "--reorder", "arrival", "--num-microbatches", "1"]))
-    cost = measured.cost_config()
+    """Per-sequence encoder tokens and forward + backward seconds (the service's price in the
+    measured costs) of the job's arrival stream: how heterogeneous the work is."""
+    args = parse(argv + ["--seed", "4242", "--reorder", "arrival", "--num-microbatches", "1"])
     enc, total = [], []
-    with DataClient(address, config, 0, prefetch=2) as client:
+    with DataClient(address, job_config(args, measured.cost_config()), 0, prefetch=2) as client:
         for _ in range(sequences):
             mb = next(client)
-            tokens = len(spans_index(mb.image_spans)) + len(spans_index(mb.audio_spans))
-            text = int((mb.modality != 0).sum())
-            enc.append(tokens)
-            total.append(tokens * cost.enc_linear_s * (1 + cost.enc_backward_factor)
-                         + text * cost.bb_linear_s * (1 + cost.bb_backward_factor)
-                         + mb.gen_spans.shape[0] * cost.gen_per_image_s * (1 + cost.gen_backward_factor))
+            enc.append(len(spans_index(mb.image_spans)) + len(spans_index(mb.audio_spans)))
+            total.extend(mb.sequence_costs)
         client.close_job()
     q = [0, 10, 50, 90, 100]
     return {"encoder_tokens_percentiles": dict(zip(q, np.percentile(enc, q).round().tolist())),

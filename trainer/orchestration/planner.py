@@ -196,15 +196,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search_monolithic(problem: Problem) -> Plan | None:
-    """The fastest monolithic grid."""
-    best = None
+def _grids(problem: Problem):
+    """Every backbone grid: TP x PP (dividing the layers) x DP (dividing the microbatches)."""
     for tp in TP_SIZES:
         for pp in _divisors(problem.backbone_layers):
             for dp in _divisors(problem.global_batch // problem.seqs_per_microbatch):
-                plan = monolithic(problem, Parallel(dp, tp, pp))
-                if plan and (best is None or plan.iteration_s < best.iteration_s):
-                    best = plan
+                yield Parallel(dp, tp, pp)
+
+
+def search_monolithic(problem: Problem) -> Plan | None:
+    """The fastest monolithic grid."""
+    best = None
+    for grid in _grids(problem):
+        plan = monolithic(problem, grid)
+        if plan and (best is None or plan.iteration_s < best.iteration_s):
+            best = plan
     return best
 
 
@@ -213,28 +219,24 @@ def search_disaggregated(problem: Problem) -> Plan | None:
     split of the remaining GPUs between encoder and generator that balances their stages."""
     best = None
     c = problem.content
-    for bb_tp in TP_SIZES:
-        for pp in _divisors(problem.backbone_layers):
-            for dp in _divisors(problem.global_batch // problem.seqs_per_microbatch):
-                bb = Parallel(dp, bb_tp, pp)
-                left = problem.num_gpus - bb.gpus
-                if left < 2:
-                    continue
-                for enc_tp in TP_SIZES:
-                    for gen_tp in TP_SIZES:
-                        a, b = dp * _fb(problem.encoder, c, enc_tp), dp * _fb(problem.generator, c, gen_tp)
-                        ideal = left * a / (a * enc_tp + b * gen_tp)  # enc replicas with a/x == b/y
-                        # one replica serves whole backbone DP ranks, or each rank has k replicas
-                        replicas = _divisors(dp) + [dp * k for k in range(2, left // dp + 1)]
-                        below = [r for r in replicas if r <= ideal]
-                        for enc_dp in {below[-1] if below else 1, next((r for r in replicas if r >= ideal), dp)}:
-                            fits = [r for r in replicas if r * gen_tp <= left - enc_dp * enc_tp]
-                            if not fits:
-                                continue
-                            gen_dp = fits[-1]
-                            plan = disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(gen_dp, gen_tp))
-                            if plan and (best is None or plan.iteration_s < best.iteration_s):
-                                best = plan
+    for bb in _grids(problem):
+        dp, left = bb.dp, problem.num_gpus - bb.gpus
+        if left < 2:
+            continue
+        for enc_tp in TP_SIZES:
+            for gen_tp in TP_SIZES:
+                a, b = dp * _fb(problem.encoder, c, enc_tp), dp * _fb(problem.generator, c, gen_tp)
+                ideal = left * a / (a * enc_tp + b * gen_tp)  # enc replicas with a/x == b/y
+                # one replica serves whole backbone DP ranks, or each rank has k replicas
+                replicas = _divisors(dp) + [dp * k for k in range(2, left // dp + 1)]
+                below = [r for r in replicas if r <= ideal]
+                for enc_dp in {below[-1] if below else 1, next((r for r in replicas if r >= ideal), dp)}:
+                    fits = [r for r in replicas if r * gen_tp <= left - enc_dp * enc_tp]
+                    if not fits:
+                        continue
+                    plan = disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(fits[-1], gen_tp))
+                    if plan and (best is None or plan.iteration_s < best.iteration_s):
+                        best = plan
     return best
 
 
@@ -245,25 +247,23 @@ def search_exact(problem: Problem, kind: str | None = None) -> Plan | None:
     only that kind. Exhaustive: for small worlds."""
     best = None
     n = problem.num_gpus
-    for bb_tp in TP_SIZES:
-        for pp in _divisors(problem.backbone_layers):
-            for dp in _divisors(problem.global_batch // problem.seqs_per_microbatch):
-                bb = Parallel(dp, bb_tp, pp)
-                if bb.gpus > n:
-                    continue
-                candidates = [monolithic(problem, bb)] if bb.gpus == n else []
-                for enc_dp in [0] + _divisors(dp) + [dp * k for k in range(2, n // dp + 1)]:
-                    for enc_tp in TP_SIZES if enc_dp else (1,):
-                        left = n - bb.gpus - enc_dp * enc_tp
-                        if left == 0 and enc_dp:
-                            candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(0, 1)))
-                        for gen_tp in TP_SIZES if left > 0 else ():
-                            gen_dp = left // gen_tp
-                            if left % gen_tp == 0 and (dp % gen_dp == 0 or gen_dp % dp == 0):
-                                candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb,
-                                                                Parallel(gen_dp, gen_tp)))
-                for plan in candidates:
-                    if (plan and plan.gpus == n and kind in (None, plan.kind)
-                            and (best is None or plan.iteration_s < best.iteration_s)):
-                        best = plan
+    for bb in _grids(problem):
+        dp = bb.dp
+        if bb.gpus > n:
+            continue
+        candidates = [monolithic(problem, bb)] if bb.gpus == n else []
+        for enc_dp in [0] + _divisors(dp) + [dp * k for k in range(2, n // dp + 1)]:
+            for enc_tp in TP_SIZES if enc_dp else (1,):
+                left = n - bb.gpus - enc_dp * enc_tp
+                if left == 0 and enc_dp:
+                    candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb, Parallel(0, 1)))
+                for gen_tp in TP_SIZES if left > 0 else ():
+                    gen_dp = left // gen_tp
+                    if left % gen_tp == 0 and (dp % gen_dp == 0 or gen_dp % dp == 0):
+                        candidates.append(disaggregated(problem, Parallel(enc_dp, enc_tp), bb,
+                                                        Parallel(gen_dp, gen_tp)))
+        for plan in candidates:
+            if (plan and plan.gpus == n and kind in (None, plan.kind)
+                    and (best is None or plan.iteration_s < best.iteration_s)):
+                best = plan
     return best

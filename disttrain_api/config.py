@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -157,12 +158,75 @@ class CostConfig:
                 _in_range(f"cost.{f.name}", value, 0.0, 1e6, integer=False)
 
 
+MODALITIES = ("text", "image", "audio")
+"""Member kinds a dataset may use (DatasetConfig.modalities)."""
+MIX_BY = ("samples", "tokens")
+MIX_EPOCH = ("first_exhausted", "all_exhausted")
+MAX_DATASETS = 256
+_DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DatasetConfig:
+    """One dataset of a weighted mixture (JobConfig.datasets)."""
+
+    name: str
+    """Short name for reports: a letter or digit, then up to 63 letters, digits, '_', '.' or '-'."""
+    shards: tuple[str, ...]
+    """Shard URLs or paths of this dataset, as JobConfig.shards."""
+    weight: float = 1.0
+    """Relative share of the mixture (normalised over the datasets), by samples or by tokens (JobConfig.mix_by)."""
+    modalities: tuple[str, ...] = MODALITIES
+    """Member kinds used from this dataset's samples ("text", "image", "audio"); members of other
+    kinds are ignored (e.g. ("text",) trains on the captions of an image-text set only)."""
+    image: ImageConfig | None = None
+    """Image sizing for this dataset's encoder images (None: the job's)."""
+    generate: str = ""
+    """Which of its images are generation targets: "listed", "all" or "none" ("" = the job's
+    generation.select). Size and query tokens stay the job's: one generator trains on all of them."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "modalities", tuple(self.modalities))
+        _require(isinstance(self.name, str) and bool(_DATASET_NAME.match(self.name)),
+                 f"dataset name {self.name!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                 "letter or digit")
+        _require(len(self.shards) > 0, f"dataset {self.name!r}: shards is empty")
+        _in_range(f"dataset {self.name!r} weight", self.weight, 1e-9, 1e9, integer=False)
+        object.__setattr__(self, "weight", float(self.weight))  # 2 and 2.0: one job id
+        _require(len(self.modalities) > 0 and all(m in MODALITIES for m in self.modalities)
+                 and len(set(self.modalities)) == len(self.modalities),
+                 f"dataset {self.name!r}: modalities must be distinct names out of {list(MODALITIES)}, "
+                 f"got {list(self.modalities)}")
+        _require(self.image is None or isinstance(self.image, ImageConfig),
+                 f"dataset {self.name!r}: image must be an ImageConfig")
+        _require(self.generate in ("", "listed", "all", "none"),
+                 f"dataset {self.name!r}: generate must be '', 'listed', 'all' or 'none', got {self.generate!r}")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class JobConfig:
     """Everything that determines a job's plan; the plan of step k is a function of this and the data."""
 
-    shards: tuple[str, ...]
-    """Shard URLs or paths, brace patterns allowed; a directory stands for its *.tar files."""
+    shards: tuple[str, ...] = ()
+    """Shard URLs or paths, brace patterns allowed; a directory stands for its *.tar files (or give
+    datasets instead)."""
+    datasets: tuple[DatasetConfig, ...] = ()
+    """A weighted mixture of datasets instead of shards: each with its name, shards, weight and
+    optional modalities and image settings. Blended deterministically (see mix_by, mix_epoch)."""
+    mix_by: str = "samples"
+    """What the mixture's weights share out: "samples" (documents) or "tokens" (their tokens)."""
+    mix_epoch: str = "first_exhausted"
+    """When an epoch of a mixture ends: "first_exhausted" (when any dataset runs out: no sample
+    repeats, the proportions hold to the end) or "all_exhausted" (datasets that run out start
+    again, in a new seeded shard order, until every dataset was read through once)."""
+    mix_epoch_samples: int = 0
+    """If > 0, an epoch of a mixture is this many samples, datasets that run out starting again
+    (overrides mix_epoch)."""
+    tokenizer: str = "byte"
+    """Text tokenizer: "byte" (UTF-8 bytes), "hf:PATH" (a Hugging Face tokenizer.json) or
+    "sentencepiece:PATH" (a .model); a bare PATH ending in .json or .model works too. PATH is on
+    the service's machine, under the same rules as local shards."""
     seq_len: int = 8192
     """Tokens per packed sequence."""
     dp_size: int = 1
@@ -223,8 +287,12 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "datasets", tuple(self.datasets))
         object.__setattr__(self, "stage_map", tuple(self.stage_map))
-        _require(len(self.shards) > 0, "shards is empty: give at least one shard path or URL")
+        _require(bool(self.shards) != bool(self.datasets),
+                 "give shards or datasets (a mixture), not both" if self.shards else
+                 "shards is empty: give at least one shard path or URL (or datasets)")
+        self._check_mixture()
         for name, (low, high) in self.BOUNDS.items():
             _in_range(name, getattr(self, name), low, high)
         _in_range("enc_shared_by", self.enc_shared_by, 1, self.dp_size)
@@ -248,6 +316,22 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(f"enc_shared_by / gen_shared_by: {exc}") from None
 
+    def _check_mixture(self) -> None:
+        _require(len(self.datasets) <= MAX_DATASETS, f"at most {MAX_DATASETS} datasets, got {len(self.datasets)}")
+        _require(all(isinstance(d, DatasetConfig) for d in self.datasets), "datasets must be DatasetConfigs")
+        names = [d.name for d in self.datasets]
+        _require(len(set(names)) == len(names), f"dataset names must be distinct, got {names}")
+        _require(self.mix_by in MIX_BY, f"mix_by must be one of {list(MIX_BY)}, got {self.mix_by!r}")
+        _require(self.mix_epoch in MIX_EPOCH, f"mix_epoch must be one of {list(MIX_EPOCH)}, got {self.mix_epoch!r}")
+        _in_range("mix_epoch_samples", self.mix_epoch_samples, 0, 1 << 40)
+        _require(isinstance(self.tokenizer, str) and 0 < len(self.tokenizer) <= 4096,
+                 f"tokenizer must be 'byte', hf:PATH or sentencepiece:PATH (at most 4096 characters), "
+                 f"got {self.tokenizer!r:.80}")
+
+    def mixture(self) -> tuple[DatasetConfig, ...]:
+        """The job's datasets: its ``datasets``, or one dataset named "default" of its ``shards``."""
+        return self.datasets or (DatasetConfig(name="default", shards=self.shards),)
+
     def stage_model(self):
         """The simulator's model of one DP rank's pipeline (simulate.StageModel)."""
         from disttrain_api.layout import StageModel
@@ -265,7 +349,7 @@ class JobConfig:
         """An upper bound on one microbatch's tensor bytes, from the config alone: every token at
         its costliest (int32 id and position, a modality byte, plus the pixels or mel frames that
         token can stand for). The service refuses a job whose bound exceeds its limit."""
-        image = self.image.factor ** 2 * 3
+        image = max(cfg.factor for cfg in (self.image, *(d.image for d in self.datasets if d.image))) ** 2 * 3
         audio = self.audio.token_stride * self.audio.n_mels * 2
         generated = -(-self.generation.image_size ** 2 * 3 // self.generation.query_tokens)
         per_token = 9 + max(image, audio, generated) + 16  # + spans and boundaries

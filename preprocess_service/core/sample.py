@@ -81,6 +81,8 @@ class Document:
     shard: str
     segments: tuple[Segment, ...]
     truncated: bool = False
+    dataset: int = 0
+    """Index of the job's dataset (JobConfig.mixture()) it comes from."""
     media_bytes: dict[str, bytes] | None = field(default=None, repr=False)
     """Encoded media members by extension; dropped once delivered, refetched from the shard if needed."""
 

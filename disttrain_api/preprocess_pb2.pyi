@@ -86,8 +86,24 @@ class CostSpec(_message.Message):
     enc_frozen: bool
     def __init__(self, enc_linear_s: _Optional[float] = ..., enc_quadratic_s: _Optional[float] = ..., bb_linear_s: _Optional[float] = ..., bb_quadratic_s: _Optional[float] = ..., gen_per_image_s: _Optional[float] = ..., enc_backward_factor: _Optional[float] = ..., bb_backward_factor: _Optional[float] = ..., gen_backward_factor: _Optional[float] = ..., enc_frozen: _Optional[bool] = ...) -> None: ...
 
+class DatasetSpec(_message.Message):
+    __slots__ = ("name", "shards", "weight", "modalities", "image", "generate")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    weight: float
+    modalities: _containers.RepeatedScalarFieldContainer[str]
+    image: ImageSpec
+    generate: str
+    def __init__(self, name: _Optional[str] = ..., shards: _Optional[_Iterable[str]] = ..., weight: _Optional[float] = ..., modalities: _Optional[_Iterable[str]] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., generate: _Optional[str] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction", "tokenizer", "datasets", "mix_by", "mix_epoch", "mix_epoch_samples")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +127,11 @@ class JobSpec(_message.Message):
     COST_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSECUTIVE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     MAX_ERROR_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    MIX_BY_FIELD_NUMBER: _ClassVar[int]
+    MIX_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MIX_EPOCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -134,7 +155,36 @@ class JobSpec(_message.Message):
     cost_feedback: bool
     max_consecutive_errors: int
     max_error_fraction: float
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ...) -> None: ...
+    tokenizer: str
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetSpec]
+    mix_by: str
+    mix_epoch: str
+    mix_epoch_samples: int
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ..., tokenizer: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., mix_by: _Optional[str] = ..., mix_epoch: _Optional[str] = ..., mix_epoch_samples: _Optional[int] = ...) -> None: ...
+
+class TokenizerInfo(_message.Message):
+    __slots__ = ("kind", "vocab_size", "pad_id", "bos_id", "eos_id", "image_id", "audio_id", "gen_id", "sha256", "added_tokens")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAD_ID_FIELD_NUMBER: _ClassVar[int]
+    BOS_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ID_FIELD_NUMBER: _ClassVar[int]
+    GEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    image_id: int
+    audio_id: int
+    gen_id: int
+    sha256: str
+    added_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., pad_id: _Optional[int] = ..., bos_id: _Optional[int] = ..., eos_id: _Optional[int] = ..., image_id: _Optional[int] = ..., audio_id: _Optional[int] = ..., gen_id: _Optional[int] = ..., sha256: _Optional[str] = ..., added_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CloseJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -161,18 +211,20 @@ class DescribeJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "spec", "global_batch_sequences", "num_steps", "shard_urls")
+    __slots__ = ("job_id", "spec", "global_batch_sequences", "num_steps", "shard_urls", "tokenizer")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     SHARD_URLS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: JobSpec
     global_batch_sequences: int
     num_steps: int
     shard_urls: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., global_batch_sequences: _Optional[int] = ..., num_steps: _Optional[int] = ..., shard_urls: _Optional[_Iterable[str]] = ...) -> None: ...
+    tokenizer: TokenizerInfo
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., global_batch_sequences: _Optional[int] = ..., num_steps: _Optional[int] = ..., shard_urls: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("job_id", "dp_rank", "start_step", "start_microbatch", "max_steps")
@@ -225,7 +277,7 @@ class SkippedSample(_message.Message):
     def __init__(self, key: _Optional[str] = ..., shard: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Microbatch(_message.Message):
-    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch")
+    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch", "sample_datasets")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +288,7 @@ class Microbatch(_message.Message):
     SEQUENCE_COSTS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DATASETS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     dp_rank: int
@@ -246,7 +299,8 @@ class Microbatch(_message.Message):
     sequence_costs: _containers.RepeatedCompositeFieldContainer[SequenceCost]
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
     epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    sample_datasets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ..., sample_datasets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("job_id", "dp_rank", "next_step")
@@ -271,7 +325,7 @@ class ReportRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobReport(_message.Message):
-    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance", "failure")
+    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance", "failure", "datasets")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +334,7 @@ class JobReport(_message.Message):
     NUM_SENT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     STEP_BALANCE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
     num_planned_samples: int
@@ -288,7 +343,22 @@ class JobReport(_message.Message):
     num_sent_microbatches: int
     step_balance: _containers.RepeatedCompositeFieldContainer[StepBalance]
     failure: str
-    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetCount]
+    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ..., failure: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetCount, _Mapping]]] = ...) -> None: ...
+
+class DatasetCount(_message.Message):
+    __slots__ = ("name", "num_samples", "num_tokens", "epoch_samples", "restarts")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_samples: int
+    num_tokens: int
+    epoch_samples: int
+    restarts: int
+    def __init__(self, name: _Optional[str] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., epoch_samples: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class StepBalance(_message.Message):
     __slots__ = ("step", "imbalance", "arrival_imbalance", "rank_load_s", "num_sequences", "num_samples", "iteration_s", "arrival_iteration_s", "lower_bound_s", "bubble_fraction")

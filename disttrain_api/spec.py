@@ -14,12 +14,20 @@ import dataclasses
 from typing import Any
 
 from disttrain_api import preprocess_pb2 as pb
-from disttrain_api.config import AudioConfig, CostConfig, GenerationConfig, ImageConfig, JobConfig
+from disttrain_api.config import (
+    MODALITIES,
+    AudioConfig,
+    CostConfig,
+    DatasetConfig,
+    GenerationConfig,
+    ImageConfig,
+    JobConfig,
+)
 
 NESTED = {"image": (ImageConfig, pb.ImageSpec), "audio": (AudioConfig, pb.AudioSpec),
           "generation": (GenerationConfig, pb.GenerationSpec), "cost": (CostConfig, pb.CostSpec)}
 """JobConfig's nested configs and their messages: the same field names inside."""
-BY_HAND = ("shards", "stage_map", "shard_shuffle")
+BY_HAND = ("shards", "stage_map", "shard_shuffle", "datasets")
 
 _JOB_FIELDS = tuple(f.name for f in dataclasses.fields(JobConfig) if f.name not in NESTED and f.name not in BY_HAND)
 """Scalar fields with the same name in JobSpec and JobConfig."""
@@ -47,7 +55,20 @@ def config_from_spec(spec: pb.JobSpec) -> JobConfig:
     nested = {name: cls(**_given(getattr(spec, name), _names(cls))) for name, (cls, _) in NESTED.items()}
     extra: dict[str, Any] = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
     return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle, **nested, **extra,
-                     **_given(spec, _JOB_FIELDS))
+                     datasets=tuple(_dataset_config(d) for d in spec.datasets), **_given(spec, _JOB_FIELDS))
+
+
+def _dataset_config(spec: pb.DatasetSpec) -> DatasetConfig:
+    return DatasetConfig(name=spec.name, shards=tuple(spec.shards), weight=spec.weight or 1.0,
+                         modalities=tuple(spec.modalities) or MODALITIES, generate=spec.generate,
+                         image=ImageConfig(**_given(spec.image, _names(ImageConfig))) if spec.HasField("image")
+                         else None)
+
+
+def _dataset_spec(config: DatasetConfig) -> pb.DatasetSpec:
+    image = pb.ImageSpec(**dataclasses.asdict(config.image)) if config.image is not None else None
+    return pb.DatasetSpec(name=config.name, shards=list(config.shards), weight=config.weight,
+                          modalities=list(config.modalities), image=image, generate=config.generate)
 
 
 def spec_from_config(config: JobConfig) -> pb.JobSpec:
@@ -56,6 +77,7 @@ def spec_from_config(config: JobConfig) -> pb.JobSpec:
         shards=list(config.shards),
         stage_map=list(config.stage_map),
         no_shard_shuffle=not config.shard_shuffle,
+        datasets=[_dataset_spec(d) for d in config.datasets],
         **{name: message(**dataclasses.asdict(getattr(config, name))) for name, (_, message) in NESTED.items()},
         **{name: getattr(config, name) for name in _JOB_FIELDS},
     )

@@ -76,7 +76,8 @@ def test_planner_resumed_from_its_state_at_any_step_plans_what_the_original_plan
 
     for seen in (b"x" * 9, bytes(8 * ((1 << 27) + 1))):  # not whole hashes; more than the bound
         with pytest.raises(ValueError, match="8-byte hashes"):
-            resumed.load_state_dict({**states[1], "seen": base64.b64encode(zlib.compress(seen)).decode()})
+            bad = [{**states[1]["datasets"][0], "seen": base64.b64encode(zlib.compress(seen)).decode()}]
+            resumed.load_state_dict({**states[1], "datasets": bad})
 
 
 def test_a_restarted_job_continues_at_the_acknowledged_step_and_plans_are_dropped(tmp_path):

@@ -45,7 +45,7 @@ def test_a_broken_tar_is_reported_not_raised(tmp_path):
 
 
 def test_shard_order_is_a_seeded_permutation_per_epoch():
-    from preprocess_service.core.planner import shard_order
+    from preprocess_service.core.mixture import shard_order
 
     urls = [f"s{i}" for i in range(20)]
     first = shard_order(urls, seed=1, epoch=0, shuffle=True)

@@ -76,6 +76,8 @@ class Microbatch:
     sample_keys: list[str]
     sequence_costs: list[float]
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    sample_datasets: list[int] = field(default_factory=list)
+    """For a mixture: each sample's dataset (index into the job's datasets); empty otherwise."""
     nbytes: int = 0
     """Payload bytes on the wire."""
 
@@ -109,6 +111,7 @@ def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], pin: b
         gen_spans=tensors["gen_spans"], gen_images=tensors["gen_pixels"],
         sample_keys=list(message.sample_keys), sequence_costs=[c.total_s for c in message.sequence_costs],
         skipped=[(s.key, s.shard, s.reason) for s in message.skipped],
+        sample_datasets=list(message.sample_datasets),
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
 

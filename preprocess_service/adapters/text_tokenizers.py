@@ -24,6 +24,7 @@ Loading is bounded: a file larger than ``MAX_TOKENIZER_BYTES`` or one the librar
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -183,17 +184,77 @@ def train_sentencepiece(texts, path: str | Path, vocab_size: int = 8000) -> Path
     return Path(path)
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """(kind, path) of a tokenizer spec: ("byte", ""), ("hf", PATH) or ("sentencepiece", PATH)."""
+    if spec in ("", "byte"):
+        return "byte", ""
+    kind, sep, path = spec.partition(":")
+    if sep and kind in ("hf", "sentencepiece"):
+        return kind, path
+    if spec.endswith(".json"):
+        return "hf", spec
+    if spec.endswith(".model"):
+        return "sentencepiece", spec
+    raise TokenizerError(f"tokenizer {spec!r:.200}: expected 'byte', hf:PATH (tokenizer.json) or sentencepiece:PATH "
+                         "(.model), or a path ending in .json or .model")
+
+
 def load_tokenizer(spec: str):
     """``byte`` (the default), ``hf:PATH`` / a ``.json`` path, or ``sentencepiece:PATH`` / a
-    ``.model`` path; a TokenizerError names what is wrong."""
+    ``.model`` path; a TokenizerError names what is wrong. No path checks: see ``load_checked``."""
     from preprocess_service.core.tokenizer import ByteTokenizer
 
-    if spec in ("", "byte"):
+    kind, path = split_spec(spec)
+    if kind == "byte":
         return ByteTokenizer()
-    kind, _, path = spec.partition(":") if spec.split(":", 1)[0] in ("hf", "sentencepiece") else ("", "", spec)
-    if kind == "hf" or (not kind and path.endswith(".json")):
-        return HFTokenizer(path)
-    if kind == "sentencepiece" or (not kind and path.endswith(".model")):
-        return SentencePieceTokenizer(path)
-    raise TokenizerError(f"tokenizer {spec!r}: expected 'byte', hf:PATH (tokenizer.json) or sentencepiece:PATH "
-                         "(.model)")
+    return _cached(kind, path, *_version(path))
+
+
+def load_checked(spec: str, policy):
+    """The tokenizer of a job's spec, its path checked like a local shard first (sources.parse and
+    sources.check under the operator's ``policy``: realpath, no '..', allowed schemes and prefixes;
+    local files only). Loaded files are cached per (path, mtime, size): jobs share them."""
+    from preprocess_service.adapters import sources
+
+    kind, path = split_spec(spec)
+    if kind == "byte":
+        return load_tokenizer("byte")
+    source = sources.parse(path, spec)
+    if not source.is_local:
+        raise TokenizerError(f"tokenizer {spec!r:.200}: only a file on the service's machine can be a tokenizer")
+    sources.check(source, policy, spec)
+    return _cached(kind, source.location, *_version(source.location))
+
+
+def _version(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise TokenizerError(f"tokenizer {path}: cannot read it ({exc.strerror})") from None
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _cached(kind: str, path: str, mtime_ns: int, size: int):
+    """One loaded tokenizer per file version; ``mtime_ns`` and ``size`` only key the cache."""
+    return HFTokenizer(path) if kind == "hf" else SentencePieceTokenizer(path)
+
+
+def describe(tokenizer) -> dict:
+    """The ids and vocabulary size a trainer needs (JobInfo.tokenizer), plus the file's SHA-256."""
+    path = getattr(tokenizer, "path", None)
+    digest = ""
+    if path is not None:
+        digest = _sha256(str(path), *_version(str(path)))
+    return {"kind": getattr(tokenizer, "kind", "byte"), "vocab_size": tokenizer.vocab_size,
+            "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id,
+            "image_id": tokenizer.image_id, "audio_id": tokenizer.audio_id, "gen_id": tokenizer.gen_id,
+            "sha256": digest, "added_tokens": list(getattr(tokenizer, "added", []))}
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, mtime_ns: int, size: int) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

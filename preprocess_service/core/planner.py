@@ -36,6 +36,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import DataQualityError, SampleError
 from preprocess_service.core import reorder
 from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
+from preprocess_service.core.mixture import Blend, DatasetCursor, epoch_over
 from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.core.sample import NEXT_OFFSET, Document
@@ -44,7 +45,8 @@ SkipSink = Callable[[SampleError], None]
 Parse = Callable[[dict], Document]
 """Turns a raw sample (``__key__``, ``__url__``, member -> bytes) into a Document or raises SampleError."""
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: a cursor, key hashes and counts per dataset of the mixture (1: one dataset, still read)."""
 MAX_SEEN_BYTES = 8 << 27
 """Key hashes a loaded state may hold: 134 million keys (a stored state is data too)."""
 
@@ -103,10 +105,18 @@ class StepPlan:
 class EpochPlanner:
     """Plans a job's steps in order (``next_plan()``); skipped samples go to ``on_skip``."""
 
-    def __init__(self, config: JobConfig, shard_urls: list[str], source: SampleSource, parse: Parse,
-                 on_skip: SkipSink, keep_media: Callable[[Document], bool] = lambda doc: True):
+    def __init__(self, config: JobConfig, shard_urls: list[list[str]] | list[str], source: SampleSource,
+                 parse: Parse, on_skip: SkipSink, keep_media: Callable[[Document], bool] = lambda doc: True):
+        """``shard_urls``: each dataset's shard names, in ``config.mixture()`` order (a flat list is
+        the one dataset of a plain job)."""
         self.config = config
-        self.shard_urls = list(shard_urls)
+        self.dataset_urls: list[list[str]] = \
+            [list(urls) for urls in shard_urls] if shard_urls and not isinstance(shard_urls[0], str) \
+            else [list(shard_urls)]  # type: ignore[arg-type]
+        if len(self.dataset_urls) != len(config.mixture()):
+            raise ValueError(f"{len(self.dataset_urls)} shard lists for {len(config.mixture())} datasets")
+        self.totals = np.zeros((len(self.dataset_urls), 2), dtype=np.int64)
+        """Documents and tokens drawn from each dataset over all epochs."""
         self.source = source
         self.parse = parse
         self.on_skip = on_skip
@@ -122,60 +132,63 @@ class EpochPlanner:
     def _start_epoch(self, epoch: int, step: int) -> None:
         cfg = self.config
         self.epoch, self.step = epoch, step
-        self._order = shard_order(self.shard_urls, seed=cfg.seed, epoch=epoch, shuffle=cfg.shard_shuffle)
-        self._shard = 0
-        self._cursor: dict = {"samples": 0, "offset": None}
-        self._samples: Iterator[dict] | None = None
+        self._cursors = [DatasetCursor(urls, i) for i, urls in enumerate(self.dataset_urls)]
+        for cursor in self._cursors:
+            cursor.start_pass(cfg, epoch, 0)
+        self._blend = Blend.of(cfg)
+        self._epoch_docs = 0
         self._rng = np.random.default_rng([cfg.seed, epoch, 0xD15])
         self._buffer: list[Document] = []
         self._packer = Packer(cfg.seq_len, cfg.pack_window)
         self._ready: list[PackedSequence] = []
         self._drained = False
         self._tolerance = ErrorTolerance(cfg.max_consecutive_errors, cfg.max_error_fraction)
-        self._seen = KeySet()
+        self._seen = [KeySet() for _ in self._cursors]
+        """Hashes of the keys read in each dataset's current pass (keys repeat across datasets)."""
 
     def state_dict(self) -> dict:
         """Where planning stands between two steps: small, JSON-serialisable, versioned."""
         def refs(docs):
             return [[doc.shard, doc.key] for doc in docs]
 
-        seen = self._seen.to_array().tobytes()
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch, "step": self.step, "done": self.done,
-            "cursor": {"shard": self._shard, **self._cursor},
+            "datasets": [{**cursor.state_dict(), "seen": _pack_hashes(seen)}
+                         for cursor, seen in zip(self._cursors, self._seen)],
+            "blend": self._blend.counts.tolist(), "epoch_docs": self._epoch_docs, "totals": self.totals.tolist(),
             "rng": self._rng.bit_generator.state,
             "buffer": refs(self._buffer),
             "packer": [refs(seq.documents) for seq in self._packer.open],
             "ready": [refs(seq.documents) for seq in self._ready],
             "drained": self._drained,
             "tolerance": [self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total],
-            "seen": base64.b64encode(zlib.compress(seen, 1)).decode("ascii"),
             "cost": {name: getattr(self.cost, name) for name in COST_FIELDS},
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from ``state``: the documents it names are re-read (by key) and re-parsed,
         so resuming costs about one shuffle buffer of reads wherever in the epoch it happens."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"planner state version {state.get('version') if isinstance(state, dict) else state!r} "
-                             f"is not {STATE_VERSION}")
+        version = state.get("version") if isinstance(state, dict) else state
+        if version == 1:  # one dataset: its cursor and key hashes at the top level
+            state = {**state, "datasets": [{**state["cursor"], "seen": state["seen"]}],
+                     "blend": [0], "epoch_docs": 0, "totals": [[0, 0]]}
+        elif version != STATE_VERSION:
+            raise ValueError(f"planner state version {version!r} is not {STATE_VERSION}")
+        if len(state["datasets"]) != len(self._cursors):
+            raise ValueError(f"planner state of {len(state['datasets'])} datasets, this job has {len(self._cursors)}")
         self._start_epoch(int(state["epoch"]), int(state["step"]))
         self.done = bool(state["done"])
-        cursor = state["cursor"]
-        self._shard = int(cursor["shard"])
-        self._cursor = {"samples": int(cursor["samples"]), "offset": cursor["offset"]}
+        for i, (cursor, saved) in enumerate(zip(self._cursors, state["datasets"])):
+            cursor.load_state_dict(saved, self.config, self.epoch)
+            self._seen[i] = KeySet(_unpack_hashes(saved["seen"]))
+        self._blend.counts = np.array(state["blend"], dtype=np.int64)
+        self._epoch_docs = int(state["epoch_docs"])
+        self.totals = np.array(state["totals"], dtype=np.int64).reshape(len(self._cursors), 2)
         self._rng.bit_generator.state = state["rng"]
         self._drained = bool(state["drained"])
         t = state["tolerance"]
         self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total = (int(x) for x in t)
-        packed = zlib.decompressobj()
-        raw = packed.decompress(base64.b64decode(state["seen"]), MAX_SEEN_BYTES)
-        if packed.unconsumed_tail or len(raw) % 8:
-            raise ValueError(f"planner state: the key hashes are not a whole number of 8-byte hashes within "
-                             f"{MAX_SEEN_BYTES} bytes")
-        seen = np.frombuffer(raw, dtype=np.uint64)
-        self._seen = KeySet(seen)
         self.cost = dataclasses.replace(self.config.cost, **state["cost"])
         wanted = [*state["buffer"], *(r for seq in state["packer"] for r in seq),
                   *(r for seq in state["ready"] for r in seq)]
@@ -276,23 +289,53 @@ class EpochPlanner:
             self._tolerance.failed(exc)
 
     def _next_document(self) -> Document | None:
-        """The epoch's next document. Any fault of one sample (reading, parsing, tokenizing, pricing;
-        any exception) skips and reports that sample only. A key already read this epoch, in this
-        or another shard, is a duplicate: the first sample is kept, the later ones reported."""
-        while self._shard < len(self._order):
-            url = self._order[self._shard]
-            if self._samples is None:
-                start = self._cursor if self._cursor["samples"] else None
-                self._samples = iter(self.source.iter_shard(url, self._problem, start))
-            for sample in self._samples:
-                self._cursor = {"samples": self._cursor["samples"] + 1, "offset": sample.get(NEXT_OFFSET)}
+        """The epoch's next document, from the dataset the blend picks (core/mixture.py); None once
+        the epoch is over by the job's rule. A dataset that runs out is restarted (a new pass) or
+        ends the epoch, by mix_epoch / mix_epoch_samples."""
+        cfg = self.config
+        while not epoch_over(cfg, self._cursors, None, self._epoch_docs):
+            live = np.array([not c.dead for c in self._cursors])
+            index = self._blend.choose(live)
+            cursor = self._cursors[index]
+            doc = self._read_from(cursor)
+            if doc is not None:
+                cursor.pass_docs += 1
+                cursor.epoch_docs += 1
+                self._blend.record(index, doc.num_tokens)
+                self._epoch_docs += 1
+                self.totals[index] += (1, doc.num_tokens)
+                return doc
+            if cursor.pass_docs == 0:
+                cursor.dead = True
+            else:
+                cursor.finished = True
+            if epoch_over(cfg, self._cursors, index, self._epoch_docs):
+                return None
+            if not cursor.dead:
+                cursor.start_pass(cfg, self.epoch, cursor.passes + 1)
+                self._seen[index] = KeySet()
+        return None
+
+    def _read_from(self, cursor: DatasetCursor) -> Document | None:
+        """The next document of one dataset's pass, or None when the pass is over. Any fault of one
+        sample (reading, parsing, tokenizing, pricing; any exception) skips and reports that sample
+        only. A key already read in this pass of the dataset, in this or another of its shards, is
+        a duplicate: the first sample is kept, the later ones reported."""
+        seen = self._seen[cursor.index]
+        while cursor.shard < len(cursor.order):
+            url = cursor.order[cursor.shard]
+            if cursor.samples is None:
+                start = cursor.cursor if cursor.cursor["samples"] else None
+                cursor.samples = iter(self.source.iter_shard(url, self._problem, start))
+            for sample in cursor.samples:
+                cursor.cursor = {"samples": cursor.cursor["samples"] + 1, "offset": sample.get(NEXT_OFFSET)}
                 key = sample["__key__"]
                 digest = _key_hash(key)
-                if digest in self._seen:
+                if digest in seen:
                     self._problem(SampleError(key, "the key was already read this epoch (from an earlier shard or "
                                               "sample); the first sample with this key is kept", url, "duplicate_key"))
                     continue
-                self._seen.add(digest)
+                seen.add(digest)
                 doc = self._parse(sample, url)
                 if doc is None:
                     continue
@@ -300,10 +343,14 @@ class EpochPlanner:
                 if not self.keep_media(doc):
                     doc.media_bytes = None
                 return doc
-            self._samples = None
-            self._shard += 1
-            self._cursor = {"samples": 0, "offset": None}
+            cursor.next_shard()
         return None
+
+    def dataset_counts(self) -> list[dict]:
+        """Per dataset: documents and tokens drawn over all epochs, documents this epoch, restarts."""
+        return [{"name": d.name, "num_samples": int(self.totals[i, 0]), "num_tokens": int(self.totals[i, 1]),
+                 "epoch_samples": c.epoch_docs, "restarts": c.passes}
+                for i, (d, c) in enumerate(zip(self.config.mixture(), self._cursors))]
 
     def _parse(self, sample: dict, url: str) -> Document | None:
         key = sample["__key__"]
@@ -369,16 +416,21 @@ class KeySet:
         return self._sorted
 
 
+def _pack_hashes(keys: KeySet) -> str:
+    return base64.b64encode(zlib.compress(keys.to_array().tobytes(), 1)).decode("ascii")
+
+
+def _unpack_hashes(text: str) -> np.ndarray:
+    packed = zlib.decompressobj()
+    raw = packed.decompress(base64.b64decode(text), MAX_SEEN_BYTES)
+    if packed.unconsumed_tail or len(raw) % 8:
+        raise ValueError(f"planner state: the key hashes are not a whole number of 8-byte hashes within "
+                         f"{MAX_SEEN_BYTES} bytes")
+    return np.frombuffer(raw, dtype=np.uint64)
+
+
 def _key_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-
-
-def shard_order(urls: list[str], *, seed: int, epoch: int, shuffle: bool) -> list[str]:
-    """The epoch's shard order: a seeded permutation (or the given order)."""
-    if not shuffle:
-        return list(urls)
-    rng = np.random.default_rng([seed, epoch, 0x5A4D])
-    return [urls[i] for i in rng.permutation(len(urls))]
 
 
 class ErrorTolerance:

@@ -34,13 +34,26 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", nargs="+", metavar="SPEC",
                         help="shard paths/URLs, brace patterns allowed (\"data/{00000..00009}.tar\"), or a "
                              f"directory of tars (default: a synthetic LAION-style set in {DEMO_DIR}/)")
+    parser.add_argument("--mix", type=Path, metavar="FILE",
+                        help="a weighted mixture of datasets instead of --shards: a YAML or JSON file of "
+                             "datasets (name, shards, weight, optional modalities, image, generate) and "
+                             "optionally mix_by, mix_epoch, mix_epoch_samples, which win over the flags "
+                             "(see disttrain_api/mixture.py)")
     add_job_arguments(parser)
     parser.add_argument("--cost", type=Path, help="cost coefficients JSON, as `calibrate --out` writes")
 
 
 def _job_config(args) -> JobConfig:
-    shard_specs = args.shards or [str(p) for p in ensure_demo_dataset()]
-    extra = {}
+    extra: dict = {}
+    if getattr(args, "mix", None):
+        from disttrain_api.mixture import load_mixture
+
+        if args.shards:
+            raise ConfigError("give --shards or --mix, not both")
+        extra.update(load_mixture(args.mix))
+        shard_specs: list[str] = []
+    else:
+        shard_specs = args.shards or [str(p) for p in ensure_demo_dataset()]
     if args.cost:
         from preprocess_service.adapters import calibrate
 
@@ -48,7 +61,7 @@ def _job_config(args) -> JobConfig:
             extra["cost"] = calibrate.load(args.cost)
         except (OSError, ValueError, TypeError) as exc:
             raise ConfigError(f"--cost {args.cost}: {exc}") from None
-    return JobConfig(**extra, shards=tuple(shard_specs), **job_fields(args))
+    return JobConfig(shards=tuple(shard_specs), **{**job_fields(args), **extra})
 
 
 def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
@@ -68,7 +81,8 @@ def cmd_run(args) -> int:
     from preprocess_service.service.runner import run_job, summary, write_report
 
     config = _job_config(args)
-    print(f"[run] {len(config.shards)} shard spec(s); service "
+    what = f"{len(config.datasets)} datasets" if config.datasets else f"{len(config.shards)} shard spec(s)"
+    print(f"[run] {what}; service "
           f"{'at ' + args.address if args.address else 'embedded'}; {config.dp_size} client ranks",
           file=sys.stderr, flush=True)
     from preprocess_service.service.server import Limits

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from disttrain_api.config import JobConfig
+from disttrain_api.config import MODALITIES, DatasetConfig, JobConfig
 from disttrain_api.errors import (
     ConfigError,
     DataQualityError,
@@ -33,17 +33,53 @@ from disttrain_api.errors import (
     SampleError,
     ServiceUnavailableError,
 )
-from preprocess_service.adapters import metrics, shards
+from preprocess_service.adapters import metrics, shards, text_tokenizers
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.samples import classify_members, parse_document
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
-from preprocess_service.core.tokenizer import ByteTokenizer, Tokenizer
+from preprocess_service.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[list[str]]:
+    """Each dataset's checked, normalised shard names (JobConfig.mixture() order). ConfigError for
+    a shard in two datasets (whose settings would it take?) or more names in all than the
+    operator's max_shards."""
+    out: list[list[str]] = []
+    owner: dict[str, str] = {}
+    total = 0
+    for dataset in config.mixture():
+        urls = reader.expand(dataset.shards)
+        total += len(urls)
+        if total > reader.policy.max_shards:
+            raise ConfigError(f"the datasets expand to more than {reader.policy.max_shards} shards (max_shards)")
+        for url in urls:
+            if owner.setdefault(url, dataset.name) != dataset.name:
+                raise ConfigError(f"shard {url!r} is in datasets {owner[url]!r} and {dataset.name!r}; "
+                                  "a shard belongs to one dataset")
+        out.append(urls)
+    return out
+
+
+def job_tokenizer(spec: str, policy) -> Tokenizer:
+    """The job's tokenizer (text_tokenizers.load_checked); a file that cannot be used is a ConfigError."""
+    try:
+        return text_tokenizers.load_checked(spec, policy)
+    except text_tokenizers.TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _parse_options(config: JobConfig, dataset: DatasetConfig):
+    """(member kinds kept or None for all, ImageConfig, GenerationConfig) of one dataset."""
+    modalities = None if set(dataset.modalities) == set(MODALITIES) else frozenset(dataset.modalities)
+    generation = dataclasses.replace(config.generation, select=dataset.generate) if dataset.generate \
+        else config.generation
+    return modalities, dataset.image or config.image, generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +121,7 @@ class Job:
     sent it, and re-read from the shard if a resumed stream needs that step again."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4,
-                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[str] | None = None,
+                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[list[str]] | None = None,
                  budget: MemoryBudget = UNLIMITED, snapshot_every: int = 16):
         self.config = config
         self.budget = budget
@@ -95,8 +131,14 @@ class Job:
         self._largest_message = 0
         self.job_id = config.job_id()
         self.reader = reader
-        self.shard_urls = shard_urls if shard_urls is not None else reader.expand(config.shards)
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.dataset_urls = shard_urls if shard_urls is not None else expand_datasets(reader, config)
+        """Each dataset's shard names (JobConfig.mixture() order)."""
+        self.shard_urls = [url for urls in self.dataset_urls for url in urls]
+        self._dataset_of = {url: i for i, urls in enumerate(self.dataset_urls) for url in urls}
+        self._parse_options = [_parse_options(config, dataset) for dataset in config.mixture()]
+        self.tokenizer = tokenizer or job_tokenizer(config.tokenizer, reader.policy)
+        self.tokenizer_info = text_tokenizers.describe(self.tokenizer)
+        """Ids, vocabulary size and file digest of the tokenizer (JobInfo.tokenizer)."""
         self._lock = threading.Lock()
         self._skipped: dict[str, SkippedRecord] = {}
         self._plans: dict[int, StepPlan] = {}
@@ -107,7 +149,7 @@ class Job:
         self._snapshots: dict[int, dict] = {}
         """Planner states before every ``snapshot_every``-th step, from the newest one at or before
         the acknowledged step: what ``state_dict()`` resumes from."""
-        self.planner = EpochPlanner(config, self.shard_urls, reader, self._parse, self._record_skip,
+        self.planner = EpochPlanner(config, self.dataset_urls, reader, self._parse, self._record_skip,
                                     keep_media=self._keep_media)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
@@ -184,9 +226,17 @@ class Job:
             self._release_through(self._next_step - 1 - self.retain_steps)
 
     def _parse(self, sample: dict):
-        cfg = self.config
-        return parse_document(sample, image_config=cfg.image, tokenizer=self.tokenizer, seq_len=cfg.seq_len,
-                              audio_config=cfg.audio, generation=cfg.generation)
+        """A Document of ``sample`` with the settings of the dataset its shard belongs to."""
+        dataset = self._dataset_of.get(sample.get("__url__", ""), 0)
+        modalities, image, generation = self._parse_options[dataset]
+        if modalities is not None:
+            kinds = classify_members(sample)
+            sample = {name: value for name, value in sample.items() if kinds.get(name, "") in modalities
+                      or name not in kinds}
+        doc = parse_document(sample, image_config=image, tokenizer=self.tokenizer, seq_len=self.config.seq_len,
+                             audio_config=self.config.audio, generation=generation)
+        doc.dataset = dataset
+        return doc
 
     def num_steps(self) -> int:
         """Steps of the whole job, or -1 while planning has not reached the end."""
@@ -313,15 +363,15 @@ class Job:
         for doc, data in (pair for seq in snapshot for pair in seq):
             if data is None and doc.media:
                 missing[doc.shard].add(doc.key)
-        fetched: dict[str, dict] = {}
+        fetched: dict[tuple[str, str], dict] = {}  # by (shard, key): datasets may reuse keys
         for url, keys in missing.items():
-            fetched.update(self.reader.read_samples(url, keys))
+            fetched.update(((url, key), sample) for key, sample in self.reader.read_samples(url, keys).items())
         out = []
         for seq, pairs in zip(sequences, snapshot):
             documents = []
             for doc, data in pairs:
                 if data is None and doc.media:
-                    sample = fetched.get(doc.key, {})
+                    sample = fetched.get((doc.shard, doc.key), {})
                     data = {m.member: sample[m.member] for m in doc.media if m.member in sample}
                 documents.append(dataclasses.replace(doc, media_bytes=data))
             out.append(dataclasses.replace(seq, documents=documents))
@@ -480,7 +530,21 @@ class Job:
                 "num_sent_microbatches": self.num_sent_microbatches,
                 "step_balance": [_balance(self._plans[s]) for s in sorted(self._plans)],
                 "failure": "" if self._failure is None else str(self._failure),
+                "datasets": self.planner.dataset_counts(),
             }
+
+    def sample_datasets(self, docs, sample_keys: list[str]) -> list[int]:
+        """The dataset index of each of ``sample_keys`` (a microbatch's delivered keys, in token
+        order), read off the planned documents ``docs`` in the same order (skipped ones absent
+        from the keys); empty for a job of plain shards."""
+        if not self.config.datasets:
+            return []
+        out, position = [], 0
+        for doc in docs:
+            if position < len(sample_keys) and sample_keys[position] == doc.key:
+                out.append(self._dataset_of.get(doc.shard, 0))
+                position += 1
+        return out
 
 
 def _save_state(job: Job, path: Path, lock: threading.Lock, _low: int) -> None:
@@ -534,7 +598,7 @@ class JobRegistry:
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
 
-    def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
+    def open(self, config: JobConfig, *, shard_urls: list[list[str]] | None = None,
              reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
         """The open job of ``config``, opened if need be (``client`` becomes its owner) and joined by
         ``client``; its shards are expanded before the lock is taken (an expansion can take a
@@ -551,7 +615,7 @@ class JobRegistry:
         job.touch()
         return job
 
-    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[str] | None) -> Job:
+    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job:
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
         if self.state_dir is not None:
             path = self.state_dir / f"{job.job_id}.json"

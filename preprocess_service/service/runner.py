@@ -44,6 +44,7 @@ class RankResult:
 
     @property
     def keys(self) -> list[str]:
+        """Delivered sample keys; in a mixture "DATASET/KEY" (datasets may reuse keys)."""
         return [key for mb in self.microbatches for key in mb["keys"]]
 
 
@@ -55,13 +56,19 @@ class RunResult:
     step_balance: list[dict]
     shard_keys: set[str]
     seconds: float
+    datasets: list[dict] = field(default_factory=list)
+    """JobReport.datasets of a mixture: name, num_samples (planned), restarts, weight; empty for plain shards."""
 
     @property
     def received(self) -> Counter:
         return Counter(key for rank in self.ranks for key in rank.keys)
 
     def exactly_once(self) -> dict:
-        """Delivered-once / duplicated / missing counts against the keys actually in the shards."""
+        """Delivered-once / duplicated / missing counts against the keys actually in the shards. A
+        mixture is checked against what the planner drew from each dataset instead (an epoch may
+        end before a dataset does, or read one more than once): see ``mixture_check``."""
+        if self.datasets:
+            return self.mixture_check()
         received = self.received
         skipped = {s["key"] for s in self.skipped if s["key"]}
         duplicated = sorted(k for k, n in received.items() if n > 1)
@@ -73,6 +80,26 @@ class RunResult:
                 "missing": missing, "unexpected": unexpected, "delivered_and_skipped": both}
 
 
+    def mixture_check(self) -> dict:
+        """Per dataset: every sample the planner drew was delivered (or skipped at decode with a
+        reason), none more often than the dataset's passes, and only keys its shards hold."""
+        received = self.received
+        skipped_at_decode = {s["key"] for s in self.skipped if s["kind"] in ("decode_failed", "decode_worker_died")}
+        per_dataset = Counter(key.split("/", 1)[0] for key in received.elements())
+        problems = []
+        for d in self.datasets:
+            got = per_dataset.get(d["name"], 0)
+            if got > d["num_samples"] or got < d["num_samples"] - len(skipped_at_decode):
+                problems.append(f"{d['name']}: {got} delivered, {d['num_samples']} planned")
+        over = sorted(k for k, n in received.items()
+                      if n > 1 + next((d["restarts"] for d in self.datasets if k.startswith(d["name"] + "/")), 0))
+        unexpected = sorted(k for k in received if k.split("/", 1)[1] not in self.shard_keys)
+        ok = not (problems or over or unexpected or any(r.error for r in self.ranks))
+        return {"ok": ok, "delivered": sum(received.values()), "skipped": len(skipped_at_decode),
+                "duplicated": over, "missing": problems, "unexpected": unexpected,
+                "delivered_and_skipped": []}
+
+
 def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -> None:
     """Body of one client process: iterate the whole job and report what arrived."""
     from trainer import DataClient  # imported in the child: torch loads once per rank process
@@ -81,9 +108,11 @@ def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -
     start = time.perf_counter()
     try:
         with DataClient(address, job_id, rank, prefetch=prefetch) as client:
+            names = [d.name for d in client.info.spec.datasets]
             for mb in client:
-                out.microbatches.append({"step": mb.step, "microbatch": mb.microbatch_index,
-                                         "keys": mb.sample_keys})
+                keys = [f"{names[d]}/{k}" for d, k in zip(mb.sample_datasets, mb.sample_keys)] \
+                    if mb.sample_datasets else mb.sample_keys
+                out.microbatches.append({"step": mb.step, "microbatch": mb.microbatch_index, "keys": keys})
                 out.num_sequences += int((mb.modality != 0).any(dim=1).sum())
                 out.num_bytes += mb.nbytes
     except Exception as exc:  # reported to the parent, which fails the run with it
@@ -133,7 +162,9 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
                        "num_samples": b.num_samples, "iteration_s": b.iteration_s,
                        "arrival_iteration_s": b.arrival_iteration_s, "lower_bound_s": b.lower_bound_s}
                       for b in report.step_balance],
-        shard_keys=all_keys(list(info.shard_urls)), seconds=seconds)
+        shard_keys=all_keys(list(info.shard_urls)), seconds=seconds,
+        datasets=[{"name": d.name, "num_samples": d.num_samples, "num_tokens": d.num_tokens, "restarts": d.restarts,
+                   "weight": w.weight} for d, w in zip(report.datasets, info.spec.datasets)])
 
 
 def _collect(procs, results, stub, job_id: str, progress: bool) -> list[RankResult]:
@@ -211,10 +242,28 @@ def summary(result: RunResult, config: JobConfig) -> str:
     lines.append(f"  exactly-once: {'OK' if check['ok'] else 'FAILED'} ({check['delivered']} delivered once, "
                  f"{check['skipped']} skipped with reasons, {len(check['missing'])} missing, "
                  f"{len(check['duplicated'])} duplicated, of {len(result.shard_keys)} keys in the shards)")
+    lines.extend(mixture_lines(result))
     for rank in result.ranks:
         if rank.error:
             lines.append(f"  rank {rank.rank} failed: {rank.error}")
     return "\n".join(lines)
+
+
+def mixture_lines(result: RunResult) -> list[str]:
+    """Per dataset of a mixture: samples delivered, their share against the requested weight."""
+    if not result.datasets:
+        return []
+    delivered = Counter(key.split("/", 1)[0] for key in result.received.elements())
+    total_samples = max(1, sum(delivered.values()))
+    total_tokens = max(1, sum(d["num_tokens"] for d in result.datasets))
+    total_weight = sum(d["weight"] for d in result.datasets)
+    lines = ["  mixture              dataset: samples delivered, share of samples (of tokens) vs weight"]
+    for d in result.datasets:
+        n = delivered.get(d["name"], 0)
+        restarted = f", restarted {d['restarts']}x" if d["restarts"] else ""
+        lines.append(f"    {d['name']:<20} {n:8d}   {n / total_samples:6.1%} ({d['num_tokens'] / total_tokens:6.1%}) "
+                     f"vs {d['weight'] / total_weight:6.1%}{restarted}")
+    return lines
 
 
 def write_report(path: Path, result: RunResult, config: JobConfig) -> None:
@@ -229,6 +278,9 @@ def write_report(path: Path, result: RunResult, config: JobConfig) -> None:
         "skipped": result.skipped,
         "step_balance": result.step_balance,
         "exactly_once": result.exactly_once(),
+        "datasets": [{**d, "delivered": n} for d, n in
+                     zip(result.datasets, (sum(1 for k in result.received.elements() if k.startswith(d["name"] + "/"))
+                                           for d in result.datasets))],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))

@@ -39,7 +39,7 @@ from preprocess_service.adapters.decode import DecodePool, InlineDecoder
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.adapters.tarstream import TarLimits
-from preprocess_service.service.job import Job, JobRegistry
+from preprocess_service.service.job import Job, JobRegistry, expand_datasets
 from preprocess_service.service.security import (
     StallWatchdog,
     StreamLimiter,
@@ -182,7 +182,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _info(self, job: Job) -> pb.JobInfo:
         return pb.JobInfo(job_id=job.job_id, spec=spec_from_config(job.config),
                           global_batch_sequences=job.config.global_batch, num_steps=job.num_steps(),
-                          shard_urls=job.shard_urls)
+                          shard_urls=job.shard_urls, tokenizer=pb.TokenizerInfo(**job.tokenizer_info))
 
     def OpenJob(self, request, context):
         try:
@@ -190,7 +190,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             self._check_config(config)
             # parsed, expanded (bounded) and checked here, outside every lock: a bad spec is refused as
             # such whatever the server's load
-            shard_urls = None if self.jobs.is_open(config.job_id()) else self.reader.expand(config.shards)
+            shard_urls = None if self.jobs.is_open(config.job_id()) else expand_datasets(self.reader, config)
             client = self._identity(context)
             if not self.jobs.is_open(config.job_id()):
                 self._check_job_limits(client, config)
@@ -256,7 +256,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         skipped = [pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind)
                    for r in report.pop("skipped")]
         balance = [pb.StepBalance(**b) for b in report.pop("step_balance")]
-        return pb.JobReport(job_id=job.job_id, skipped=skipped, step_balance=balance, **report)
+        datasets = [pb.DatasetCount(**d) for d in report.pop("datasets", [])]
+        return pb.JobReport(job_id=job.job_id, skipped=skipped, step_balance=balance, datasets=datasets, **report)
 
     def ReportTimings(self, request, context):
         job = self._job(request.job_id, context)

@@ -69,7 +69,7 @@ class SharedJob(Job):
     def __init__(self, config: JobConfig, store: RedisStore, replica_id: str, *, lookahead: int = 2,
                  lease_ttl_s: float = 5.0, rank_lease_ttl_s: float = 30.0, cache_steps: int = 64,
                  poll_s: float = 0.02, reader: shards.ShardReader = shards.DEFAULT_READER,
-                 shard_urls: list[str] | None = None):
+                 shard_urls: list[list[str]] | None = None):
         super().__init__(config, reader=reader, shard_urls=shard_urls)
         self.store = store
         self.replica_id = replica_id
@@ -158,7 +158,7 @@ class SharedJob(Job):
                     planner = None
                 seen_frontier = frontier
                 if planner is None:
-                    planner = EpochPlanner(self.config, self.shard_urls, self.reader, self._parse,
+                    planner = EpochPlanner(self.config, self.dataset_urls, self.reader, self._parse,
                                            self._planning_skip,
                                            keep_media=lambda doc: False)  # served from re-read samples: hold no bytes
                     state = self.store.resume_state(self.job_id, stop=stop)
@@ -385,13 +385,13 @@ class SharedJobRegistry(JobRegistry):
         self.replica_id = replica_id
         self.job_options = job_options
 
-    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[str] | None) -> Job:
+    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job:
         job = SharedJob(config, self.store, self.replica_id, reader=reader, shard_urls=shard_urls,
                         **self.job_options)
         self.store.register_job(job.job_id, job.spec_bytes)
         return job
 
-    def open(self, config: JobConfig, *, shard_urls: list[str] | None = None,
+    def open(self, config: JobConfig, *, shard_urls: list[list[str]] | None = None,
              reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
         """As JobRegistry.open; the owner is whoever opened the job first on any replica (Redis)."""
         job = super().open(config, shard_urls=shard_urls, reader=reader, client=client)

@@ -96,3 +96,55 @@ def test_load_by_spec_and_bad_files_name_the_problem(tmp_path, bpe_path, sp_path
         load_tokenizer(f"hf:{tmp_path}")
     with pytest.raises(TokenizerError, match="expected 'byte'"):
         load_tokenizer("gpt2")
+
+
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece"])
+def test_a_job_tokenizes_with_the_spec_s_tokenizer_and_bounds_each_document(kind, bpe_path, sp_path, tmp_path):
+    from disttrain_api.config import JobConfig
+    from helpers import write_tiny_shards
+    from preprocess_service.core.assemble import MODALITY_TEXT
+    from preprocess_service.service.job import Job
+
+    write_tiny_shards(tmp_path / "shards", num_shards=1, samples_per_shard=12)
+    spec = f"hf:{bpe_path}" if kind == "hf" else str(sp_path)  # a bare .model path works too
+    job = Job(JobConfig(shards=(str(tmp_path / "shards"),), seq_len=1024, tokenizer=spec))
+    tok = job.tokenizer
+    assert job.tokenizer_info["kind"] == kind and job.tokenizer_info["vocab_size"] == tok.vocab_size
+    assert len(job.tokenizer_info["sha256"]) == 64 and "<|image|>" in job.tokenizer_info["added_tokens"]
+    plan = job.step_plan(0)
+    layout = job._layout(plan.microbatch(0, 0))
+    tokens, modality = layout.arrays["tokens"].reshape(-1), layout.arrays["modality"].reshape(-1)
+    cu, owner = layout.arrays["cu_seqlens"], layout.arrays["segment_doc"]
+    docs = {doc.key: doc for seq in plan.microbatch(0, 0) for doc in seq.documents}
+    assert len(docs) >= 2, "several documents packed in one sequence"
+    for start, end, index in zip(cu[:-1], cu[1:], owner):
+        if index < 0:
+            assert (tokens[start:end] == tok.pad_id).all()
+            continue
+        assert tokens[start] == tok.bos_id and tokens[end - 1] == tok.eos_id
+        body = tokens[start + 1:end - 1]
+        assert not np.isin(body, [tok.bos_id, tok.eos_id, tok.pad_id]).any(), "one BOS and one EOS per document"
+        text = body[modality[start + 1:end - 1] == MODALITY_TEXT]
+        caption = docs[layout.sample_keys[index]].segments[-1]
+        assert tok.decode(text) == tok.decode(caption.ids) and caption.tokens == len(text)
+        assert (body[modality[start + 1:end - 1] != MODALITY_TEXT] == tok.image_id).all()
+
+
+def test_a_tokenizer_path_obeys_the_shard_rules(bpe_path, tmp_path):
+    from disttrain_api.config import JobConfig
+    from disttrain_api.errors import ConfigError, PermissionDenied
+    from helpers import write_tiny_shards
+    from preprocess_service.adapters.shards import ShardReader
+    from preprocess_service.adapters.sources import ShardPolicy
+    from preprocess_service.service.job import Job
+
+    write_tiny_shards(tmp_path, num_shards=1)
+    config = JobConfig(shards=(str(tmp_path),), tokenizer=f"hf:{bpe_path}")
+    fenced = ShardReader(policy=ShardPolicy(allowed_prefixes=(str(tmp_path),)))
+    with pytest.raises(PermissionDenied, match="outside the prefixes"):
+        Job(config, reader=fenced)
+    for bad, message in ((f"hf:{tmp_path}/../x.json", r"'\.\.'"), ("hf:http://h/t.json", "on the service's machine"),
+                         (f"sentencepiece:{tmp_path}/00000.tar", "not a sentencepiece model"),
+                         ("gpt2", "expected 'byte'")):
+        with pytest.raises(ConfigError, match=message):
+            Job(JobConfig(shards=(str(tmp_path),), tokenizer=bad))

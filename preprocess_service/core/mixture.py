@@ -104,7 +104,9 @@ class Blend:
         """The dataset furthest below its share among the ``live`` ones (the first of equals)."""
         if len(self.weights) == 1:
             return 0
-        deficit = self.weights * float(self.counts.sum() + 1) - self.counts
+        weights = np.where(live, self.weights, 0.0)  # shares among the live datasets
+        weights = weights / weights.sum()
+        deficit = weights * float(self.counts[live].sum() + 1) - self.counts
         return int(np.argmax(np.where(live, deficit, -np.inf)))
 
     def record(self, dataset: int, num_tokens: int) -> None:

@@ -21,10 +21,12 @@ class SampleError(DisttrainError):
     KINDS = ("invalid_json", "bad_utf8", "unreadable_image", "truncated_image", "decompression_bomb",
              "unreadable_audio", "invalid_order", "too_long", "empty", "decode_failed", "decode_worker_died",
              "shard_error", "truncated_shard", "oversize", "invalid_key", "duplicate_key", "duplicate_member",
-             "parse_failed", "read_timeout")
+             "parse_failed", "read_timeout", "download_failed")
     """Short machine-readable causes, for counting; ``reason`` is the sentence for people."""
-    NOT_LOST = ("duplicate_key", "duplicate_member")
-    """Kinds that report a dropped copy, not a lost sample: the first copy is delivered."""
+    NOT_LOST = ("duplicate_key", "duplicate_member", "download_failed")
+    """Kinds that lose nothing the shards hold, so they do not count toward the job's error
+    tolerance: a dropped copy (the first copy is delivered), or a row of img2dataset's parquet
+    whose URL it could not download or resize (never in the tar; adapters/img2dataset.py)."""
 
     def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):
         assert kind in self.KINDS, kind

@@ -8,6 +8,7 @@ health exit 0 if the service at --address answers SERVING (container health chec
 synth  write synthetic LAION-style shards
 reorder  plan or evaluate a batch-planning instance (JSON)
 calibrate  fit the cost model from timings of torch modules; prints the fit and its error
+inspect  what to check before a run: modalities, sizes, sequence costs, predicted stragglers (text and PNG)
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0)
     sub.add_parser("synth", help="write synthetic LAION-style shards (see --help)", add_help=False)
     sub.add_parser("reorder", help="plan or evaluate one batch-planning instance JSON (see --help)", add_help=False)
+    sub.add_parser("inspect", help="statistics of a job's data and predicted stragglers (see --help)", add_help=False)
     cal = sub.add_parser("calibrate", help="fit the cost model from timings of torch modules")
     cal.add_argument("--out", type=Path, help="write the fitted coefficients here (JSON for run --cost)")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds)")
@@ -252,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         from preprocess_service.service import reorder_cli
 
         return reorder_cli.main(rest)
+    if args.command == "inspect":
+        from preprocess_service.service import inspect_cli
+
+        return inspect_cli.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -1,0 +1,176 @@
+"""Tests for preprocess_service.adapters.img2dataset: manifests from img2dataset's NNNNN.parquet
+(successful and failed rows), parquet files that cannot be used (never fatal), bounds and caching."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from disttrain_api.errors import SampleError
+from helpers import write_tiny_shards
+from preprocess_service.adapters import img2dataset
+from preprocess_service.adapters.img2dataset import MISSING, failed_rows_as_errors, read_manifest
+from preprocess_service.service.job import SkippedRecord
+
+# img2dataset's webdataset output: one row per URL it tried (writer.py's schema, less exif/sha256's content)
+SCHEMA = pa.schema([
+    ("url", pa.string()), ("caption", pa.string()), ("key", pa.string()), ("status", pa.string()),
+    ("error_message", pa.string()), ("width", pa.int32()), ("height", pa.int32()),
+    ("original_width", pa.int32()), ("original_height", pa.int32()), ("exif", pa.string()), ("sha256", pa.string()),
+])
+
+
+def row(index: int, status: str = "success", caption: str | None = None, error: str | None = None) -> dict:
+    """A row whose numbers encode its index: width 100 + i, height 200 + i, original x2."""
+    ok = status == "success"
+    return {"url": f"https://img.example/{index}.jpg", "caption": caption if caption is not None else "c" * index,
+            "key": f"00000{index:04d}", "status": status, "error_message": error,
+            "width": 100 + index if ok else None, "height": 200 + index if ok else None,
+            "original_width": 2 * (100 + index) if ok else None, "original_height": 2 * (200 + index) if ok else None,
+            "exif": None, "sha256": "ab" * 32 if ok else None}
+
+
+def write_parquet(path: Path, rows: list[dict], schema: pa.Schema = SCHEMA) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path.with_suffix(".tar")
+
+
+@pytest.fixture
+def rows() -> list[dict]:
+    return [row(0), row(1, caption="Straße über café"), row(2, "failed_to_download", error="HTTP Error 404"),
+            row(3), row(4, "failed_to_resize", error="image too small"), row(5)]
+
+
+def test_manifest_of_successful_and_failed_rows(tmp_path, rows):
+    tar = write_parquet(tmp_path / "00000.parquet", rows)
+    manifest = read_manifest(tar)
+    assert manifest is not None and manifest.parquet == str(tmp_path / "00000.parquet")
+    assert manifest.num_samples == 4 and manifest.num_rows == 6
+    assert manifest.keys == ("000000000", "000000001", "000000003", "000000005")
+    assert manifest.width.tolist() == [100, 101, 103, 105] and manifest.height.tolist() == [200, 201, 203, 205]
+    assert manifest.original_width.tolist() == [200, 202, 206, 210]
+    assert manifest.caption_chars.tolist() == [0, 16, 3, 5]  # characters, not UTF-8 bytes
+    sizes = manifest.sizes("000000003")
+    assert (sizes.width, sizes.height, sizes.original_width, sizes.original_height, sizes.caption_chars) == \
+        (103, 203, 206, 406, 3)
+    assert manifest.sizes("000000002") is None  # failed rows have no sizes
+    assert [(f.key, f.status, f.error_message, f.url) for f in manifest.failed] == [
+        ("000000002", "failed_to_download", "HTTP Error 404", "https://img.example/2.jpg"),
+        ("000000004", "failed_to_resize", "image too small", "https://img.example/4.jpg")]
+
+
+def test_failed_rows_become_download_failed_errors_outside_the_error_tolerance(tmp_path, rows):
+    manifest = read_manifest(write_parquet(tmp_path / "00000.parquet", rows))
+    errors = failed_rows_as_errors(manifest, "/data/00000.tar")
+    assert [(e.key, e.shard, e.kind) for e in errors] == [("000000002", "/data/00000.tar", "download_failed"),
+                                                          ("000000004", "/data/00000.tar", "download_failed")]
+    assert "HTTP Error 404" in errors[0].reason and "failed_to_download" in errors[0].reason
+    assert "https://img.example/2.jpg" in errors[0].reason and "image too small" in errors[1].reason
+    assert "download_failed" in SampleError.KINDS and "download_failed" in SampleError.NOT_LOST
+    # one report record per failed row and shard, apart from a sample of that key read elsewhere
+    record = SkippedRecord(errors[0].key, errors[0].shard, errors[0].reason, errors[0].kind)
+    assert record.record_id != errors[0].key
+
+
+def test_missing_parquet_and_urls_have_no_manifest(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(tmp_path / "00000.tar") is None
+        assert read_manifest("https://host/data/00000.tar") is None
+        assert read_manifest(tmp_path / "notatar.zip") is None
+    assert not caplog.records
+
+
+def test_test_shards_fake_parquet_is_a_warning_not_an_error(tmp_path, caplog):
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=2)  # b"PAR1 not a tar PAR1"
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(paths[0]) is None
+    assert any(str(tmp_path / "d" / "00000.parquet") in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1", b"\x00" * 100, b"PAR1" + os.urandom(300) + b"PAR1"])
+def test_garbage_parquet_is_refused(tmp_path, content, caplog):
+    (tmp_path / "00000.parquet").write_bytes(content)
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(tmp_path / "00000.tar") is None
+    assert "00000.parquet" in caplog.text
+
+
+def test_parquet_without_key_or_status_is_refused(tmp_path, caplog):
+    schema = pa.schema([("url", pa.string()), ("caption", pa.string())])
+    tar = write_parquet(tmp_path / "00000.parquet", [{"url": "u", "caption": "c"}], schema)
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(tar) is None
+    assert "no column" in caplog.text and "key" in caplog.text
+
+
+def test_successful_row_without_key_is_refused(tmp_path, rows, caplog):
+    rows[0]["key"] = None
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(write_parquet(tmp_path / "00000.parquet", rows)) is None
+    assert "no key" in caplog.text
+
+
+@pytest.mark.parametrize("bound, value, message", [("MAX_PARQUET_BYTES", 100, "bytes, more than 100"),
+                                                   ("MAX_ROWS", 5, "6 rows, more than 5"),
+                                                   ("MAX_UNCOMPRESSED_BYTES", 10, "uncompressed")])
+def test_bounds(tmp_path, rows, monkeypatch, caplog, bound, value, message):
+    monkeypatch.setattr(img2dataset, bound, value)
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(write_parquet(tmp_path / "00000.parquet", rows)) is None
+    assert message in caplog.text
+
+
+def test_reads_only_the_manifest_columns(tmp_path, rows, monkeypatch):
+    big = pa.schema([*SCHEMA, ("similarity", pa.float64()), ("blob", pa.binary())])
+    for r in rows:
+        r["blob"] = b"\x00" * 4096
+    tar = write_parquet(tmp_path / "00000.parquet", rows, big)
+    read = []
+    original = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        read.append(columns)
+        return original(self, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    assert read_manifest(tar).num_samples == 4
+    assert read and all(c is not None and "blob" not in c and "similarity" not in c for c in read)
+
+
+def test_old_integer_keys_and_pandas_float_sizes(tmp_path):
+    """Older img2dataset wrote pandas frames: integer keys, float sizes with NaN on failed rows."""
+    schema = pa.schema([("key", pa.int64()), ("status", pa.string()), ("width", pa.float64()),
+                        ("error_message", pa.string())])
+    rows = [{"key": 7, "status": "success", "width": 640.0, "error_message": None},
+            {"key": 8, "status": "failed_to_download", "width": float("nan"), "error_message": "timeout"}]
+    manifest = read_manifest(write_parquet(tmp_path / "00000.parquet", rows, schema))
+    assert manifest.keys == ("000000007",) and manifest.width.tolist() == [640]
+    assert manifest.height.tolist() == [MISSING] and manifest.caption_chars.tolist() == [MISSING]
+    assert [(f.key, f.error_message, f.url) for f in manifest.failed] == [("000000008", "timeout", "")]
+
+
+def test_cached_by_path_mtime_and_size(tmp_path, rows, monkeypatch):
+    tar = write_parquet(tmp_path / "00000.parquet", rows)
+    first = read_manifest(tar)
+    loads = []
+    original = img2dataset.load
+    monkeypatch.setattr(img2dataset, "load", lambda *a, **k: loads.append(a) or original(*a, **k))
+    assert read_manifest(tar) is first and not loads
+    write_parquet(tmp_path / "00000.parquet", rows[:2])  # rewritten: another size
+    assert read_manifest(tar).num_samples == 2 and len(loads) == 1
+
+
+def test_demo_layout_from_synth(tmp_path):
+    from preprocess_service.adapters import synth
+
+    paths = synth.write_dataset(tmp_path, synth.SynthConfig(num_shards=1, samples_per_shard=6))
+    manifest = read_manifest(paths[0])
+    table = pq.read_table(tmp_path / "00000.parquet")
+    assert manifest.keys == tuple(table.column("key").to_pylist()) and not manifest.failed
+    assert manifest.caption_chars.tolist() == [len(c or "") for c in table.column("caption").to_pylist()]

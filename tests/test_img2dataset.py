@@ -174,3 +174,20 @@ def test_demo_layout_from_synth(tmp_path):
     table = pq.read_table(tmp_path / "00000.parquet")
     assert manifest.keys == tuple(table.column("key").to_pylist()) and not manifest.failed
     assert manifest.caption_chars.tolist() == [len(c or "") for c in table.column("caption").to_pylist()]
+
+
+def test_a_job_reports_each_failed_download_once_per_epoch_and_goes_on(tmp_path):
+    from disttrain_api.config import JobConfig
+    from helpers import write_tiny_shards
+    from preprocess_service.service.job import Job
+
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=6)
+    failed = [row(90 + i, status="failed_to_download", error=f"HTTP 404 number {i}") for i in range(3)]
+    write_parquet(tmp_path / "00000.parquet", [row(i) for i in range(6)] + failed)
+    job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, num_epochs=2, max_consecutive_errors=1))
+    steps = job.plan_all()
+    planned = sum(len(list(job.step_plan(s).documents())) for s in range(steps))
+    assert planned == 2 * 12, "every sample of both epochs; the failed rows count toward no tolerance"
+    reported = [r for r in job.report()["skipped"] if r.kind == "download_failed"]
+    assert sorted(r.key for r in reported) == [f"00000{90 + i:04d}" for i in range(3)]
+    assert all(r.shard.endswith("00000.tar") and "HTTP 404" in r.reason for r in reported)

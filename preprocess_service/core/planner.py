@@ -106,7 +106,8 @@ class EpochPlanner:
     """Plans a job's steps in order (``next_plan()``); skipped samples go to ``on_skip``."""
 
     def __init__(self, config: JobConfig, shard_urls: list[list[str]] | list[str], source: SampleSource,
-                 parse: Parse, on_skip: SkipSink, keep_media: Callable[[Document], bool] = lambda doc: True):
+                 parse: Parse, on_skip: SkipSink, keep_media: Callable[[Document], bool] = lambda doc: True,
+                 on_shard: Callable[[str], None] = lambda url: None):
         """``shard_urls``: each dataset's shard names, in ``config.mixture()`` order (a flat list is
         the one dataset of a plain job)."""
         self.config = config
@@ -121,6 +122,9 @@ class EpochPlanner:
         self.parse = parse
         self.on_skip = on_skip
         self.keep_media = keep_media
+        self.on_shard = on_shard
+        """Called when a pass starts reading a shard from its beginning (the job reports the
+        shard's failed downloads from its img2dataset parquet there)."""
         """Asked for every parsed document whether it keeps its encoded bytes until it is decoded
         (else they are dropped now and re-read then)."""
         self.cost = config.cost
@@ -326,6 +330,8 @@ class EpochPlanner:
             url = cursor.order[cursor.shard]
             if cursor.samples is None:
                 start = cursor.cursor if cursor.cursor["samples"] else None
+                if start is None:
+                    self.on_shard(url)
                 cursor.samples = iter(self.source.iter_shard(url, self._problem, start))
             for sample in cursor.samples:
                 cursor.cursor = {"samples": cursor.cursor["samples"] + 1, "offset": sample.get(NEXT_OFFSET)}

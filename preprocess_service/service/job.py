@@ -33,7 +33,7 @@ from disttrain_api.errors import (
     SampleError,
     ServiceUnavailableError,
 )
-from preprocess_service.adapters import metrics, shards, text_tokenizers
+from preprocess_service.adapters import img2dataset, metrics, shards, sources, text_tokenizers
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded
 from preprocess_service.adapters.samples import classify_members, parse_document
@@ -64,6 +64,13 @@ def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[list[
                                   "a shard belongs to one dataset")
         out.append(urls)
     return out
+
+
+def download_failures(url: str) -> list[SampleError]:
+    """The rows img2dataset failed to download for a local shard (its parquet), as download_failed
+    problems: reported once per shard and epoch, never in the tar, counted toward no tolerance."""
+    manifest = img2dataset.read_manifest(url) if sources.parse(url).is_local else None
+    return img2dataset.failed_rows_as_errors(manifest, url) if manifest is not None else []
 
 
 def job_tokenizer(spec: str, policy) -> Tokenizer:
@@ -150,7 +157,7 @@ class Job:
         """Planner states before every ``snapshot_every``-th step, from the newest one at or before
         the acknowledged step: what ``state_dict()`` resumes from."""
         self.planner = EpochPlanner(config, self.dataset_urls, reader, self._parse, self._record_skip,
-                                    keep_media=self._keep_media)
+                                    keep_media=self._keep_media, on_shard=self._shard_started)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
         self._sent_through: dict[int, int] = defaultdict(lambda: -1)  # rank -> last step fully sent
@@ -224,6 +231,10 @@ class Job:
             metrics.HELD_PLANS.labels(self.job_id).set(len(self._plans))
             self.num_planned_samples += sum(1 for _ in plan.documents())
             self._release_through(self._next_step - 1 - self.retain_steps)
+
+    def _shard_started(self, url: str) -> None:
+        for problem in download_failures(url):
+            self._record_skip(problem)
 
     def _parse(self, sample: dict):
         """A Document of ``sample`` with the settings of the dataset its shard belongs to."""

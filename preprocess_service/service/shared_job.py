@@ -58,7 +58,7 @@ from preprocess_service.core.feedback import (
 )
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
-from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance
+from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance, download_failures
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class SharedJob(Job):
                 if planner is None:
                     planner = EpochPlanner(self.config, self.dataset_urls, self.reader, self._parse,
                                            self._planning_skip,
-                                           keep_media=lambda doc: False)  # served from re-read samples: hold no bytes
+                                           keep_media=lambda doc: False,  # served from re-read samples: hold no bytes
+                                           on_shard=self._shard_started)
                     state = self.store.resume_state(self.job_id, stop=stop)
                     if state is not None:
                         planner.load_state_dict(json.loads(state))
@@ -261,6 +262,10 @@ class SharedJob(Job):
     def _share_skips(self, records: list[SkippedRecord]) -> None:
         """Decode failures found while serving go to Redis, so every replica's report has them."""
         self.store.record_skipped(self.job_id, {r.record_id: _record_json(r) for r in records}, stop=self._closed)
+
+    def _shard_started(self, url: str) -> None:
+        for problem in download_failures(url):
+            self._planning_skip(problem)
 
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
         if sample is None:

@@ -422,7 +422,7 @@ def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy
         return
     got.abandon(None)
     cache.count("bypass")
-    if remote.size is not None and remote.size > cache.max_bytes:
+    if remote.size is not None and remote.size > cache.max_bytes > 0:
         log.warning("shard %s (%d bytes) is larger than the shard cache (%d bytes, shard_cache_bytes): streamed "
                     "uncached, and fetched again by every read", url, remote.size, cache.max_bytes)
     if start or remote.position:

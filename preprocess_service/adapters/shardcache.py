@@ -254,7 +254,7 @@ class ShardCache:
             lock_fd = os.open(os.path.join(directory, ".lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._dir = directory
-            self._finalizer = weakref.finalize(self, _remove_directory, directory, lock_fd)
+            self._finalizer = weakref.finalize(self, _remove_directory, directory, lock_fd, os.getpid())
         return self._dir
 
     @property
@@ -280,8 +280,9 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _remove_directory(directory: str, lock_fd: int) -> None:
-    shutil.rmtree(directory, ignore_errors=True)
+def _remove_directory(directory: str, lock_fd: int, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:  # not a forked child exiting: the directory is its parent's
+        shutil.rmtree(directory, ignore_errors=True)
     os.close(lock_fd)
 
 

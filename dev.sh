@@ -38,13 +38,17 @@ PY
 }
 
 ensure_redis() {
-    # The tests start their own redis-server (Debian package) on free ports; the single-node run needs none.
-    command -v redis-server >/dev/null && return 0
-    echo "[setup] installing redis-server (Debian package, for the multi-replica tests)" >&2
+    # The tests start their own redis-server and nginx (Debian packages) on free ports: the multi-replica
+    # tests and the remote-shard tests (tests/webservers.py); the single-node run needs neither.
+    local missing=()
+    command -v redis-server >/dev/null || missing+=(redis-server)
+    command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || missing+=(nginx-light)
+    [[ ${#missing[@]} -eq 0 ]] && return 0
+    echo "[setup] installing ${missing[*]} (Debian packages, for the multi-replica and remote-shard tests)" >&2
     local sudo=""
     [[ $(id -u) -ne 0 ]] && sudo="sudo"
     $sudo apt-get update -qq >&2
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 }
 
 ensure_compose() {

@@ -27,7 +27,14 @@ happen. Names, with the PromQL a dashboard would use:
 - ``disttrain_step_bubble_fraction{job,source}``: the simulator's predicted idle share of the
   last step sent (``predicted``) and the one the trainer measured and reported (``measured``);
 - ``disttrain_stream_lag_steps{job,rank}``: steps a rank's stream is behind the job's furthest rank;
-- ``disttrain_redis_round_trip_seconds``: histogram of Redis round trips (pipelines, scripts).
+- ``disttrain_redis_round_trip_seconds``: histogram of Redis round trips (pipelines, scripts);
+- ``disttrain_shard_fetched_bytes_total{scheme}``: bytes of remote shards received (http, https,
+  s3, gs), per scheme rather than per URL (100,000 shards would be 100,000 series;
+  ``ShardCache.stats()`` has them per URL);
+- ``disttrain_shard_cache_events_total{event}``: the remote-shard cache's hits, misses, shards
+  streamed uncached (bypass), evictions, retries, resumed and restarted downloads, failed shards
+  (shardcache.py);
+- ``disttrain_shard_cache_bytes``: bytes the cache holds or has reserved for downloads.
 """
 
 from __future__ import annotations
@@ -69,11 +76,19 @@ STREAM_LAG = Gauge("disttrain_stream_lag_steps", "Steps a rank's stream is behin
                    ["job", "rank"])
 REDIS_LATENCY = Histogram("disttrain_redis_round_trip_seconds", "Redis round trips (one pipeline or script)",
                           buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+SHARD_FETCHED_BYTES = Counter("disttrain_shard_fetched_bytes", "Bytes of remote shards received over the "
+                              "network, by scheme", ["scheme"])
+SHARD_CACHE_EVENTS = Counter("disttrain_shard_cache_events", "Remote-shard cache events: hit, miss, bypass (streamed "
+                             "uncached), eviction, retry, resume, restart, failure", ["event"])
+SHARD_CACHE_BYTES = Gauge("disttrain_shard_cache_bytes", "Bytes of remote shards cached on disk or reserved for "
+                          "downloads under way")
 
 for _modality in ("sample", "image", "audio", "generation"):
     ITEMS_SENT.labels(_modality)
 for _queue in ("decode", "send"):
     QUEUE_DEPTH.labels(_queue)
+for _event in ("hit", "miss", "bypass", "eviction", "retry", "resume", "restart", "failure"):
+    SHARD_CACHE_EVENTS.labels(_event)
 
 
 def serve(port: int, host: str = "127.0.0.1", tokens: Sequence[str] = (), *, timeout_s: float = 10.0,

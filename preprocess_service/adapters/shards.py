@@ -2,19 +2,24 @@
 samples by key; plus the seeded shard order and shuffle buffer.
 
 A ``ShardReader`` carries the operator's limits (tarstream.TarLimits, the read timeout, the
-allowed schemes). How each kind of source is opened:
+allowed schemes, the fetch policy) and the server's cache of remote shards. How each kind of
+source is opened:
 
 - local files (the names sources.resolve produced): opened non-blocking and checked to be a
   regular file before any read, so a FIFO, a device or a socket fails that shard at once;
-- http(s): urllib with a socket timeout, following a redirect only to a URL the same policy
-  allows (webdataset's gopen would run ``curl`` in a shell);
-- every other scheme (``pipe:``, ``gs:`` ...) only when the operator lists it in
-  allowed_shard_schemes, through webdataset's gopen.
+- http(s), and s3:// / gs:// when the operator allows them (remote.py): downloaded once into the
+  bounded shard cache (shardcache.py) and then read like a local file, retried and resumed with
+  Range requests after a dropped connection; a shard the cache has no room for is streamed;
+  redirects are followed only to URLs the same policy allows (webdataset's gopen would run
+  ``curl``, ``aws`` or ``gsutil``);
+- every other scheme (``pipe:`` ...) only when the operator lists it in allowed_shard_schemes,
+  through webdataset's gopen.
 
-Every read runs on a reader thread that hands samples over a small queue: when the shard sends
-nothing for ``read_timeout_s`` the consumer reports the shard (``read_timeout``) and goes on, so
-a stuck read never holds a lock, a stream or shutdown. Only tar members are read: the
-NNNNN.parquet and NNNNN_stats.json files img2dataset writes beside each tar are never opened.
+Every read runs on a reader thread that hands samples over a small queue: when the shard shows
+no progress (no sample, no byte downloaded) for ``read_timeout_s`` the consumer reports the
+shard (``read_timeout``) and goes on, so a stuck read never holds a lock, a stream or shutdown.
+Only tar members are read: the NNNNN.parquet and NNNNN_stats.json files img2dataset writes
+beside each tar are never opened.
 """
 
 from __future__ import annotations
@@ -25,22 +30,25 @@ import os
 import queue
 import stat
 import threading
-import urllib.error
-import urllib.request
+import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from disttrain_api.errors import ConfigError, PermissionDenied, SampleError
-from preprocess_service.adapters import sources, tarstream
+from disttrain_api.errors import SampleError
+from preprocess_service.adapters import remote, sources, tarstream
+from preprocess_service.adapters.remote import FetchPolicy, Opened, ShardReadError
+from preprocess_service.adapters.shardcache import ShardCache
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.adapters.tarstream import TarLimits
 
+__all__ = ["DEFAULT_READER", "ProblemSink", "ShardReadError", "ShardReader", "expand_shards", "iter_shard",
+           "open_regular"]
+
 ProblemSink = Callable[[SampleError], None]
 """Called with a SampleError for every sample or shard problem (key empty when none is known)."""
-
-
-class ShardReadError(OSError):
-    """A shard cannot be opened or read (not a regular file, HTTP error, timeout)."""
+Progress = Callable[[], None]
+"""Called by a reader whenever it made progress (the watchdog of ``_watched`` sees it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,71 +58,77 @@ class ShardReader:
     limits: TarLimits = field(default_factory=TarLimits)
     policy: ShardPolicy = field(default_factory=ShardPolicy)
     read_timeout_s: float = 60.0
-    """Seconds a shard may send nothing before it is reported and abandoned."""
+    """Seconds a shard may show no progress before it is reported and abandoned; also the
+    timeout of every socket operation of a remote read."""
+    fetch: FetchPolicy = field(default_factory=FetchPolicy)
+    """Retries, backoff and size bound of remote reads."""
+    cache: ShardCache = field(default_factory=ShardCache, compare=False)
+    """Remote shards on local disk, shared by every job reading through this reader."""
 
     def expand(self, specs: Iterable[str]) -> list[str]:
         """The checked, normalised shard names of a job's specs (sources.resolve)."""
         return [source.url for source in sources.resolve(list(specs), self.policy)]
 
     # --- opening ------------------------------------------------------------------------------
-    def open(self, url: str):
-        """A binary file object for ``url``; ShardReadError when it cannot be opened."""
+    @contextmanager
+    def _opened(self, url: str, progress: Progress, start: int = 0) -> Iterator[Opened]:
+        """``url`` from byte ``start`` (where the source allows it: ``Opened.positioned``)."""
         source = sources.parse(url)
         sources.check(source, self.policy)  # again at open: a plan or a Redis record is data too
         if source.is_local:
-            return open_regular(source.location)
-        if source.scheme in ("http", "https"):
-            return self._open_http(source.location)
-        from webdataset.gopen import gopen  # only schemes the operator enabled get here
+            with open_regular(source.location) as f:
+                f.seek(start)
+                yield Opened(f, source.location)
+        elif source.scheme in remote.SCHEMES:
+            with remote.open_remote(source, cache=self.cache, fetch=self.fetch, policy=self.policy,
+                                    timeout_s=self.read_timeout_s, progress=progress, start=start) as opened:
+                yield opened
+        else:
+            from webdataset.gopen import gopen  # only schemes the operator enabled get here
 
-        return gopen(source.location, "rb")
-
-    def _open_http(self, url: str):
-        opener = urllib.request.build_opener(_CheckedRedirects(self.policy))
-        request = urllib.request.Request(url, headers={"User-Agent": "disttrain-preprocess"})
-        try:
-            return opener.open(request, timeout=self.read_timeout_s)
-        except urllib.error.HTTPError as exc:
-            raise ShardReadError(f"cannot fetch {url}: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ShardReadError(f"cannot fetch {url}: {getattr(exc, 'reason', exc)}") from None
+            with gopen(source.location, "rb") as f:
+                yield Opened(f, None, positioned=False)
 
     # --- reading ------------------------------------------------------------------------------
     def iter_shard(self, url: str, on_problem: ProblemSink, start: dict | None = None) -> Iterator[dict]:
         """Raw samples of one shard (``__key__``, ``__url__``, suffix -> bytes; NEXT_OFFSET where
-        the next sample starts, for a local uncompressed tar). Problems with a sample or the shard
-        go to ``on_problem``; none ends the caller's iteration with an error.
+        the next sample starts, for an uncompressed tar read from a local file, the cache or a
+        remote stream). Problems with a sample or the shard go to ``on_problem``; none ends the
+        caller's iteration with an error.
 
-        ``start`` resumes after the first ``start["samples"]`` samples: a local shard seeks to
-        ``start["offset"]`` (NEXT_OFFSET of the last sample read; -1: nothing is left), any other
-        reads and drops those samples."""
+        ``start`` resumes after the first ``start["samples"]`` samples: the shard is read from
+        ``start["offset"]`` (NEXT_OFFSET of the last sample read; -1: nothing is left) where the
+        source can start there, else those samples are read and dropped."""
         offset = (start or {}).get("offset")
         skip = int((start or {}).get("samples", 0))
-        local = sources.parse(url).is_local
         if offset == -1:
             return
-        if not (local and isinstance(offset, int) and offset >= 0):
+        if not (isinstance(offset, int) and offset >= 0):
             offset = None
 
-        def produce(report: ProblemSink):
-            with self.open(url) as f:
-                if offset is not None:
-                    f.seek(offset)
-                samples = tarstream.iter_samples(f, url, self.limits, report,
-                                                 base_offset=(offset or 0) if local else None)
-                if offset is None and skip:
+        def produce(report: ProblemSink, progress: Progress):
+            with self._opened(url, progress, offset or 0) as opened:
+                positioned = opened.positioned
+                samples = tarstream.iter_samples(opened.file, url, self.limits, report,
+                                                 base_offset=(offset or 0) if positioned else None)
+                if skip and (offset is None or not positioned):
                     samples = itertools.islice(samples, skip, None)
                 yield from samples
 
         yield from self._watched(produce, url, on_problem)
 
-    def _watched(self, produce: Callable[[ProblemSink], Iterator], url: str, on_problem: ProblemSink) -> Iterator:
-        """Runs ``produce`` on a reader thread; gives up after read_timeout_s without an item.
-        Problems the reader reports travel through the same queue, so ``on_problem`` is only
-        ever called on the consumer's thread, in order with the samples."""
+    def _watched(self, produce: Callable[[ProblemSink, Progress], Iterator], url: str,
+                 on_problem: ProblemSink) -> Iterator:
+        """Runs ``produce`` on a reader thread; gives up after read_timeout_s without an item or
+        a progress call. Problems the reader reports travel through the same queue, so
+        ``on_problem`` is only ever called on the consumer's thread, in order with the samples."""
         items: queue.Queue = queue.Queue(maxsize=4)
         quit_ = threading.Event()
         done = object()
+        last_progress = [time.monotonic()]
+
+        def progress() -> None:
+            last_progress[0] = time.monotonic()
 
         def put(item) -> None:
             while not quit_.is_set():
@@ -126,7 +140,7 @@ class ShardReader:
 
         def run():
             try:
-                for item in produce(put):
+                for item in produce(put, progress):
                     put(item)
                     if quit_.is_set():
                         return
@@ -139,11 +153,14 @@ class ShardReader:
         try:
             while True:
                 try:
-                    item = items.get(timeout=self.read_timeout_s)
+                    item = items.get(timeout=min(1.0, self.read_timeout_s))
                 except queue.Empty:
+                    if time.monotonic() - last_progress[0] < self.read_timeout_s:
+                        continue
                     on_problem(SampleError("", f"no data for {self.read_timeout_s:g} s; the shard is abandoned "
                                            "(read_timeout_s)", url, "read_timeout"))
                     return
+                progress()
                 if item is done:
                     return
                 if isinstance(item, SampleError):
@@ -159,59 +176,61 @@ class ShardReader:
             quit_.set()
 
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
-        """The raw samples of ``keys`` in one shard, within read_timeout_s. A local tar is read at the
-        members' offsets (an index of its headers, cached per file version); other URLs are
-        scanned. Keys that cannot be read come back missing: the caller reports them."""
+        """The raw samples of ``keys`` in one shard, within read_timeout_s. A local tar, or a remote
+        one's cached copy, is read at the members' offsets (an index of its headers, cached per
+        file version); other sources are scanned. Keys that cannot be read come back missing:
+        the caller reports them."""
         result: dict[str, dict] = {}
 
-        def produce(report):
-            yield self._read_samples(url, keys)
+        def produce(report, progress):
+            yield self._read_samples(url, keys, progress)
 
         for found in self._watched(produce, url, lambda problem: None):
             result = found
         return result
 
-    def _read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
+    def _read_samples(self, url: str, keys: set[str], progress: Progress) -> dict[str, dict]:
         source = sources.parse(url)
-        if not source.is_local:
+        if not source.is_local and source.scheme not in remote.SCHEMES:
             return {s["__key__"]: s for s in self._scan(url, keys)}
-        sources.check(source, self.policy)
-        with open_regular(source.location) as f:
-            st = os.fstat(f.fileno())
-            index = _tar_index(source.location, st.st_mtime_ns, st.st_size, self.limits)
-            found: dict[str, dict] = {}
-            for key in keys:
-                members = index.get(key)
-                if members is not None:
-                    sample = {"__key__": key, "__url__": url}
-                    for suffix, (offset, size) in members.items():
-                        sample[suffix] = os.pread(f.fileno(), size, offset)
-                    found[key] = sample
-        return found
+        with self._opened(url, progress) as opened:
+            if opened.path is None:  # streamed: the cache had no room for it
+                return {s["__key__"]: s for s in _scan_file(opened.file, url, keys, self.limits)}
+            return _read_indexed(opened.file, opened.path, url, keys, self.limits)
 
     def _scan(self, url: str, keys: set[str]) -> Iterator[dict]:
-        wanted = set(keys)
-        with self.open(url) as f:
-            for sample in tarstream.iter_samples(f, url, self.limits, lambda problem: None):
-                if sample["__key__"] in wanted:
-                    wanted.discard(sample["__key__"])
-                    yield sample
-                    if not wanted:
-                        return
+        """Reads a shard of a program scheme (gopen) front to back for ``keys``."""
+        with self._opened(url, lambda: None) as opened:
+            yield from _scan_file(opened.file, url, keys, self.limits)
 
 
-class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to a URL the shard policy allows."""
+def _read_indexed(f, path: str, url: str, keys: set[str], limits: TarLimits) -> dict[str, dict]:
+    """``keys`` of a local tar by ``pread`` at its members' offsets; a file that is not an
+    uncompressed tar (no index) is scanned instead."""
+    st = os.fstat(f.fileno())
+    index = _tar_index(path, st.st_mtime_ns, st.st_size, limits)
+    if not index and st.st_size:
+        f.seek(0)
+        return {s["__key__"]: s for s in _scan_file(f, url, keys, limits)}
+    found: dict[str, dict] = {}
+    for key in keys:
+        members = index.get(key)
+        if members is not None:
+            sample = {"__key__": key, "__url__": url}
+            for suffix, (offset, size) in members.items():
+                sample[suffix] = os.pread(f.fileno(), size, offset)
+            found[key] = sample
+    return found
 
-    def __init__(self, policy: ShardPolicy):
-        self.policy = policy
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        try:
-            sources.check(sources.parse(newurl), self.policy)
-        except (ConfigError, PermissionDenied) as exc:
-            raise urllib.error.URLError(f"redirect refused: {exc}") from None
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+def _scan_file(f, url: str, keys: set[str], limits: TarLimits) -> Iterator[dict]:
+    wanted = set(keys)
+    for sample in tarstream.iter_samples(f, url, limits, lambda problem: None):
+        if sample["__key__"] in wanted:
+            wanted.discard(sample["__key__"])
+            yield sample
+            if not wanted:
+                return
 
 
 def open_regular(path: str):

@@ -10,8 +10,9 @@ Order of work for every spec (``resolve``), so no check can be bypassed by synta
    followed); URLs get a lower-case scheme and host and may not contain ``..`` segments, raw or
    percent-encoded;
 4. check the scheme against ``ShardPolicy.allowed_schemes`` (default: local files and
-   http(s); ``pipe:`` and every other scheme that runs a program only when the operator lists
-   it) and the normalised location against ``allowed_prefixes`` (empty: any).
+   http(s); object stores (``s3://``, ``gs://``, normalised like URLs with the bucket as the host),
+   ``pipe:`` and every other scheme that runs a program only when the operator lists it) and the
+   normalised location against ``allowed_prefixes`` (empty: any).
 
 Refusals raise ConfigError (malformed: INVALID_ARGUMENT) or PermissionDenied (well-formed but not
 allowed: PERMISSION_DENIED), naming the shard and the rule.
@@ -29,8 +30,11 @@ from disttrain_api.errors import ConfigError, PermissionDenied
 
 LOCAL_SCHEMES = ("file",)
 DEFAULT_SCHEMES = ("file", "http", "https")
-PROGRAM_SCHEMES = ("pipe", "gs", "gsutil", "s3", "ais", "sftp", "scp", "hf", "htgs")
+PROGRAM_SCHEMES = ("pipe", "gsutil", "ais", "sftp", "scp", "hf", "htgs")
 """Schemes webdataset's gopen serves by running a program; refused unless the operator lists them."""
+OBJECT_STORE_SCHEMES = ("s3", "gs")
+"""Object stores, read through fsspec with the server's own credentials (remote.py; the [remote]
+extra); refused unless the operator lists them."""
 MAX_SPEC_CHARS = 4096
 MAX_SPECS = 4096
 MAX_BRACE_GROUPS = 16
@@ -241,7 +245,7 @@ def parse(name: str, spec: str = "") -> Source:
                 raise ConfigError(f"shard {name!r} (from {spec!r}): file URLs must name this host")
             path = unquote(parts.path)
         return Source("file", _local(path, name, spec))
-    if scheme in ("http", "https"):
+    if scheme in ("http", "https") or scheme in OBJECT_STORE_SCHEMES:  # s3://bucket/key: the bucket is the host
         return Source(scheme, _url(name, scheme, spec))
     rest = name[len(scheme) + 1:]
     if _has_dotdot(unquote(rest)):
@@ -286,7 +290,10 @@ def check(source: Source, policy: ShardPolicy, spec: str = "") -> None:
     spec = spec or source.location
     if source.scheme not in policy.allowed_schemes:
         hint = (" it runs a program on the server; the operator can allow it with allowed_shard_schemes"
-                if source.scheme in PROGRAM_SCHEMES else " allowed_shard_schemes does not list it")
+                if source.scheme in PROGRAM_SCHEMES else
+                " it reads an object store with the server's credentials; the operator can allow it with "
+                "allowed_shard_schemes" if source.scheme in OBJECT_STORE_SCHEMES else
+                " allowed_shard_schemes does not list it")
         raise PermissionDenied(f"shard {source.location!r} (from {spec!r}) uses scheme {source.scheme!r}, which this "
                                f"service does not read ({', '.join(policy.allowed_schemes)}):{hint}")
     if not policy.allowed_prefixes:

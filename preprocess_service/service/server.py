@@ -36,6 +36,8 @@ from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service.adapters import metrics, procmem, sources
 from preprocess_service.adapters.budget import MemoryBudget, default_budget_bytes
 from preprocess_service.adapters.decode import DecodePool, InlineDecoder
+from preprocess_service.adapters.remote import FetchPolicy
+from preprocess_service.adapters.shardcache import DEFAULT_CACHE_BYTES, ShardCache
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.adapters.tarstream import TarLimits
@@ -108,12 +110,28 @@ class Limits:
     embedded in a process that holds other things)."""
     stream_stall_timeout_s: float = 300.0
     """A stream whose client takes no message for this long is cancelled (its memory freed)."""
+    shard_cache_bytes: int = DEFAULT_CACHE_BYTES
+    """Bytes of remote shards kept on local disk (shardcache.py); 0: none (each read streams)."""
+    shard_cache_dir: str | None = None
+    """Where the server makes its cache directory (removed at exit); None: the system's temp dir."""
+    shard_fetch_retries: int = 5
+    """Failed attempts in a row without a byte before a remote shard is reported failed."""
+    shard_fetch_backoff_s: float = 0.5
+    """Wait before the first retry of a remote read, doubled for each next one (at most 8 s)."""
+    shard_fetch_retry_window_s: float = 60.0
+    """Seconds without a byte from a remote shard after which it is not retried any more."""
+    max_shard_bytes: int = 16 << 30
+    """Largest remote shard read (its announced size, or the bytes counted when none is)."""
 
     def shard_reader(self) -> ShardReader:
+        """A reader with these limits and a new cache of remote shards: make one per server."""
         policy = ShardPolicy(allowed_schemes=self.allowed_shard_schemes, allowed_prefixes=self.allowed_shard_prefixes,
                              max_shards=self.max_shards)
         tar_limits = TarLimits(max_member_bytes=self.max_member_bytes, max_sample_bytes=self.max_sample_bytes)
-        return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=self.shard_read_timeout_s)
+        fetch = FetchPolicy(retries=self.shard_fetch_retries, backoff_s=self.shard_fetch_backoff_s,
+                            retry_window_s=self.shard_fetch_retry_window_s, max_shard_bytes=self.max_shard_bytes)
+        return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=self.shard_read_timeout_s, fetch=fetch,
+                           cache=ShardCache(self.shard_cache_bytes, self.shard_cache_dir))
 
 
 MAX_TIMINGS_PER_REPORT = 65_536
@@ -137,12 +155,13 @@ def check_timings(request) -> None:
 
 class PreprocessServicer(pb_grpc.PreprocessServicer):
     def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None, limits: Limits = Limits(),
-                 authenticated: bool = False):
+                 authenticated: bool = False, reader: ShardReader | None = None):
         self.jobs = jobs or JobRegistry()
         self.limits = limits
         self.authenticated = authenticated
         """Token auth is on: a client's identity is its token, and a job belongs to the one that opened it."""
-        self.reader = limits.shard_reader()
+        self.reader = reader or limits.shard_reader()
+        """Shared by every job of this server (and its cache of remote shards)."""
         self.budget = self.jobs.budget
         self.streams = StreamLimiter(limits.max_streams_per_client)
         self.watchdog = StallWatchdog(limits.stream_stall_timeout_s)
@@ -447,6 +466,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
     metrics.watch_budget(budget)
     jobs = JobRegistry(budget, state_dir=state_dir)
+    reader = limits.shard_reader()
     if redis_url:
         import os
         import socket
@@ -456,7 +476,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
 
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
-                                 f"{os.getpid()}", reader=limits.shard_reader(), budget=budget, **(job_options or {}))
+                                 f"{os.getpid()}", reader=reader, budget=budget, **(job_options or {}))
     if limits.warm_up:
         ours.warm_up()
     wire.tune_malloc()
@@ -475,7 +495,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                          interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
     servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits,
-                                  authenticated=bool(auth_tokens))
+                                  authenticated=bool(auth_tokens), reader=reader)
     threading.Thread(target=_housekeeping, args=(jobs, limits.job_idle_ttl_s, reaper_stop), daemon=True,
                      name="housekeeping").start()
     _add_servicer(servicer, server)
@@ -508,6 +528,7 @@ class Service:
         self._background_stop.set()
         self._servicer.watchdog.close()
         self._jobs.close()
+        self._servicer.reader.cache.close()
         threading.Thread(target=lambda: (stopped.wait(), self._decoder.close(), done.set()), daemon=True).start()
         return done
 

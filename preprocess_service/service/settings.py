@@ -85,7 +85,21 @@ class ServiceSettings:
                                  "larger member skips its sample)", 64 << 20)
     max_sample_bytes: int = _doc("largest sum of one sample's tar members, bytes", 128 << 20)
     shard_read_timeout_s: float = _doc("seconds a shard may send nothing before it is reported and abandoned "
-                                       "(the job goes on)", 60.0)
+                                       "(the job goes on); also the timeout of every socket read of a remote shard",
+                                       60.0)
+    shard_cache_bytes: int = _doc("bytes of remote shards (http, https, s3, gs) kept on local disk, so each is "
+                                  "downloaded once and re-read locally; least recently used shards not being read "
+                                  "are evicted; a shard larger than this is streamed uncached; 0: no cache", 8 << 30)
+    shard_cache_dir: str | None = _doc("directory under which the server makes its shard cache directory, removed "
+                                       "when it exits (unset: the system's temp dir, $TMPDIR or /tmp)")
+    shard_fetch_retries: int = _doc("failed attempts in a row (no byte received) before a remote shard is reported "
+                                    "failed and the job goes on without it", 5)
+    shard_fetch_backoff_s: float = _doc("seconds before the first retry of a remote shard, doubled for each next "
+                                        "one (at most 8 s); a dropped download resumes with a Range request", 0.5)
+    shard_fetch_retry_window_s: float = _doc("seconds without a byte from a remote shard after which it is not "
+                                             "retried any more", 60.0)
+    max_shard_bytes: int = _doc("largest remote shard read, bytes (its Content-Length or object size; counted when "
+                                "the server gives none)", 16 << 30)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -98,7 +112,7 @@ class ServiceSettings:
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
         for name in ("prefetch", "max_workers", "max_shards", "max_member_bytes", "max_sample_bytes", "max_seq_len",
-                     "max_microbatch_bytes"):
+                     "max_microbatch_bytes", "max_shard_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -114,6 +128,12 @@ class ServiceSettings:
             raise ConfigError(f"job_idle_ttl_s must be in [1, 2592000], got {self.job_idle_ttl_s}")
         if not 0 < self.shard_read_timeout_s <= 3600:
             raise ConfigError(f"shard_read_timeout_s must be in (0, 3600], got {self.shard_read_timeout_s}")
+        if self.shard_cache_bytes < 0 or not 0 <= self.shard_fetch_retries <= 100:
+            raise ConfigError(f"shard_cache_bytes must be >= 0 and shard_fetch_retries in [0, 100], got "
+                              f"{self.shard_cache_bytes} and {self.shard_fetch_retries}")
+        if not 0 <= self.shard_fetch_backoff_s <= 60 or not 0 < self.shard_fetch_retry_window_s <= 3600:
+            raise ConfigError(f"shard_fetch_backoff_s must be in [0, 60] and shard_fetch_retry_window_s in (0, 3600], "
+                              f"got {self.shard_fetch_backoff_s} and {self.shard_fetch_retry_window_s}")
         if self.max_sample_bytes < self.max_member_bytes:
             raise ConfigError(f"max_sample_bytes ({self.max_sample_bytes}) is below max_member_bytes "
                               f"({self.max_member_bytes})")

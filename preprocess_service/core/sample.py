@@ -1,7 +1,7 @@
 """The document model: a sample accepted for planning, as segments whose sizes are final.
 
 A document is a sequence of segments laid out as ``[BOS] segment ... segment [EOS]``:
-  text   token ids
+  text   token ids, trained (the text loss) or only read (a conversation's user turns, role headers)
   image  pixels for the encoder at a planned (dynamic) resolution
   audio  log-mel frames for the audio encoder
   gen    an image the generator must produce: query tokens in the sequence, pixels at a fixed size

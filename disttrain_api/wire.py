@@ -39,6 +39,20 @@ def from_tensor(tensor: pb.Tensor) -> np.ndarray:
     return array.reshape(tuple(tensor.shape))
 
 
+IGNORE_INDEX = -100
+"""Label of a position the text loss ignores (torch's cross_entropy default ignore_index)."""
+
+
+def derive_labels(tokens: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """int64 [S, L] next-token labels of a microbatch: ``tokens`` shifted left by one, IGNORE_INDEX
+    where ``loss_mask`` is 0 (and in the last column). The service sends only the uint8 mask."""
+    if tokens.shape != loss_mask.shape or tokens.ndim != 2:
+        raise ValueError(f"tokens {list(tokens.shape)} and loss_mask {list(loss_mask.shape)} must both be [S, L]")
+    labels = np.full(tokens.shape, IGNORE_INDEX, dtype=np.int64)
+    labels[:, :-1] = np.where(loss_mask[:, :-1] != 0, tokens[:, 1:], IGNORE_INDEX)
+    return labels
+
+
 # --- Microbatch messages without per-tensor copies ------------------------------------------------
 # A Microbatch is mostly a few large Tensor.data fields. Building it through protobuf copies every
 # payload into the message and again into the serialized string (and parsing copies it back out),

@@ -153,10 +153,15 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
             first = ack.first_step_priced
             for rank, client in clients.items():
                 read_through(client, received[rank], first + 1)
-            # the same microbatches measured 3x slower: the fit moves again
+            # the same microbatches measured 3x slower: the fit moves again. It minimises relative error
+            # over 8 timings at 1x and 4 at 3x, about 1.1x on the backbone overall; how it splits that
+            # between the linear and quadratic terms depends on the data, so the check is on the time.
             second = report(clients[0], 0, range(4), scale=3.0)
             assert second.num_observations == 12
-            assert second.cost.bb_linear_s > 1.2 * TRUE.bb_linear_s
+            moved = CostConfig(**{f.name: getattr(second.cost, f.name) for f in dataclasses.fields(CostConfig)})
+            reported = [microbatch_features(reference.step_plan(step).microbatch(0, 0)) for step in range(4)]
+            backbone_s = [sum(_measured(f, cost)[1] for f in reported) for cost in (TRUE, moved)]
+            assert backbone_s[1] > 1.05 * backbone_s[0], backbone_s
             assert first + 3 <= second.first_step_priced < num_steps - 5
             for rank, client in clients.items():
                 read_through(client, received[rank], second.first_step_priced + 1)

@@ -9,7 +9,7 @@ from disttrain_api.config import JobConfig
 from preprocess_service.adapters import synth
 from preprocess_service.service.server import create_server
 from trainer import DataClient
-from trainer.models.backbone import Backbone, lm_targets, spans_index, stage_layers
+from trainer.models.backbone import Backbone, spans_index, stage_layers
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel, step_loss
 
@@ -61,16 +61,17 @@ def test_attention_is_causal_and_stays_inside_each_document(microbatches):
     assert not torch.allclose(after[b - 1], base[b - 1])
 
 
-def test_lm_targets_are_next_text_tokens_of_the_same_document(microbatches):
+def test_labels_are_next_text_tokens_of_the_same_document(microbatches):
     mb = microbatches[0]
-    targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens).reshape(-1)
+    labels = mb.labels.reshape(-1)
     tokens, modality = mb.tokens.reshape(-1), mb.modality.reshape(-1)
-    valid = (targets != -100).nonzero().flatten()
-    assert len(valid) > 0
-    assert torch.equal(targets[valid], tokens[valid + 1].long())
-    assert bool((modality[valid + 1] == 1).all())
+    valid = (labels != -100).nonzero().flatten()
+    assert len(valid) > 0 and labels.dtype == torch.int64
+    assert torch.equal(labels[valid], tokens[valid + 1].long())
+    assert bool((modality[valid + 1] == 1).all()), "no label on a placeholder or padding"
     for boundary in mb.cu_seqlens.tolist()[1:-1]:
-        assert targets[boundary - 1] == -100, "no target across a document boundary"
+        assert labels[boundary - 1] == -100, "no label across a document boundary"
+    assert torch.equal(mb.labels != -100, mb.loss_mask.bool())
 
 
 def test_stage_layers_cut_the_blocks_evenly():

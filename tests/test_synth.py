@@ -1,5 +1,5 @@
 """Tests for preprocess_service.adapters.synth: layout, metadata consistency, determinism, skew, corrupt shard,
-audio / interleaved / generation samples."""
+audio / interleaved / generation / conversation samples."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ import pytest
 import soundfile
 from PIL import Image
 
+from disttrain_api.config import ImageConfig
 from preprocess_service.adapters import synth
+from preprocess_service.adapters.samples import parse_document
+from preprocess_service.core.sample import TextSegment
+from preprocess_service.core.tokenizer import ByteTokenizer
 
 MEMBER = re.compile(r"^(\d{5})(\d{4})\.(?:(\d+)\.)?(jpg|png|webp|flac|wav|mp3|ogg|txt|json)$")
 IMAGE_EXTS = ("jpg", "png", "webp")
@@ -78,6 +82,8 @@ def test_member_names_encode_shard_and_index(dataset):
 def sample_kind(meta: dict) -> str:
     if meta.get("kind") == "text":
         return "text"
+    if "conversations" in meta:
+        return "conversation"
     if "generate" in meta:
         return "generate"
     if "order" in meta:
@@ -88,6 +94,8 @@ def sample_kind(meta: dict) -> str:
 def check_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
     if sample_kind(meta) == "plain":
         check_plain_sample(key, members, meta)
+    elif sample_kind(meta) == "conversation":
+        check_conversation_sample(key, members, meta)
     else:
         check_mixed_sample(key, members, meta)
 
@@ -111,6 +119,23 @@ def check_plain_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
     else:
         assert "images" not in meta
     assert not {"num_audio", "duration", "durations", "sample_rate", "order", "generate"} & set(meta)
+
+
+def check_conversation_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
+    """One image, no text member; 2-4 turns alternating human and gpt (after an optional system
+    turn), the first question placing the image; parsed, only the answers are trained."""
+    assert sorted(members) == sorted([next(ext for ext in IMAGE_EXTS if ext in members), "json"])
+    turns = meta["conversations"]
+    roles = [t["from"] for t in turns]
+    assert 2 <= len(turns) <= 4 and roles in (["human", "gpt"], ["system", "human", "gpt"], ["human", "gpt"] * 2)
+    questions = [t["value"] for t in turns if t["from"] == "human"]
+    assert questions[0].startswith("<image>\n") and all("<image>" not in q for q in questions[1:])
+    answers = [t["value"] for t in turns if t["from"] == "gpt"]
+    assert meta["caption"] == answers[0] and meta["num_images"] == 1 and meta["key"] == key
+    doc = parse_document({"__key__": key, **members}, image_config=ImageConfig(), tokenizer=ByteTokenizer(),
+                         seq_len=4096)
+    trained = [ByteTokenizer().decode(s.ids) for s in doc.segments if isinstance(s, TextSegment) and s.trainable]
+    assert trained == answers and doc.trains_eos
 
 
 def by_modality(members: dict[str, bytes]) -> dict[str, list[str]]:
@@ -236,6 +261,7 @@ def test_sample_kinds(dataset, all_metas):
     shares = {kind: kinds.count(kind) / len(kinds) for kind in synth.SAMPLE_KINDS}
     assert 0.05 <= shares["audio"] <= 0.16
     assert 0.02 <= shares["interleaved"] <= 0.10 and 0.02 <= shares["generate"] <= 0.10
+    assert 0.005 <= shares["conversation"] <= 0.07
     audio = [m for m in all_metas if sample_kind(m) == "audio"]
     assert {m["num_images"] for m in audio} == {0, 1} and {m["num_audio"] for m in audio} == {1, 2}
     assert {len(m["generate"]) == m["num_images"] for m in all_metas if "generate" in m} == {True, False}

@@ -57,7 +57,12 @@ class Microbatch:
     """int32 [S, L]"""
     position_ids: torch.Tensor
     modality: torch.Tensor
-    """uint8 [S, L]: 0 padding, 1 text, 2 image"""
+    """uint8 [S, L]: 0 padding, 1 text, 2 image, 3 audio, 4 query token of an image to generate"""
+    loss_mask: torch.Tensor
+    """uint8 [S, L]: 1 where position i is trained to predict tokens[s, i + 1] (the .proto says when)"""
+    labels: torch.Tensor
+    """int64 [S, L]: tokens shifted left by one, -100 (cross_entropy's ignore_index) where loss_mask
+    is 0; derived here, not sent"""
     cu_seqlens: torch.Tensor
     """int32 [G+1], segment boundaries in the flattened S*L tokens"""
     segment_doc: torch.Tensor
@@ -81,8 +86,8 @@ class Microbatch:
     nbytes: int = 0
     """Payload bytes on the wire."""
 
-    TENSORS = ("tokens", "position_ids", "modality", "cu_seqlens", "segment_doc", "image_spans", "audio_spans",
-               "gen_spans", "gen_images")
+    TENSORS = ("tokens", "position_ids", "modality", "loss_mask", "labels", "cu_seqlens", "segment_doc",
+               "image_spans", "audio_spans", "gen_spans", "gen_images")
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> Microbatch:
         """This microbatch with every tensor on ``device``; from pinned memory (DataClient's
@@ -99,11 +104,16 @@ def to_microbatch(raw: bytes) -> Microbatch:
 
 
 def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], pin: bool = False) -> Microbatch:
+    missing = [name for name in _RECEIVED if name not in arrays]
+    if missing:
+        raise ValueError(f"the microbatch lacks the tensors {missing} (is the service older than this client?)")
     tensors = {name: _own(a, pin) for name, a in arrays.items()}
+    labels = wire.derive_labels(arrays["tokens"], arrays["loss_mask"])
     return Microbatch(
         step=message.step, epoch=message.epoch, microbatch_index=message.microbatch_index,
         num_microbatches=message.num_microbatches, tokens=tensors["tokens"],
-        position_ids=tensors["position_ids"], modality=tensors["modality"], cu_seqlens=tensors["cu_seqlens"],
+        position_ids=tensors["position_ids"], modality=tensors["modality"], loss_mask=tensors["loss_mask"],
+        labels=_own(labels, pin) if pin else torch.from_numpy(labels), cu_seqlens=tensors["cu_seqlens"],
         segment_doc=tensors["segment_doc"], image_spans=tensors["image_spans"],
         images=_split(tensors["pixels"], arrays["image_shapes"].tolist()),
         audio_spans=tensors["audio_spans"],
@@ -114,6 +124,10 @@ def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], pin: b
         sample_datasets=list(message.sample_datasets),
         nbytes=sum(a.nbytes for a in arrays.values()),
     )
+
+
+_RECEIVED = ("tokens", "position_ids", "modality", "loss_mask", "cu_seqlens", "segment_doc", "image_spans",
+             "image_shapes", "pixels", "audio_spans", "audio_frames", "mel", "gen_spans", "gen_pixels")
 
 
 def _own(array: np.ndarray, pin: bool) -> torch.Tensor:

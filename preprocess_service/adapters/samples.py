@@ -15,7 +15,9 @@ texts, each by member index (``jpg`` before ``1.jpg`` before ``2.png``): media f
 captioning. An image is a generation target when the job's generation.select is "all", or it is
 "listed" and the JSON's ``"generate"`` names the member. Audio clips are priced from the JSON's
 ``"durations"`` (seconds, one per clip in member order) or ``"duration"`` (the first clip), else
-from the file header.
+from the file header. Every text is trained (text loss) except in a sample whose JSON holds a
+conversation (conversations.py: LLaVA ``"conversations"`` or OpenAI ``"messages"``), whose text is
+the conversation, one segment per role header and turn, only the assistant's turns trained.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import re
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
 from preprocess_service.adapters import audio, imaging
-from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
+from preprocess_service.adapters.conversations import ImageSlot, TextPiece, parse_conversation
+from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, Segment, TextSegment
 from preprocess_service.core.tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -62,24 +65,20 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
     try:
         meta = _parse_json(sample.get("json"))
         kinds = classify_members(sample)
-        order = _segment_order(meta, kinds)
         generate = _generation_targets(meta, kinds, generation)
         durations = _json_durations(meta, [m for m in _default_order(kinds) if kinds[m] == "audio"])
-        segments, texts = [], []
-        for member in order:
-            kind = kinds[member]
-            if kind == "text":
-                texts.append((len(segments), member, _decode_text(sample[member], member)))
+        segments: list[Segment | None] = []
+        texts: list[tuple[int, TextPiece]] = []
+        for part in _parts(sample, meta, kinds):
+            if isinstance(part, TextPiece):
+                texts.append((len(segments), part))
                 segments.append(None)
-            elif member in generate:
-                segments.append(_gen_ref(member, sample[member], image_config, generation))
-            elif kind == "image":
-                segments.append(_image_ref(member, sample[member], image_config))
+            elif part in generate:
+                segments.append(_gen_ref(part, sample[part], image_config, generation))
+            elif kinds[part] == "image":
+                segments.append(_image_ref(part, sample[part], image_config))
             else:
-                segments.append(_audio_ref(member, sample[member], durations.get(member), audio_config))
-        if not texts and isinstance(meta.get("caption"), str) and meta["caption"]:
-            texts.append((len(segments), CAPTION_MEMBER, meta["caption"]))
-            segments.append(None)
+                segments.append(_audio_ref(part, sample[part], durations.get(part), audio_config))
     except SampleError as exc:
         raise SampleError(key, exc.reason, shard, exc.kind) from None
     if not segments:
@@ -89,16 +88,60 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
     if room < 0:
         raise SampleError(key, f"needs {media_tokens + 2} tokens for its media alone, "
                                f"more than seq_len {seq_len}", shard, "too_long")
-    truncated = False
-    for index, member, text in texts:
-        limit = seq_len * TEXT_CHARS_PER_TOKEN
-        truncated = truncated or len(text) > limit
-        ids = tokenizer.encode(text[:limit])
+    truncated = _tokenize_into(segments, texts, tokenizer, room, seq_len * TEXT_CHARS_PER_TOKEN)
+    done = [s for s in segments if s is not None]
+    media = {s.member: sample[s.member] for s in done if not isinstance(s, TextSegment)}
+    return Document(key=key, shard=shard, segments=tuple(done), truncated=truncated, media_bytes=media)
+
+
+def _parts(sample: dict, meta: dict, kinds: dict[str, str]) -> list[TextPiece | str]:
+    """The document's content in order: media member names and text pieces.
+
+    A sample with a conversation (conversations.py) is its media not placed by an ``<image>``
+    marker (default order), then the conversation, each marker taking the next image in member
+    order; its text members and JSON caption are not used (the conversation is its text).
+    """
+    pieces = parse_conversation(meta)
+    if pieces is None:
+        parts: list[TextPiece | str] = [
+            TextPiece(m, _decode_text(sample[m], m), trainable=True) if kinds[m] == "text" else m
+            for m in _segment_order(meta, kinds)]
+        if not any(isinstance(p, TextPiece) for p in parts) and isinstance(meta.get("caption"), str) \
+                and meta["caption"]:
+            parts.append(TextPiece(CAPTION_MEMBER, meta["caption"], trainable=True))
+        return parts
+    if "order" in meta:
+        raise SampleError("", 'a conversation places its images with <image> markers; JSON "order" cannot be '
+                              "combined with it", kind="invalid_conversation")
+    images = [m for m in _default_order(kinds) if kinds[m] == "image"]
+    num_slots = sum(isinstance(p, ImageSlot) for p in pieces)
+    if num_slots > len(images):
+        raise SampleError("", f"conversation: {num_slots} <image> markers but the sample holds {len(images)} "
+                              f"images {images}", kind="invalid_conversation")
+    placed = iter(images[:num_slots])
+    first = [m for m in _default_order(kinds) if kinds[m] != "text" and m not in images[:num_slots]]
+    return [*first, *(next(placed) if isinstance(p, ImageSlot) else p for p in pieces)]
+
+
+def _tokenize_into(segments: list, texts: list[tuple[int, TextPiece]], tokenizer: Tokenizer, room: int,
+                   max_chars: int) -> bool:
+    """Fills ``segments`` at the texts' indexes with TextSegments, in order, within ``room`` tokens
+    and ``max_chars`` characters in all (more cannot fit); returns whether anything was cut."""
+    cut, budget = [], max_chars
+    for _, piece in texts:
+        cut.append(piece.text[:budget])
+        budget -= len(cut[-1])
+    truncated = sum(len(p.text) for _, p in texts) > max_chars
+    encode_batch = getattr(tokenizer, "encode_batch", None)
+    if encode_batch is not None and len(cut) > 1:
+        encoded = encode_batch(cut)
+    else:
+        encoded = [tokenizer.encode(text) for text in cut]
+    for (index, piece), ids in zip(texts, encoded):
         truncated = truncated or len(ids) > room
-        segments[index] = TextSegment(member=member, ids=ids[:room])
+        segments[index] = TextSegment(member=piece.member, ids=ids[:room], trainable=piece.trainable)
         room -= len(segments[index].ids)
-    media = {s.member: sample[s.member] for s in segments if not isinstance(s, TextSegment)}
-    return Document(key=key, shard=shard, segments=tuple(segments), truncated=truncated, media_bytes=media)
+    return truncated
 
 
 def _segment_order(meta: dict, kinds: dict[str, str]) -> list[str]:

@@ -4,9 +4,14 @@ Every size is known from planning, so ``layout_microbatch`` computes the token a
 each document, where each decoded image, mel and generation target goes in one flat output
 buffer. A decode stage (decode.py) then fills that buffer: workers write straight into their
 slots, so the result is the same whatever order they finish in. A document that fails to decode
-is left out by laying the microbatch out again without it (its tokens become padding) and
-moving the other documents' decoded bytes over (``compact``); it is reported, and the rest of
-the microbatch is unaffected.
+is left out by laying the microbatch out again without it (its tokens become padding, its loss
+mask 0) and moving the other documents' decoded bytes over (``compact``); it is reported, and
+the rest of the microbatch is unaffected.
+
+The text loss's mask is laid out with the tokens: position i is trained to predict token i + 1
+only when that is a trainable text token, or the EOS of a document that trains it
+(Document.trains_eos), of the same document. So nothing predicts a placeholder, BOS or padding,
+and nothing is predicted across a document boundary.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
     tokens = np.full((num_seqs, seq_len), tokenizer.pad_id, dtype=np.int32)
     positions = np.zeros((num_seqs, seq_len), dtype=np.int32)
     modality = np.zeros((num_seqs, seq_len), dtype=np.uint8)
+    loss_mask = np.zeros((num_seqs, seq_len), dtype=np.uint8)
     cu_seqlens, segment_doc, documents = [0], [], []
     keys: list[str] = []
     spans: dict[str, list] = {"image": [], "audio": [], "gen": []}
@@ -104,8 +110,11 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
                 kind = _KIND.get(type(segment))
                 # the segment's type is the one _KIND maps to kind (TextSegment where kind is None)
                 if kind is None:
-                    row[cursor:end] = cast(TextSegment, segment).ids
+                    text = cast(TextSegment, segment)
+                    row[cursor:end] = text.ids
                     modality[s, cursor:end] = MODALITY_TEXT
+                    if text.trainable:  # position i is trained to predict token i + 1
+                        loss_mask[s, cursor - 1:end - 1] = 1
                 else:
                     row[cursor:end] = _placeholder(tokenizer, kind)
                     modality[s, cursor:end] = _MODALITY[kind]
@@ -129,6 +138,7 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
                 cursor = end
             row[cursor] = tokenizer.eos_id
             modality[s, cursor] = MODALITY_TEXT
+            loss_mask[s, cursor - 1] = doc.trains_eos
             positions[s, offset:cursor + 1] = np.arange(cursor + 1 - offset)
             offset = cursor + 1
             cu_seqlens.append(s * seq_len + offset)
@@ -152,7 +162,7 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
         "gen_pixels": (starts["gen"], sizes["gen"], (len(gen_sizes), *(gen_sizes[:1] * 2 or [0, 0]), 3)),
     }
     arrays: dict[str, np.ndarray] = {
-        "tokens": tokens, "position_ids": positions, "modality": modality,
+        "tokens": tokens, "position_ids": positions, "modality": modality, "loss_mask": loss_mask,
         "cu_seqlens": np.array(cu_seqlens, dtype=np.int32), "segment_doc": np.array(segment_doc, dtype=np.int32),
         "image_spans": np.array(spans["image"], dtype=np.int32).reshape(-1, 2),
         "image_shapes": np.array(image_shapes, dtype=np.int32).reshape(-1, 3),

@@ -1,7 +1,7 @@
 """The document model: a sample accepted for planning, as segments whose sizes are final.
 
 A document is a sequence of segments laid out as ``[BOS] segment ... segment [EOS]``:
-  text   token ids
+  text   token ids, trained (the text loss) or only read (a conversation's user turns, role headers)
   image  pixels for the encoder at a planned (dynamic) resolution
   audio  log-mel frames for the audio encoder
   gen    an image the generator must produce: query tokens in the sequence, pixels at a fixed size
@@ -26,6 +26,9 @@ class TextSegment:
     member: str
     ids: np.ndarray
     """int32 token ids, possibly truncated to fit the sequence."""
+    trainable: bool = True
+    """Whether the model learns to predict these tokens (text loss). False for what it only reads:
+    a conversation's role headers and the turns of other roles than the assistant."""
 
     @property
     def tokens(self) -> int:
@@ -115,3 +118,11 @@ class Document:
     @property
     def num_tokens(self) -> int:
         return 2 + sum(s.tokens for s in self.segments)
+
+    @property
+    def trains_eos(self) -> bool:
+        """Whether the model learns to predict this document's EOS: when its content ends with
+        trainable text (so it learns to stop there) and nothing was cut off (a truncated document's
+        EOS does not end its text)."""
+        last = next((s for s in reversed(self.segments) if s.tokens), None)
+        return not self.truncated and isinstance(last, TextSegment) and last.trainable

@@ -6,7 +6,7 @@ image_spans / audio_spans). The microbatch runs flattened, [S*L, D]; attention i
 each document and never crosses one (segments from cu_seqlens, layers.Attention). The blocks can
 be cut into pipeline stages
 (``stage_layers``); the first stage embeds, the last one normalises and predicts the next text
-token (the LM loss is computed from the logits and the batch, see ``lm_loss``).
+token (the LM loss is computed from the logits and the service's labels, see ``lm_loss``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from trainer.models.config import ModelConfig
 from trainer.models.layers import Block
 
-TEXT = 1
+IGNORE_INDEX = -100
 
 
 def spans_index(spans: torch.Tensor) -> torch.Tensor:
@@ -65,23 +65,11 @@ def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def lm_targets(tokens: torch.Tensor, modality: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int64 [S, L] next-token targets: the next token where it is text in the same document, else
-    -100. Flatten it to match the logits."""
-    num_seqs, seq_len = tokens.shape
-    segment = torch.bucketize(torch.arange(num_seqs * seq_len, device=tokens.device),
-                              cu_seqlens[1:].long().to(tokens.device), right=True)
-    segment = segment.reshape(num_seqs, seq_len)
-    targets = torch.full((num_seqs, seq_len), -100, dtype=torch.long, device=tokens.device)
-    ok = (modality[:, 1:] == TEXT) & (segment[:, 1:] == segment[:, :-1])
-    targets[:, :-1] = torch.where(ok, tokens[:, 1:].long(), torch.full_like(targets[:, :-1], -100))
-    return targets
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(summed cross-entropy over the target positions, their count): sums, so microbatches and
-    ranks add up to the mean over all the tokens of a step."""
-    count = int((targets != -100).sum())
-    loss = F.cross_entropy(logits.float(), targets.reshape(-1),
-                           ignore_index=-100, reduction="sum")
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(summed cross-entropy over the trained positions, their count): sums, so microbatches and
+    ranks add up to the mean over all the trained tokens of a step. ``labels`` is the microbatch's
+    (the service's loss mask applied: -100 on placeholders, padding, across documents and on
+    untrained text such as a conversation's user turns)."""
+    count = int((labels != IGNORE_INDEX).sum())
+    loss = F.cross_entropy(logits.float(), labels.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, count

@@ -1,10 +1,12 @@
 """The whole multimodal model in one process: the single-process reference the disaggregated
 pipeline must match, and the definition of the loss. No distributed code.
 
-loss of a step = (sum of LM cross-entropy over every text target) / (number of text targets)
+loss of a step = (sum of LM cross-entropy over every trained text token) / (their number)
                + gen_loss_weight * (sum of noise-prediction MSE over every image to generate) / (their number)
 Microbatches return sums and counts, so however a step is cut into microbatches, ranks and
-pipeline stages, the loss and its gradients are the same.
+pipeline stages, the loss and its gradients are the same. Which text tokens are trained is the
+service's decision (``mb.labels``, from its loss mask): never placeholders, padding or the first
+token of another document, and in a conversation only the assistant's turns.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.models.backbone import Backbone, lm_loss, lm_targets, spans_index
+from trainer.models.backbone import Backbone, lm_loss, spans_index
 from trainer.models.config import ModelConfig
 from trainer.models.encoder import AudioEncoder, ImageEncoder
 from trainer.models.generator import DiffusionGenerator
@@ -61,7 +63,7 @@ class MultimodalModel(nn.Module):
         x = self.backbone.embed_inputs(mb.tokens, mb.position_ids, self.encode(mb), media_index(mb))
         x = self.backbone.run_blocks(x, cu, 0, self.config.layers)
         hidden, logits = self.backbone.logits(x)
-        lm_sum, lm_count = lm_loss(logits, lm_targets(mb.tokens, mb.modality, mb.cu_seqlens))
+        lm_sum, lm_count = lm_loss(logits, mb.labels)
         num_gen = mb.gen_spans.shape[0]
         queries = hidden[spans_index(mb.gen_spans)].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
         gen_sum = self.generator.loss(queries, mb.gen_images, noise)

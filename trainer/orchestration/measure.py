@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from disttrain_api.config import CostConfig, JobConfig
-from trainer.models.backbone import lm_loss, lm_targets, spans_index
+from trainer.models.backbone import lm_loss, spans_index
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel, media_index
 from trainer.orchestration.planner import Problem
@@ -126,11 +126,10 @@ def measure(address: str | list[str], config: JobConfig, model_layers: int, micr
                 _, enc_b = _timed(lambda: media.sum().backward())  # noqa: B023
             bb = model.backbone
             x = bb.embed_inputs(mb.tokens, mb.position_ids, media.detach(), media_index(mb))
-            targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens)
 
             def backbone_loss():
                 return lm_loss(bb.logits(bb.run_blocks(x, mb.cu_seqlens.tolist(), 0, model_layers))[1],  # noqa: B023
-                               targets)[0]  # noqa: B023
+                               mb.labels)[0]  # noqa: B023
             loss, bb_f = _timed(backbone_loss)
             _, bb_b = _timed(loss.backward)
             gen_f = gen_b = 0.0

@@ -6,10 +6,11 @@ Backbone stage 0 of chain d reads chain d's microbatches from the service (DataC
 d), sends each microbatch's images and audio to its encoder replica, receives the encoder's
 output tokens and embeds them at the media spans. The last backbone stage computes the LM loss
 and sends the hidden states at each image-to-generate's query tokens to the generator replica,
-which computes the diffusion loss and sends their gradient back. Losses are scaled by the step's
-global counts (text targets, images to generate), which stage 0 all-reduces over the backbone DP
-ranks at the start of the step and passes down the chain, so summed gradients equal those of
-the single-process reference (mllm.step_loss).
+which computes the diffusion loss and sends their gradient back. The LM loss is over the tokens
+the service's labels train (Microbatch.labels, travelling down the chain with the tokens).
+Losses are scaled by the step's global counts (trained text tokens, images to generate), which
+stage 0 all-reduces over the backbone DP ranks at the start of the step and passes down the
+chain, so summed gradients equal those of the single-process reference (mllm.step_loss).
 
 With TP > 1 every rank of a TP group runs the same ops on its shard of the module
 (tensor_parallel.py); only the group's leader (TP rank 0) exchanges tensors with other modules
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain_api.layout import PipelineLayout
-from trainer.models.backbone import lm_loss, lm_targets, spans_index, stage_layers
+from trainer.models.backbone import IGNORE_INDEX, lm_loss, spans_index, stage_layers
 from trainer.models.mllm import MultimodalModel, media_index, microbatch_seed
 from trainer.runtime.p2p import Outbox, recv
 from trainer.runtime.tensor_parallel import SOLO, TPGroup, shard
@@ -218,16 +219,15 @@ class BackboneWorker(Worker):
                                    f"step {mb.step} microbatch {mb.microbatch_index}")
             if self.device.type != "cpu":
                 mb = mb.to(self.device, non_blocking=True)  # from the client's pinned buffers
-            targets = lm_targets(mb.tokens, mb.modality, mb.cu_seqlens)
-            counts += torch.tensor([(targets != -100).sum().item(), mb.gen_spans.shape[0]], dtype=torch.float64,
-                                   device=self.device)
+            trained = (mb.labels != IGNORE_INDEX).sum().item()
+            counts += torch.tensor([trained, mb.gen_spans.shape[0]], dtype=torch.float64, device=self.device)
             if self.local_encoder:
                 self._media[m] = (mb.images, mb.mels)
             else:
                 self._send([torch.tensor([len(mb.images), len(mb.mels), self.dp, m]), *mb.images, *mb.mels],
                            self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media")
             seed = torch.tensor([microbatch_seed(self.seed, step, self.dp, m)])
-            metas.append([mb.tokens, mb.position_ids, mb.modality, mb.cu_seqlens, media_index(mb),
+            metas.append([mb.tokens, mb.position_ids, mb.labels, mb.cu_seqlens, media_index(mb),
                           mb.gen_spans, mb.gen_images, seed, counts])  # counts: filled in below, shared
         dist.all_reduce(counts, group=self.stage0_group)
         for m, meta in enumerate(metas):
@@ -256,7 +256,7 @@ class BackboneWorker(Worker):
         bb = self.model.backbone
         media = None
         if self.first:
-            tokens, positions, modality, cu, index, gen_spans, gen_images, seed, counts = meta
+            tokens, positions, labels, cu, index, gen_spans, gen_images, seed, counts = meta
             if index.numel() and self.local_encoder:
                 images, mels = self._media.pop(m)
                 media = self._timed(lambda: torch.cat([self.model.image_encoder(images),
@@ -268,13 +268,13 @@ class BackboneWorker(Worker):
         else:
             x, *meta = self._recv(self.layout.bb_rank(self.dp, self.stage - 1), "act")
             x.requires_grad_()
-            tokens, positions, modality, cu, index, gen_spans, gen_images, seed, counts = meta
+            tokens, positions, labels, cu, index, gen_spans, gen_images, seed, counts = meta
         y = self._timed(bb.run_blocks, x, cu.tolist(), *self.blocks)
         if not self.last:
             self._send([y, *meta], self.layout.bb_rank(self.dp, self.stage + 1), "act")
             return x, media, [y], None
         hidden, logits = self._timed(bb.logits, y)
-        lm_sum, _ = self._timed(lm_loss, logits, lm_targets(tokens, modality, cu))
+        lm_sum, _ = self._timed(lm_loss, logits, labels)
         scaled = lm_sum / counts[0].clamp(min=1).item()
         self._add_loss(0, scaled.item())
         num_gen = gen_spans.shape[0]

@@ -1,0 +1,118 @@
+"""Conversations in a sample's JSON (instruction data): turns with roles, only the assistant trained.
+
+Two layouts are read:
+  LLaVA   ``{"conversations": [{"from": "human" | "gpt" | "system", "value": "..."}, ...]}``
+  OpenAI  ``{"messages": [{"role": "user" | "assistant" | "system", "content": "..."}, ...]}``
+          (``content`` may also be a list of parts ``{"type": "text", "text": "..."}`` and
+          ``{"type": "image"}``)
+Either role vocabulary is accepted in either layout. A conversation becomes text pieces in turn
+order: a role header (``"USER: "``, ``"ASSISTANT: "``, ``"SYSTEM: "``, after a newline from the
+second turn on) that is never trained, then the turn's content, trained only for the assistant.
+An ``<image>`` marker in a turn's text (or an image part) is an image slot: samples.py puts the
+sample's next image there, in member order. Anything else (an unknown role, a turn that is not an
+object of strings, more than MAX_TURNS turns) is a SampleError of kind ``invalid_conversation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain_api.errors import SampleError
+
+MAX_TURNS = 1024
+"""Longer conversations are refused: instruction data has a few dozen turns at most."""
+IMAGE_MARKER = "<image>"
+HEADERS = {"user": "USER: ", "assistant": "ASSISTANT: ", "system": "SYSTEM: "}
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_LAYOUTS = {"conversations": ("from", "value"), "messages": ("role", "content")}
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    member: str
+    """Pseudo member naming where it came from, e.g. ``json:conversations[1]``."""
+    text: str
+    trainable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSlot:
+    """Where the sample's next image goes."""
+
+
+IMAGE_SLOT = ImageSlot()
+Piece = TextPiece | ImageSlot
+
+
+def parse_conversation(meta: dict) -> list[Piece] | None:
+    """The conversation of a sample's JSON as pieces in order, or None when it holds none."""
+    present = [name for name in _LAYOUTS if name in meta]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise _invalid(f"holds both {present[0]!r} and {present[1]!r}; give one conversation")
+    name = present[0]
+    turns = meta[name]
+    if not isinstance(turns, list) or not turns:
+        raise _invalid(f"{name!r} must be a non-empty list of turns, got {_brief(turns)}")
+    if len(turns) > MAX_TURNS:
+        raise _invalid(f"{name!r} has {len(turns)} turns, more than {MAX_TURNS}")
+    pieces: list[Piece] = []
+    for index, turn in enumerate(turns):
+        member = f"json:{name}[{index}]"
+        role, parts = _turn(turn, name, index)
+        header = ("\n" if index else "") + HEADERS[role]
+        pieces.append(TextPiece(f"{member}:header", header, trainable=False))
+        for part in parts:
+            if isinstance(part, ImageSlot):
+                pieces.append(part)
+            elif part:
+                pieces.append(TextPiece(member, part, trainable=role == "assistant"))
+    return pieces
+
+
+def _turn(turn: object, name: str, index: int) -> tuple[str, list[str | ImageSlot]]:
+    """(role, content as text parts and IMAGE_SLOT markers) of one turn."""
+    role_key, content_key = _LAYOUTS[name]
+    if not isinstance(turn, dict):
+        raise _invalid(f"turn {index} of {name!r} is {_brief(turn)}, expected an object")
+    role = _ROLES.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
+    if role is None:
+        raise _invalid(f"turn {index} of {name!r} has role {_brief(turn.get(role_key))}; "
+                       f"expected one of {sorted(_ROLES)}")
+    content = turn.get(content_key)
+    if isinstance(content, str):
+        return role, _split_markers(content)
+    if isinstance(content, list) and name == "messages":
+        return role, [p for part in content for p in _content_part(part, index)]
+    raise _invalid(f"turn {index} of {name!r} has {content_key} {_brief(content)}, expected a string"
+                   + (" or a list of parts" if name == "messages" else ""))
+
+
+def _content_part(part: object, index: int) -> list[str | ImageSlot]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part, dict) and isinstance(part.get("text"), str):
+        return _split_markers(part["text"])
+    if kind == "image":
+        return [IMAGE_SLOT]
+    raise _invalid(f"turn {index} of 'messages' has a content part {_brief(part)}; expected "
+                   '{"type": "text", "text": "..."} or {"type": "image"}')
+
+
+def _split_markers(text: str) -> list[str | ImageSlot]:
+    """``"a<image>b"`` -> ``["a", IMAGE_SLOT, "b"]``."""
+    out: list[str | ImageSlot] = []
+    for i, chunk in enumerate(text.split(IMAGE_MARKER)):
+        if i:
+            out.append(IMAGE_SLOT)
+        out.append(chunk)
+    return out
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _invalid(reason: str) -> SampleError:
+    return SampleError("", f"conversation: {reason}", kind="invalid_conversation")

@@ -152,3 +152,34 @@ def test_a_shard_in_two_datasets_is_refused(tmp_path):
                                  DatasetConfig(name="b", shards=(str(tmp_path / "00000.tar"),))))
     with pytest.raises(ConfigError, match="is in datasets 'a' and 'b'"):
         Job(config)
+
+
+def test_a_dataset_s_modalities_hide_the_other_members_even_where_the_json_names_them():
+    import io
+
+    import soundfile
+
+    from disttrain_api.config import AudioConfig, GenerationConfig
+    from helpers import jpeg_bytes
+    from preprocess_service.adapters.samples import parse_document
+    from preprocess_service.core.sample import AudioRef, ImageRef, TextSegment
+    from preprocess_service.core.tokenizer import ByteTokenizer
+
+    wav = io.BytesIO()
+    soundfile.write(wav, np.zeros(16000, dtype=np.float32), 16000, format="WAV")
+    sample = {"__key__": "k", "jpg": jpeg_bytes(64, 64), "wav": wav.getvalue(), "txt": b"a caption",
+              "json": json.dumps({"order": ["wav", "txt", "jpg"], "generate": []}).encode()}
+    conversation = {"__key__": "c", "jpg": jpeg_bytes(64, 64), "json": json.dumps({"conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A square."}]}).encode()}
+
+    def parse(raw, kinds):
+        return parse_document(raw, image_config=ImageConfig(), tokenizer=ByteTokenizer(), seq_len=4096,
+                              audio_config=AudioConfig(), generation=GenerationConfig(),
+                              modalities=None if kinds is None else frozenset(kinds))
+
+    assert [type(s) for s in parse(sample, None).segments] == [AudioRef, TextSegment, ImageRef]
+    assert [type(s) for s in parse(sample, ("text", "image")).segments] == [TextSegment, ImageRef]
+    assert [type(s) for s in parse(sample, ("image", "audio")).segments] == [AudioRef, ImageRef]
+    text_only = parse(conversation, ("text",))
+    assert all(isinstance(s, TextSegment) for s in text_only.segments) and text_only.text_tokens > 0
+    assert any(isinstance(s, ImageRef) for s in parse(conversation, None).segments)

@@ -56,8 +56,14 @@ def _default_order(kinds: dict[str, str]) -> list[str]:
 
 def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokenizer, seq_len: int,
                    audio_config: AudioConfig = AudioConfig(),
-                   generation: GenerationConfig = GenerationConfig()) -> Document:
+                   generation: GenerationConfig = GenerationConfig(),
+                   modalities: frozenset[str] | None = None) -> Document:
     """Turns a raw webdataset sample (``__key__``, ``__url__``, ext -> bytes) into a Document.
+
+    ``modalities`` (a dataset's member kinds, DatasetConfig.modalities; None: all) leaves the
+    members of other kinds out as if the sample did not hold them: the JSON's "order" and
+    "generate" may still name them, a conversation's ``<image>`` markers are dropped with the
+    images, and without "text" neither text members, caption nor conversation are used.
 
     Raises SampleError naming the problem for anything that makes the sample unusable.
     """
@@ -65,11 +71,13 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
     try:
         meta = _parse_json(sample.get("json"))
         kinds = classify_members(sample)
+        if modalities is not None:
+            meta, kinds = _only(meta, kinds, modalities)
         generate = _generation_targets(meta, kinds, generation)
         durations = _json_durations(meta, [m for m in _default_order(kinds) if kinds[m] == "audio"])
         segments: list[Segment | None] = []
         texts: list[tuple[int, TextPiece]] = []
-        for part in _parts(sample, meta, kinds):
+        for part in _parts(sample, meta, kinds, image_slots=modalities is None or "image" in modalities):
             if isinstance(part, TextPiece):
                 texts.append((len(segments), part))
                 segments.append(None)
@@ -94,7 +102,21 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
     return Document(key=key, shard=shard, segments=tuple(done), truncated=truncated, media_bytes=media)
 
 
-def _parts(sample: dict, meta: dict, kinds: dict[str, str]) -> list[TextPiece | str]:
+def _only(meta: dict, kinds: dict[str, str], modalities: frozenset[str]) -> tuple[dict, dict[str, str]]:
+    """The metadata and members of a sample as seen by a dataset that uses ``modalities`` only."""
+    kept = {m: k for m, k in kinds.items() if k in modalities}
+    dropped = set(kinds) - set(kept)
+    meta = dict(meta)
+    for field in ("order", "generate"):
+        if isinstance(meta.get(field), list):
+            meta[field] = [m for m in meta[field] if m not in dropped]
+    if "text" not in modalities:
+        for field in ("caption", "conversations", "messages"):
+            meta.pop(field, None)
+    return meta, kept
+
+
+def _parts(sample: dict, meta: dict, kinds: dict[str, str], image_slots: bool = True) -> list[TextPiece | str]:
     """The document's content in order: media member names and text pieces.
 
     A sample with a conversation (conversations.py) is its media not placed by an ``<image>``
@@ -102,6 +124,8 @@ def _parts(sample: dict, meta: dict, kinds: dict[str, str]) -> list[TextPiece | 
     order; its text members and JSON caption are not used (the conversation is its text).
     """
     pieces = parse_conversation(meta)
+    if pieces is not None and not image_slots:
+        pieces = [p for p in pieces if not isinstance(p, ImageSlot)]
     if pieces is None:
         parts: list[TextPiece | str] = [
             TextPiece(m, _decode_text(sample[m], m), trainable=True) if kinds[m] == "text" else m

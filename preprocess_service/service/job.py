@@ -36,7 +36,7 @@ from disttrain_api.errors import (
 from preprocess_service.adapters import img2dataset, metrics, shards, sources, text_tokenizers
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded
-from preprocess_service.adapters.samples import classify_members, parse_document
+from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.core.packing import PackedSequence
@@ -240,12 +240,8 @@ class Job:
         """A Document of ``sample`` with the settings of the dataset its shard belongs to."""
         dataset = self._dataset_of.get(sample.get("__url__", ""), 0)
         modalities, image, generation = self._parse_options[dataset]
-        if modalities is not None:
-            kinds = classify_members(sample)
-            sample = {name: value for name, value in sample.items() if kinds.get(name, "") in modalities
-                      or name not in kinds}
         doc = parse_document(sample, image_config=image, tokenizer=self.tokenizer, seq_len=self.config.seq_len,
-                             audio_config=self.config.audio, generation=generation)
+                             audio_config=self.config.audio, generation=generation, modalities=modalities)
         doc.dataset = dataset
         return doc
 

@@ -33,6 +33,11 @@ def test_a_mixture_with_a_bpe_tokenizer_runs_end_to_end(tmp_path):
         assert info.tokenizer.image_id >= 300 and "<|image|>" in info.tokenizer.added_tokens
         assert [d.name for d in info.spec.datasets] == ["web", "books"] and len(info.shard_urls) == 4
         result = run_job(config, address=f"127.0.0.1:{port}", progress=False)
+        from trainer import train  # the trainer sizes its embeddings from JobInfo
+
+        args = train.parse(["--address", f"127.0.0.1:{port}", "--shards", str(tmp_path / "web"), "--seq-len", "1024",
+                            "--tokenizer", f"hf:{bpe}"])
+        assert train.job_vocab_size(args) == info.tokenizer.vocab_size
     finally:
         server.stop(grace=1).wait()
     check = result.exactly_once()

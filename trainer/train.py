@@ -43,7 +43,7 @@ from trainer.runtime.tensor_parallel import TPGroup
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 
 TRAINER_JOB_ARGUMENTS = ("seq_len", "num_microbatches", "seqs_per_microbatch", "seed", "reorder_algorithm",
-                         "shuffle_buffer", "pack_window", "max_consecutive_errors", "max_error_fraction")
+                         "shuffle_buffer", "pack_window", "max_consecutive_errors", "max_error_fraction", "tokenizer")
 """The job fields the trainer's command line sets; dp_size comes from --bb-dp, the rest from JobConfig."""
 
 
@@ -104,6 +104,18 @@ def job_config(args, cost: CostConfig | None = None) -> JobConfig:
                      gen_split_by=layout.gen_split_by, **extra, **job_fields(args, TRAINER_JOB_ARGUMENTS))
 
 
+def job_vocab_size(args, cost: CostConfig | None = None) -> int:
+    """Token ids the model embeds: the byte tokenizer's, or what the service reports for the job's
+    tokenizer (JobInfo.tokenizer.vocab_size, its added special tokens counted). Every rank asks,
+    so every rank builds the same model."""
+    if args.tokenizer in ("", "byte"):
+        return ModelConfig().vocab_size
+    from trainer import DataClient
+
+    with DataClient(args.address, job_config(args, cost), 0, prefetch=1) as probe:  # opens the job, no stream
+        return int(probe.info.tokenizer.vocab_size)
+
+
 def runtime_layout(args) -> PipelineLayout:
     try:
         return PipelineLayout(args.enc_dp, args.bb_dp, args.bb_pp, args.gen_dp, args.enc_tp, args.bb_tp, args.gen_tp)
@@ -114,8 +126,9 @@ def runtime_layout(args) -> PipelineLayout:
 def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: CostConfig | None = None,
                  device: torch.device | None = None):
     """This rank's worker, its module sharded for its TP rank."""
+    vocab_size = job_vocab_size(args, cost)
     torch.manual_seed(args.seed)  # the same initial weights on every rank; each keeps its module
-    model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len))
+    model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len, vocab_size=vocab_size))
     ranks = layout.tp_ranks(rank)
     tp = TPGroup(layout.tp_rank(rank), len(ranks), groups.get(tuple(ranks)), tuple(ranks))
     common = (model, layout, args.num_microbatches, args.seed)

@@ -26,10 +26,10 @@ from preprocess_service.service.job import Job  # noqa: E402
 
 DATASETS = {  # name: (synthetic content, weight)
     "images": (synth.SynthConfig(num_shards=4, samples_per_shard=300, seed=1, audio_share=0.0), 0.60),
-    "speech": (synth.SynthConfig(num_shards=2, samples_per_shard=200, seed=2, audio_share=1.0,
+    "speech": (synth.SynthConfig(num_shards=2, samples_per_shard=200, seed=2, audio_share=1.0, conversation_share=0.0,
                                  interleaved_share=0.0, generate_share=0.0), 0.25),
     "text": (synth.SynthConfig(num_shards=1, samples_per_shard=300, seed=3, audio_share=0.0, interleaved_share=0.0,
-                               generate_share=0.0, text_share=1.0), 0.15),
+                               generate_share=0.0, text_share=1.0, conversation_share=0.0), 0.15),
 }
 
 

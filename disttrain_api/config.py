@@ -225,8 +225,9 @@ class JobConfig:
     (overrides mix_epoch)."""
     tokenizer: str = "byte"
     """Text tokenizer: "byte" (UTF-8 bytes), "hf:PATH" (a Hugging Face tokenizer.json) or
-    "sentencepiece:PATH" (a .model); a bare PATH ending in .json or .model works too. PATH is on
-    the service's machine, under the same rules as local shards."""
+    "sentencepiece:PATH" (a .model); a bare PATH ending in .json or .model, or a model folder
+    holding tokenizer.json or tokenizer.model, works too. PATH is on the service's machine, under
+    the same rules as local shards."""
     seq_len: int = 8192
     """Tokens per packed sequence."""
     dp_size: int = 1

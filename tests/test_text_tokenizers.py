@@ -143,8 +143,16 @@ def test_a_tokenizer_path_obeys_the_shard_rules(bpe_path, tmp_path):
     fenced = ShardReader(policy=ShardPolicy(allowed_prefixes=(str(tmp_path),)))
     with pytest.raises(PermissionDenied, match="outside the prefixes"):
         Job(config, reader=fenced)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(bpe_path.read_bytes())
+    assert Job(JobConfig(shards=(str(tmp_path),), tokenizer=str(folder))).tokenizer_info["kind"] == "hf"
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to(bpe_path)  # a folder inside the prefixes, its file outside
+    with pytest.raises(PermissionDenied, match="outside the prefixes"):
+        Job(JobConfig(shards=(str(tmp_path),), tokenizer=str(folder)), reader=fenced)
     for bad, message in ((f"hf:{tmp_path}/../x.json", r"'\.\.'"), ("hf:http://h/t.json", "on the service's machine"),
                          (f"sentencepiece:{tmp_path}/00000.tar", "not a sentencepiece model"),
-                         ("gpt2", "expected 'byte'")):
+                         ("gpt2", "expected 'byte'"), (str(tmp_path), "a model folder holding")):
         with pytest.raises(ConfigError, match=message):
             Job(JobConfig(shards=(str(tmp_path),), tokenizer=bad))

@@ -195,8 +195,22 @@ def split_spec(spec: str) -> tuple[str, str]:
         return "hf", spec
     if spec.endswith(".model"):
         return "sentencepiece", spec
+    return "folder", spec  # a model folder, as Hugging Face models ship: resolved by _in_folder
+
+
+FOLDER_FILES = (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece"))
+"""What a model folder given as the tokenizer is searched for, in this order."""
+
+
+def _in_folder(spec: str, path: str) -> tuple[str, str]:
+    """(kind, file) of the tokenizer in a model folder."""
+    if os.path.isdir(path):
+        for name, kind in FOLDER_FILES:
+            if os.path.isfile(os.path.join(path, name)):
+                return kind, os.path.join(path, name)
     raise TokenizerError(f"tokenizer {spec!r:.200}: expected 'byte', hf:PATH (tokenizer.json) or sentencepiece:PATH "
-                         "(.model), or a path ending in .json or .model")
+                         "(.model), a path ending in .json or .model, or a model folder holding tokenizer.json or "
+                         "tokenizer.model")
 
 
 def load_tokenizer(spec: str):
@@ -207,6 +221,8 @@ def load_tokenizer(spec: str):
     kind, path = split_spec(spec)
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "folder":
+        kind, path = _in_folder(spec, path)
     return _cached(kind, path, *_version(path))
 
 
@@ -223,7 +239,13 @@ def load_checked(spec: str, policy):
     if not source.is_local:
         raise TokenizerError(f"tokenizer {spec!r:.200}: only a file on the service's machine can be a tokenizer")
     sources.check(source, policy, spec)
-    return _cached(kind, source.location, *_version(source.location))
+    path = source.location
+    if kind == "folder":  # the file inside is checked too: a symlink in the folder may point anywhere
+        kind, path = _in_folder(spec, path)
+        inner = sources.parse(path, spec)
+        sources.check(inner, policy, spec)
+        path = inner.location
+    return _cached(kind, path, *_version(path))
 
 
 def _version(path: str) -> tuple[int, int]:

@@ -180,7 +180,8 @@ class DatasetConfig:
     """Member kinds used from this dataset's samples ("text", "image", "audio"); members of other
     kinds are ignored (e.g. ("text",) trains on the captions of an image-text set only)."""
     image: ImageConfig | None = None
-    """Image sizing for this dataset's encoder images (None: the job's)."""
+    """Image sizing for this dataset's encoder images (None: the job's); its patch_size and
+    merge_size must be the job's (one encoder)."""
     generate: str = ""
     """Which of its images are generation targets: "listed", "all" or "none" ("" = the job's
     generation.select). Size and query tokens stay the job's: one generator trains on all of them."""
@@ -322,6 +323,11 @@ class JobConfig:
         _require(all(isinstance(d, DatasetConfig) for d in self.datasets), "datasets must be DatasetConfigs")
         names = [d.name for d in self.datasets]
         _require(len(set(names)) == len(names), f"dataset names must be distinct, got {names}")
+        for d in self.datasets:  # one encoder: its patches and token merging are the job's
+            _require(d.image is None or (d.image.patch_size, d.image.merge_size) ==
+                     (self.image.patch_size, self.image.merge_size),
+                     f"dataset {d.name!r}: image.patch_size and image.merge_size must be the job's "
+                     f"({self.image.patch_size}, {self.image.merge_size}): one encoder reads every dataset")
         _require(self.mix_by in MIX_BY, f"mix_by must be one of {list(MIX_BY)}, got {self.mix_by!r}")
         _require(self.mix_epoch in MIX_EPOCH, f"mix_epoch must be one of {list(MIX_EPOCH)}, got {self.mix_epoch!r}")
         _in_range("mix_epoch_samples", self.mix_epoch_samples, 0, 1 << 40)

@@ -87,8 +87,19 @@ def test_a_fixed_epoch_size_and_token_weights(tmp_path):
     assert samples[0] != samples[1] or tokens[0] != tokens[1], "balanced by tokens, not by count"
 
 
-def test_the_blend_is_a_function_of_the_seed_and_resumes_mid_mixture(tmp_path):
-    config = _mixture(tmp_path, sizes=(2, 1), weights=(0.6, 0.4), mix_epoch="all_exhausted", num_epochs=2)
+@pytest.mark.parametrize("rule", [{"mix_epoch": "all_exhausted"}, {"mix_by": "tokens"}, {"mix_epoch_samples": 23},
+                                  {"dead": True}], ids=["all_exhausted", "tokens", "fixed", "dead_dataset"])
+def test_the_blend_is_a_function_of_the_seed_and_resumes_mid_mixture(tmp_path, rule):
+    rule = dict(rule)
+    dead = rule.pop("dead", False)
+    config = _mixture(tmp_path, sizes=(2, 1), weights=(0.6, 0.4), num_epochs=2, max_error_fraction=1.0,
+                      max_consecutive_errors=1000, **rule)
+    if dead:  # a third dataset whose every sample is bad: it leaves the blend, the others go on
+        write_tiny_shards(tmp_path / "bad", num_shards=1, samples_per_shard=0,
+                          extra={f"bad{i}": {"jpg": b"not a jpeg", "txt": b"x"} for i in range(5)})
+        bad = DatasetConfig(name="bad", shards=(str(tmp_path / "bad"),))
+        config = JobConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                              "datasets": (*config.datasets, bad)})
     original = Job(config, snapshot_every=2)
     num_steps = original.plan_all()
     per_step = [[(doc.dataset, doc.key) for doc in original.step_plan(s).documents()] for s in range(num_steps)]

@@ -69,6 +69,18 @@ def test_planner_resumed_from_its_state_at_any_step_plans_what_the_original_plan
         resumed.load_state_dict(states[step])
         assert [_signature(p) for p in resumed] == plans[step:], f"resume at step {step}"
     assert len(json.dumps(states[len(plans) // 2])) < 8_000, "a small state: references, not documents"
+    middle = states[len(plans) // 2]
+    [dataset] = middle["datasets"]  # a version-1 state (before mixtures) still resumes to the same plans
+    version1 = {key: value for key, value in middle.items() if key not in ("datasets", "blend", "epoch_docs",
+                                                                            "totals", "fingerprint")}
+    version1.update(version=1, cursor={k: dataset[k] for k in ("shard", "samples", "offset")}, seen=dataset["seen"])
+    resumed = EpochPlanner(config, reader.expand(config.shards), reader, job._parse, lambda e: None)
+    resumed.load_state_dict(version1)
+    assert [_signature(p) for p in resumed] == plans[len(plans) // 2:]
+    other_tokenizer = EpochPlanner(config, reader.expand(config.shards), reader, job._parse, lambda e: None,
+                                   fingerprint="0f" * 32)
+    with pytest.raises(ValueError, match="tokenizer file"):
+        other_tokenizer.load_state_dict(middle)
     with pytest.raises(ValueError, match="version"):
         resumed.load_state_dict({**states[1], "version": 99})
     import base64

@@ -92,7 +92,7 @@ def test_load_by_spec_and_bad_files_name_the_problem(tmp_path, bpe_path, sp_path
         load_tokenizer(f"sentencepiece:{bad}")
     with pytest.raises(TokenizerError, match="cannot read"):
         load_tokenizer(str(tmp_path / "missing.model"))
-    with pytest.raises(TokenizerError, match="not a regular file"):
+    with pytest.raises(TokenizerError, match="is a directory"):
         load_tokenizer(f"hf:{tmp_path}")
     with pytest.raises(TokenizerError, match="expected 'byte'"):
         load_tokenizer("gpt2")
@@ -156,3 +156,47 @@ def test_a_tokenizer_path_obeys_the_shard_rules(bpe_path, tmp_path):
                          ("gpt2", "expected 'byte'"), (str(tmp_path), "a model folder holding")):
         with pytest.raises(ConfigError, match=message):
             Job(JobConfig(shards=(str(tmp_path),), tokenizer=bad))
+
+
+def test_placeholders_cannot_be_forged_even_when_the_vocabulary_has_their_names(tmp_path):
+    import io
+
+    import sentencepiece
+
+    texts = [f"a photo {t} of the caption {i}" for i in range(300) for t in ("<|image|>", "<|pad|>")]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=80,
+                                             user_defined_symbols=["<|image|>", "<|pad|>"], hard_vocab_limit=False,
+                                             minloglevel=2)
+    (tmp_path / "ud.model").write_bytes(model.getvalue())
+    sp = SentencePieceTokenizer(tmp_path / "ud.model")
+    # a word-level tokenizer whose ordinary vocabulary holds "<|image|>": text produces that id
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "<|image|>": 1, "x": 2, "y": 3, "<s>": 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "words.json"))
+    hf = HFTokenizer(tmp_path / "words.json")
+    assert hf.image_id != 1 and hf.bos_id != 4 and "<|image#1|>" in hf.added and "<s>" not in hf.added
+    for tok in (sp, hf):
+        special = set(_special(tok).values())
+        assert len(special) == 6
+        for text in ("<|image|>", "x <|image|> y", "<|pad|><|image|>", "<s>", "</s>"):
+            assert not set(tok.encode(text).tolist()) & special, (type(tok).__name__, text)
+    assert sp.image_id >= sp._sp.get_piece_size()
+
+
+def test_a_tokenizer_file_is_read_within_bounds(tmp_path, monkeypatch):
+    import os
+
+    from preprocess_service.adapters import text_tokenizers
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(TokenizerError, match="FIFO"):
+        HFTokenizer(fifo)  # fails at once: never blocks waiting for a writer
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 2048)
+    monkeypatch.setattr(text_tokenizers, "MAX_TOKENIZER_BYTES", 1024)
+    with pytest.raises(TokenizerError, match="more than the 1024 bytes"):
+        HFTokenizer(big)

@@ -4,13 +4,14 @@ model, behind the packer's ``Tokenizer`` protocol (core/tokenizer.py).
 Special tokens. BOS and EOS are the tokenizer's own when it has them (``<s>``/``</s>``,
 ``<|begin_of_text|>``/``<|end_of_text|>``, ``<|endoftext|>``, ...), else added. The modality
 placeholders (``<|image|>``, ``<|audio|>``, ``<|gen_image|>``) and a padding token are taken from
-the vocabulary when present and added otherwise:
+the tokenizer's special tokens when it has them and added otherwise:
 
-* Hugging Face: added as special tokens of the tokenizer, so they never come out of ``encode``
-  for ordinary text and the reported ``vocab_size`` counts them;
-* sentencepiece: a model cannot grow after training, so missing ones get the ids right after its
-  pieces (``vocab_size`` counts them too); a model trained with ``user_defined_symbols`` for them
-  keeps its own ids.
+* Hugging Face: only a special added token is taken; otherwise a special token is added (under a
+  fresh name if its name is an ordinary token of the vocabulary, which text could produce), so
+  none ever comes out of ``encode`` for ordinary text; the reported ``vocab_size`` counts them;
+* sentencepiece: a model cannot grow after training, so the placeholders and a missing pad get
+  the ids right after its pieces (``vocab_size`` counts them too), even when the model holds a
+  piece of that name (a ``user_defined_symbols`` piece is produced from text).
 
 The text of a special token inside data (a caption holding ``<|image|>`` or ``</s>``) is encoded
 as ordinary text, never as the special id: data cannot forge document boundaries or media slots.
@@ -30,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-MAX_TOKENIZER_BYTES = 256 << 20
-"""Largest tokenizer file the service loads (Llama-3's tokenizer.json is ~9 MB)."""
+MAX_TOKENIZER_BYTES = 64 << 20
+"""Largest tokenizer file the service loads (Llama-3's tokenizer.json is ~9 MB, Gemma's ~34 MB)."""
 PLACEHOLDERS = {"image_id": "<|image|>", "audio_id": "<|audio|>", "gen_id": "<|gen_image|>"}
 PAD = "<|pad|>"
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>")
@@ -43,15 +44,19 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be used; the message names the file and the problem."""
 
 
-def _check_file(path: Path) -> None:
+def _read_file(path: Path) -> bytes:
+    """The file's bytes: a regular file only (a FIFO fails at once, never blocks), at most
+    MAX_TOKENIZER_BYTES read whatever its size claims."""
+    from preprocess_service.adapters.shards import ShardReadError, open_regular
+
     try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise TokenizerError(f"tokenizer {path}: cannot read it ({exc.strerror})") from None
-    if not path.is_file():
-        raise TokenizerError(f"tokenizer {path}: not a regular file")
-    if size > MAX_TOKENIZER_BYTES:
-        raise TokenizerError(f"tokenizer {path}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} allowed")
+        with open_regular(str(path)) as f:
+            data = f.read(MAX_TOKENIZER_BYTES + 1)
+    except (ShardReadError, OSError) as exc:
+        raise TokenizerError(f"tokenizer {path}: cannot read it ({exc})") from None
+    if len(data) > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(f"tokenizer {path}: more than the {MAX_TOKENIZER_BYTES} bytes allowed")
+    return data
 
 
 class HFTokenizer:
@@ -64,24 +69,28 @@ class HFTokenizer:
         from tokenizers import AddedToken, Tokenizer
 
         self.path = Path(path)
-        _check_file(self.path)
+        data = _read_file(self.path)
         try:
-            self._tok = Tokenizer.from_file(str(self.path))
+            self._tok = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # the Rust library raises plain Exceptions for every kind of bad file
-            raise TokenizerError(f"tokenizer {self.path}: not a tokenizers file ({exc})") from None
+            raise TokenizerError(f"tokenizer {self.path}: not a tokenizers file ({str(exc)[:200]})") from None
         self._tok.no_padding()
         self._tok.no_truncation()
-        vocab = self._tok.get_vocab(with_added_tokens=True)
         self.added: list[str] = []
 
         def ensure(*names: str) -> int:
+            special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
             for name in names:
-                if name in vocab:
-                    return vocab[name]
-            self._tok.add_special_tokens([AddedToken(names[-1], special=True, normalized=False)])
-            self.added.append(names[-1])
-            vocab.update(self._tok.get_vocab(with_added_tokens=True))
-            return vocab[names[-1]]
+                if name in special:
+                    return special[name]
+            fresh, n = names[-1], 0
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            while fresh in vocab:  # an ordinary token (text can produce it): use another name
+                n += 1
+                fresh = f"{names[-1][:-2]}#{n}|>"
+            self._tok.add_special_tokens([AddedToken(fresh, special=True, normalized=False)])
+            self.added.append(fresh)
+            return self._tok.token_to_id(fresh)
 
         self.bos_id = ensure(*BOS_CANDIDATES, ADDED_BOS)
         self.eos_id = ensure(*EOS_CANDIDATES, ADDED_EOS)
@@ -113,24 +122,22 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         self.path = Path(path)
-        _check_file(self.path)
+        data = _read_file(self.path)
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.path.read_bytes())
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
         except Exception as exc:  # RuntimeError/OSError from the C++ side, by version
             raise TokenizerError(f"tokenizer {self.path}: not a sentencepiece model ({exc})") from None
         pieces = self._sp.get_piece_size()
         self.added = []
         next_id = pieces
 
-        def own(special_id: int, *names: str) -> int:
+        def own(special_id: int, name: str) -> int:
+            """The model's own control id (text never produces one), else a new id after the pieces:
+            never a piece of that name, which text can produce (user_defined_symbols)."""
             nonlocal next_id
-            if special_id >= 0:
+            if special_id >= 0 and self._sp.is_control(special_id):
                 return special_id
-            for name in names:
-                found = self._sp.piece_to_id(name)
-                if found != self._sp.unk_id() or name == self._sp.id_to_piece(self._sp.unk_id()):
-                    return found
-            self.added.append(names[-1])
+            self.added.append(name)
             next_id += 1
             return next_id - 1
 

@@ -70,6 +70,8 @@ class MicrobatchArrays:
 
     arrays: dict[str, np.ndarray]
     sample_keys: list[str]
+    sample_datasets: list[int] = field(default_factory=list)
+    """The dataset (JobConfig.mixture() index) of each of sample_keys."""
     skipped: list = field(default_factory=list)
     """job.SkippedRecord (key, shard, reason, kind) of each document that failed to decode."""
 
@@ -194,4 +196,5 @@ def compact(old: Layout, old_buffer: np.ndarray, new: Layout) -> np.ndarray:
 
 def finish(layout: Layout, buffer: np.ndarray) -> MicrobatchArrays:
     """The microbatch's arrays: token arrays plus media views of the filled ``buffer``."""
-    return MicrobatchArrays(arrays={**layout.arrays, **layout.media_arrays(buffer)}, sample_keys=layout.sample_keys)
+    return MicrobatchArrays(arrays={**layout.arrays, **layout.media_arrays(buffer)}, sample_keys=layout.sample_keys,
+                            sample_datasets=[doc.dataset for doc, _ in layout.documents])

@@ -107,7 +107,7 @@ class EpochPlanner:
 
     def __init__(self, config: JobConfig, shard_urls: list[list[str]] | list[str], source: SampleSource,
                  parse: Parse, on_skip: SkipSink, keep_media: Callable[[Document], bool] = lambda doc: True,
-                 on_shard: Callable[[str], None] = lambda url: None):
+                 on_shard: Callable[[str], None] = lambda url: None, fingerprint: str = ""):
         """``shard_urls``: each dataset's shard names, in ``config.mixture()`` order (a flat list is
         the one dataset of a plain job)."""
         self.config = config
@@ -122,11 +122,14 @@ class EpochPlanner:
         self.parse = parse
         self.on_skip = on_skip
         self.keep_media = keep_media
+        """Asked for every parsed document whether it keeps its encoded bytes until it is decoded
+        (else they are dropped now and re-read then)."""
         self.on_shard = on_shard
         """Called when a pass starts reading a shard from its beginning (the job reports the
         shard's failed downloads from its img2dataset parquet there)."""
-        """Asked for every parsed document whether it keeps its encoded bytes until it is decoded
-        (else they are dropped now and re-read then)."""
+        self.fingerprint = fingerprint
+        """What else the plans depend on (the tokenizer file's digest): saved in the state, and a
+        state with another one is refused, since it was planned with other token counts."""
         self.cost = config.cost
         """Coefficients the next sequences are priced with (feedback.py may replace them mid-job)."""
         self.done = False
@@ -156,7 +159,7 @@ class EpochPlanner:
             return [[doc.shard, doc.key] for doc in docs]
 
         return {
-            "version": STATE_VERSION,
+            "version": STATE_VERSION, "fingerprint": self.fingerprint,
             "epoch": self.epoch, "step": self.step, "done": self.done,
             "datasets": [{**cursor.state_dict(), "seen": _pack_hashes(seen)}
                          for cursor, seen in zip(self._cursors, self._seen)],
@@ -179,13 +182,20 @@ class EpochPlanner:
                      "blend": [0], "epoch_docs": 0, "totals": [[0, 0]]}
         elif version != STATE_VERSION:
             raise ValueError(f"planner state version {version!r} is not {STATE_VERSION}")
-        if len(state["datasets"]) != len(self._cursors):
+        if len(state["datasets"]) != len(self._cursors) or len(state["blend"]) != len(self._cursors):
             raise ValueError(f"planner state of {len(state['datasets'])} datasets, this job has {len(self._cursors)}")
+        saved = state.get("fingerprint", "")
+        if saved != self.fingerprint:
+            raise ValueError(f"planner state planned with tokenizer file {saved[:12] or 'byte'!r}, this job's is "
+                             f"{self.fingerprint[:12] or 'byte'!r}: the file changed, so would the plans")
         self._start_epoch(int(state["epoch"]), int(state["step"]))
         self.done = bool(state["done"])
+        room = MAX_SEEN_BYTES  # one bound over every dataset's key hashes
         for i, (cursor, saved) in enumerate(zip(self._cursors, state["datasets"])):
             cursor.load_state_dict(saved, self.config, self.epoch)
-            self._seen[i] = KeySet(_unpack_hashes(saved["seen"]))
+            hashes = _unpack_hashes(saved["seen"], room)
+            room -= hashes.nbytes
+            self._seen[i] = KeySet(hashes)
         self._blend.counts = np.array(state["blend"], dtype=np.int64)
         self._epoch_docs = int(state["epoch_docs"])
         self.totals = np.array(state["totals"], dtype=np.int64).reshape(len(self._cursors), 2)
@@ -331,7 +341,7 @@ class EpochPlanner:
             if cursor.samples is None:
                 start = cursor.cursor if cursor.cursor["samples"] else None
                 if start is None:
-                    self.on_shard(url)
+                    self._shard_started(url)
                 cursor.samples = iter(self.source.iter_shard(url, self._problem, start))
             for sample in cursor.samples:
                 cursor.cursor = {"samples": cursor.cursor["samples"] + 1, "offset": sample.get(NEXT_OFFSET)}
@@ -351,6 +361,16 @@ class EpochPlanner:
                 return doc
             cursor.next_shard()
         return None
+
+    def _shard_started(self, url: str) -> None:
+        """``on_shard``, fault-isolated: what it reads (a side file of the shard) is data too."""
+        try:
+            self.on_shard(url)
+        except (ImportError, MemoryError, DataQualityError):
+            raise
+        except Exception as exc:
+            self.on_skip(SampleError("", f"could not read the shard's side files ({type(exc).__name__}: "
+                                     f"{str(exc)[:200]})", url, "shard_error"))
 
     def dataset_counts(self) -> list[dict]:
         """Per dataset: documents and tokens drawn over all epochs, documents this epoch, restarts."""
@@ -426,9 +446,9 @@ def _pack_hashes(keys: KeySet) -> str:
     return base64.b64encode(zlib.compress(keys.to_array().tobytes(), 1)).decode("ascii")
 
 
-def _unpack_hashes(text: str) -> np.ndarray:
+def _unpack_hashes(text: str, limit: int = MAX_SEEN_BYTES) -> np.ndarray:
     packed = zlib.decompressobj()
-    raw = packed.decompress(base64.b64decode(text), MAX_SEEN_BYTES)
+    raw = packed.decompress(base64.b64decode(text), limit)
     if packed.unconsumed_tail or len(raw) % 8:
         raise ValueError(f"planner state: the key hashes are not a whole number of 8-byte hashes within "
                          f"{MAX_SEEN_BYTES} bytes")

@@ -68,9 +68,16 @@ def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[list[
 
 def download_failures(url: str) -> list[SampleError]:
     """The rows img2dataset failed to download for a local shard (its parquet), as download_failed
-    problems: reported once per shard and epoch, never in the tar, counted toward no tolerance."""
-    manifest = img2dataset.read_manifest(url) if sources.parse(url).is_local else None
-    return img2dataset.failed_rows_as_errors(manifest, url) if manifest is not None else []
+    problems: reported once per shard and epoch, never in the tar, counted toward no tolerance.
+    A manifest that cannot be read is a warning, never the job's end."""
+    try:
+        manifest = img2dataset.read_manifest(url) if sources.parse(url).is_local else None
+        return img2dataset.failed_rows_as_errors(manifest, url) if manifest is not None else []
+    except MemoryError:
+        raise
+    except Exception as exc:  # the parquet is data: its faults are the shard's report, not the job's
+        log.warning("shard %s: its img2dataset parquet cannot be used (%s: %s)", url, type(exc).__name__, exc)
+        return []
 
 
 def job_tokenizer(spec: str, policy) -> Tokenizer:
@@ -157,7 +164,8 @@ class Job:
         """Planner states before every ``snapshot_every``-th step, from the newest one at or before
         the acknowledged step: what ``state_dict()`` resumes from."""
         self.planner = EpochPlanner(config, self.dataset_urls, reader, self._parse, self._record_skip,
-                                    keep_media=self._keep_media, on_shard=self._shard_started)
+                                    keep_media=self._keep_media, on_shard=self._shard_started,
+                                    fingerprint=self.fingerprint)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None
         self._planning_done = False
         self._sent_through: dict[int, int] = defaultdict(lambda: -1)  # rank -> last step fully sent
@@ -236,9 +244,18 @@ class Job:
         for problem in download_failures(url):
             self._record_skip(problem)
 
+    @property
+    def fingerprint(self) -> str:
+        """What the plans depend on besides the config: the tokenizer file's content. Saved with
+        the planner's state; a state planned with another tokenizer file is refused."""
+        return self.tokenizer_info["sha256"]
+
     def _parse(self, sample: dict):
         """A Document of ``sample`` with the settings of the dataset its shard belongs to."""
-        dataset = self._dataset_of.get(sample.get("__url__", ""), 0)
+        url = sample.get("__url__", "")
+        dataset = self._dataset_of.get(url)
+        if dataset is None:  # a plan or a record naming a shard the job does not have: data too
+            raise SampleError(sample.get("__key__", ""), f"shard {url!r} is not one of this job's", url, "shard_error")
         modalities, image, generation = self._parse_options[dataset]
         doc = parse_document(sample, image_config=image, tokenizer=self.tokenizer, seq_len=self.config.seq_len,
                              audio_config=self.config.audio, generation=generation, modalities=modalities)
@@ -540,19 +557,6 @@ class Job:
                 "datasets": self.planner.dataset_counts(),
             }
 
-    def sample_datasets(self, docs, sample_keys: list[str]) -> list[int]:
-        """The dataset index of each of ``sample_keys`` (a microbatch's delivered keys, in token
-        order), read off the planned documents ``docs`` in the same order (skipped ones absent
-        from the keys); empty for a job of plain shards."""
-        if not self.config.datasets:
-            return []
-        out, position = [], 0
-        for doc in docs:
-            if position < len(sample_keys) and sample_keys[position] == doc.key:
-                out.append(self._dataset_of.get(doc.shard, 0))
-                position += 1
-        return out
-
 
 def _save_state(job: Job, path: Path, lock: threading.Lock, _low: int) -> None:
     """Writes the job's state next to ``path`` and renames it over ``path`` (never half written)."""
@@ -635,8 +639,18 @@ class JobRegistry:
                 log.warning("job %s: ignoring its saved state %s (%s); planning from step 0", job.job_id, path, exc)
                 state = None
             if state is not None:
-                job.load_state_dict(state)
-                log.info("job %s: resumed from %s at step %s", job.job_id, path, state.get("snapshot_step"))
+                try:
+                    job.load_state_dict(state)
+                    log.info("job %s: resumed from %s at step %s", job.job_id, path, state.get("snapshot_step"))
+                except (ValueError, KeyError, TypeError) as exc:  # e.g. planned with another tokenizer file
+                    log.warning("job %s: cannot resume from %s (%s); planning from step 0", job.job_id, path, exc)
+                    return self._new_job_without_state(config, reader, shard_urls, path)
+        return job
+
+    def _new_job_without_state(self, config: JobConfig, reader: shards.ShardReader,
+                               shard_urls: list[list[str]] | None, path: Path) -> Job:
+        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
+        job.on_acknowledged = functools.partial(_save_state, job, path, threading.Lock())
         return job
 
     def close_job(self, job_id: str) -> int:

@@ -82,17 +82,19 @@ class RunResult:
 
     def mixture_check(self) -> dict:
         """Per dataset: every sample the planner drew was delivered (or skipped at decode with a
-        reason), none more often than the dataset's passes, and only keys its shards hold."""
+        reason), none more often than the dataset's passes, and only keys its shards hold. Where
+        the planner's counts are unknown (another replica plans), only the last holds."""
         received = self.received
         skipped_at_decode = {s["key"] for s in self.skipped if s["kind"] in ("decode_failed", "decode_worker_died")}
         per_dataset = Counter(key.split("/", 1)[0] for key in received.elements())
-        problems = []
+        problems, over = [], []
         for d in self.datasets:
+            if d["num_samples"] is None:
+                continue
             got = per_dataset.get(d["name"], 0)
             if got > d["num_samples"] or got < d["num_samples"] - len(skipped_at_decode):
                 problems.append(f"{d['name']}: {got} delivered, {d['num_samples']} planned")
-        over = sorted(k for k, n in received.items()
-                      if n > 1 + next((d["restarts"] for d in self.datasets if k.startswith(d["name"] + "/")), 0))
+            over += sorted(k for k, n in received.items() if k.startswith(d["name"] + "/") and n > 1 + d["restarts"])
         unexpected = sorted(k for k in received if k.split("/", 1)[1] not in self.shard_keys)
         ok = not (problems or over or unexpected or any(r.error for r in self.ranks))
         return {"ok": ok, "delivered": sum(received.values()), "skipped": len(skipped_at_decode),
@@ -163,8 +165,21 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
                        "arrival_iteration_s": b.arrival_iteration_s, "lower_bound_s": b.lower_bound_s}
                       for b in report.step_balance],
         shard_keys=all_keys(list(info.shard_urls)), seconds=seconds,
-        datasets=[{"name": d.name, "num_samples": d.num_samples, "num_tokens": d.num_tokens, "restarts": d.restarts,
-                   "weight": w.weight} for d, w in zip(report.datasets, info.spec.datasets)])
+        datasets=_dataset_rows(info, report))
+
+
+def _dataset_rows(info: pb.JobInfo, report: pb.JobReport) -> list[dict]:
+    """Per dataset of a mixture: its weight and what the planner drew (None where the replica that
+    answered does not plan the job: with Redis, only the planning replica counts)."""
+    counts = {d.name: d for d in report.datasets}
+    rows = []
+    for spec in info.spec.datasets:
+        count = counts.get(spec.name)
+        rows.append({"name": spec.name, "weight": spec.weight,
+                     "num_samples": count.num_samples if count else None,
+                     "num_tokens": count.num_tokens if count else None,
+                     "restarts": count.restarts if count else None})
+    return rows
 
 
 def _collect(procs, results, stub, job_id: str, progress: bool) -> list[RankResult]:
@@ -249,19 +264,25 @@ def summary(result: RunResult, config: JobConfig) -> str:
     return "\n".join(lines)
 
 
+def delivered_per_dataset(result: RunResult) -> Counter:
+    """Samples delivered per dataset name of a mixture (keys are "DATASET/KEY")."""
+    return Counter(key.split("/", 1)[0] for key in result.received.elements())
+
+
 def mixture_lines(result: RunResult) -> list[str]:
     """Per dataset of a mixture: samples delivered, their share against the requested weight."""
     if not result.datasets:
         return []
-    delivered = Counter(key.split("/", 1)[0] for key in result.received.elements())
+    delivered = delivered_per_dataset(result)
     total_samples = max(1, sum(delivered.values()))
-    total_tokens = max(1, sum(d["num_tokens"] for d in result.datasets))
+    total_tokens = max(1, sum(d["num_tokens"] or 0 for d in result.datasets))
     total_weight = sum(d["weight"] for d in result.datasets)
     lines = ["  mixture              dataset: samples delivered, share of samples (of tokens) vs weight"]
     for d in result.datasets:
         n = delivered.get(d["name"], 0)
         restarted = f", restarted {d['restarts']}x" if d["restarts"] else ""
-        lines.append(f"    {d['name']:<20} {n:8d}   {n / total_samples:6.1%} ({d['num_tokens'] / total_tokens:6.1%}) "
+        tokens = f"({(d['num_tokens'] or 0) / total_tokens:6.1%})" if d["num_tokens"] is not None else "(  n/a )"
+        lines.append(f"    {d['name']:<20} {n:8d}   {n / total_samples:6.1%} {tokens} "
                      f"vs {d['weight'] / total_weight:6.1%}{restarted}")
     return lines
 
@@ -278,9 +299,7 @@ def write_report(path: Path, result: RunResult, config: JobConfig) -> None:
         "skipped": result.skipped,
         "step_balance": result.step_balance,
         "exactly_once": result.exactly_once(),
-        "datasets": [{**d, "delivered": n} for d, n in
-                     zip(result.datasets, (sum(1 for k in result.received.elements() if k.startswith(d["name"] + "/"))
-                                           for d in result.datasets))],
+        "datasets": [{**d, "delivered": delivered_per_dataset(result).get(d["name"], 0)} for d in result.datasets],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))

@@ -71,6 +71,8 @@ class SharedJob(Job):
                  poll_s: float = 0.02, reader: shards.ShardReader = shards.DEFAULT_READER,
                  shard_urls: list[list[str]] | None = None):
         super().__init__(config, reader=reader, shard_urls=shard_urls)
+        self._dataset_counts: list[dict] = []
+        """The planner's per-dataset counts as of its last step (this replica's planner only)."""
         self.store = store
         self.replica_id = replica_id
         self.lookahead = lookahead
@@ -161,7 +163,7 @@ class SharedJob(Job):
                     planner = EpochPlanner(self.config, self.dataset_urls, self.reader, self._parse,
                                            self._planning_skip,
                                            keep_media=lambda doc: False,  # served from re-read samples: hold no bytes
-                                           on_shard=self._shard_started)
+                                           on_shard=self._shard_started, fingerprint=self.fingerprint)
                     state = self.store.resume_state(self.job_id, stop=stop)
                     if state is not None:
                         planner.load_state_dict(json.loads(state))
@@ -176,6 +178,7 @@ class SharedJob(Job):
                 if next_step % self.snapshot_every == 0 and not planner.done:
                     self.store.save_state(self.job_id, next_step, json.dumps(planner.state_dict()), stop=stop)
                 plan = planner.next_plan()
+                self._dataset_counts = planner.dataset_counts()
                 if plan is None:
                     if not self.store.commit_done(self.job_id, next_step, stop=stop):
                         planner = None  # steps are missing (Redis lost them): plan them again
@@ -341,6 +344,7 @@ class SharedJob(Job):
             "num_sent_microbatches": shared["counters"].get("sent_microbatches", 0),
             "step_balance": [_balance(plan) for plan in sorted(cached, key=lambda p: p.step)],
             "failure": "" if self._planner_error is None else str(self._planner_error),
+            "datasets": self._dataset_counts,  # only the replica that plans knows them (none: [])
         }
 
     def close(self) -> int:

@@ -239,8 +239,7 @@ class MicrobatchStream:
         header = pb.Microbatch(
             job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
             num_microbatches=plan.num_microbatches, sample_keys=arrays.sample_keys,
-            sample_datasets=job.sample_datasets((d for s in plan.microbatch(rank, index) for d in s.documents),
-                                                arrays.sample_keys),
+            sample_datasets=arrays.sample_datasets if job.config.datasets else [],
             sequence_costs=[pb.SequenceCost(encoder_s=s.cost.encoder_s, backbone_s=s.cost.backbone_s,
                                             generator_s=s.cost.generator_s, total_s=s.cost.total_s)
                             for s in plan.microbatch(rank, index)],

@@ -121,16 +121,17 @@ def test_img2dataset_manifests_are_used(tmp_path, capsys):
     paths = write_tiny_shards(tmp_path / "d", num_shards=2, samples_per_shard=4)
     rows = [{"key": f"0000{i:05d}", "status": "success", "caption": "x" * (10 + i), "original_width": 1000 + i,
              "original_height": 500, "error_message": None, "url": f"https://h/{i}"} for i in range(4)]
-    rows.append({"key": "000000004", "status": "failed_to_download", "caption": "lost", "original_width": None,
-                 "original_height": None, "error_message": "HTTP Error 404", "url": "https://h/4"})
+    rows += [{"key": f"0000{i:05d}", "status": "failed_to_download", "caption": "lost", "original_width": None,
+              "original_height": None, "error_message": "HTTP Error 404", "url": f"https://h/{i}"}
+             for i in range(4, 4 + 40)]  # more than the manifest keeps one by one: all are counted
     pq.write_table(pa.Table.from_pylist(rows), paths[0].with_suffix(".parquet"))  # shard 1 keeps its fake
     code, out, _ = run([str(paths[0].parent), "--no-plot", "--json", str(tmp_path / "s.json")], capsys)
     stats = json.loads((tmp_path / "s.json").read_text())
     assert code == 0
-    assert stats["manifests"] == {"shards": 1, "of_shards": 2, "samples": 4, "failed_rows": 1}
+    assert stats["manifests"] == {"shards": 1, "of_shards": 2, "samples": 4, "failed_rows": 40}
     assert stats["distributions"]["manifest_original_width"]["max"] == 1003
     assert stats["distributions"]["manifest_caption_chars"]["min"] == 10
-    assert "manifests of 1 of 2 shards: 4 samples, 1 failed-download rows" in out
+    assert "manifests of 1 of 2 shards: 4 samples, 40 failed-download rows" in out
     assert "caption characters *" in out
 
 

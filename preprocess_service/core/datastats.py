@@ -73,7 +73,8 @@ class ManifestLike(Protocol):
     original_width: np.ndarray
     original_height: np.ndarray
     caption_chars: np.ndarray
-    failed: tuple
+    num_failed: int
+    """Its failed-download rows, all of them."""
 
     @property
     def num_samples(self) -> int: ...
@@ -180,7 +181,7 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
         per_dataset.append({"name": name, "planned": sum(1 for d in documents if d.dataset == i),
                             "modalities": _modalities(d for d in documents if d.dataset == i),
                             "manifest_shards": len(mine), "manifest_samples": sum(m.num_samples for m in mine),
-                            "manifest_failed_rows": sum(len(m.failed) for m in mine)})
+                            "manifest_failed_rows": sum(m.num_failed for m in mine)})
     totals = {name: float(values[f"step_{name}"].sum()) for name in ("iteration_s", "arrival_iteration_s",
                                                                        "lower_bound_s")}
     return {
@@ -194,7 +195,7 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
         "steps": {"count": len(steps), **{f"total_{k}": v for k, v in totals.items()}},
         "manifests": {"shards": len(manifests), "of_shards": num_shards,
                       "samples": sum(m.num_samples for _, m in manifests),
-                      "failed_rows": sum(len(m.failed) for _, m in manifests)},
+                      "failed_rows": sum(m.num_failed for _, m in manifests)},
         "distributions": {name: distribution(v) for name, v in values.items()},
     }
 

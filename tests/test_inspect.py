@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from helpers import make_document, write_tiny_shards
+from helpers import jpeg_bytes, make_document, write_tiny_shards
 from preprocess_service.core import datastats
 from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
 from preprocess_service.service import cli, inspect_cli
@@ -50,7 +50,8 @@ def test_numbers_match_the_shards(shards, tmp_path, capsys):
     stats = json.loads((tmp_path / "s.json").read_text())
     texts = captions(shards)
     assert stats["samples"] == {"read": 24, "accepted": 24, "planned": 24, "skipped": 0, "skipped_by_kind": {}}
-    assert stats["modalities"] == {"image-text": 24, "audio": 0, "interleaved": 0, "text-only": 0, "generation": 0}
+    assert stats["modalities"] == {"image-text": 24, "audio": 0, "interleaved": 0, "conversation": 0, "text-only": 0,
+                                   "generation": 0}
     dist = stats["distributions"]
     assert dist["image_tokens"]["count"] == 24 + 4  # a second image in samples 4 and 9 of each shard
     lengths = sorted(len(t) for t in texts.values())
@@ -64,6 +65,34 @@ def test_numbers_match_the_shards(shards, tmp_path, capsys):
     assert sum(stats["modalities"].values()) == stats["samples"]["planned"]
     assert "image-text 24 (100%)" in out and "text characters per document" in out
     assert "no img2dataset manifest" in out and "lower bound" in out
+
+
+LLAVA = {"conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."},
+                           {"from": "human", "value": "Color?"}, {"from": "gpt", "value": "Black."}]}
+OPENAI = {"messages": [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
+                       {"role": "assistant", "content": "hi"}]}
+# as the model reads them: role headers and turns, the <image> marker taken by the image
+LLAVA_TEXT = "USER: \nWhat is it?\nASSISTANT: A cat.\nUSER: Color?\nASSISTANT: Black."
+OPENAI_TEXT = "SYSTEM: Be brief.\nUSER: Say hi\nASSISTANT: hi"
+
+
+def test_conversations_are_their_own_class_and_their_text_is_counted(tmp_path, capsys):
+    extra = {"convo-llava": {"jpg": jpeg_bytes(56, 56), "json": json.dumps(LLAVA).encode()},
+             "convo-openai": {"json": json.dumps(OPENAI).encode()}}
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=6, extra=extra)
+    code, out, _ = run([str(paths[0]), "--no-plot", "--json", str(tmp_path / "s.json")], capsys)
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert code == 0
+    assert stats["samples"] == {"read": 8, "accepted": 8, "planned": 8, "skipped": 0, "skipped_by_kind": {}}
+    assert stats["modalities"]["conversation"] == 2 and stats["modalities"]["image-text"] == 6
+    assert stats["modalities"]["interleaved"] == 0
+    lengths = sorted([len(t) for t in captions(paths).values()] + [len(LLAVA_TEXT), len(OPENAI_TEXT)])
+    dist = stats["distributions"]
+    assert dist["text_chars"]["count"] == 8 and dist["text_chars"]["min"] == lengths[0]
+    assert dist["text_chars"]["max"] == lengths[-1]
+    assert dist["text_tokens"] == dist["text_chars"]  # the byte tokenizer, ASCII text: headers counted too
+    assert "conversation 2 (25%)" in out
 
 
 def test_png_is_written_and_valid(shards, tmp_path, capsys):
@@ -181,6 +210,11 @@ def test_modality_classes():
     assert datastats.modality_of(doc(text, clip, text)) == "interleaved"
     assert datastats.modality_of(doc(text, target)) == "generation"
     assert datastats.modality_of(doc(text)) == "text-only"
+    header = TextSegment("json:conversations[0]:header", np.arange(6, dtype=np.int32), trainable=False)
+    answer = TextSegment("json:conversations[1]", np.arange(3, dtype=np.int32))
+    assert datastats.modality_of(doc(header, image, text, header, answer)) == "conversation"
+    assert datastats.modality_of(doc(header, text)) == "conversation"
+    assert datastats.modality_of(doc(header, text, target)) == "generation"
 
 
 def test_compute_stats_is_pure_and_exact():

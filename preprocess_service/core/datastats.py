@@ -6,8 +6,9 @@ some, into named arrays (what the plot draws); ``compute_stats`` summarises thos
 JSON-serialisable dict (what the text and ``--json`` show).
 
 A document's modality is one of MODALITY_CLASSES, the first that applies: ``generation`` (it has
-an image to generate), ``interleaved`` (two or more texts), ``audio`` (an audio clip),
-``image-text`` (an encoder image), ``text-only``.
+an image to generate), ``conversation`` (text it only reads: a conversation's role headers and
+user turns; its pieces are separate texts but it is not interleaved data), ``interleaved`` (two or
+more texts), ``audio`` (an audio clip), ``image-text`` (an encoder image), ``text-only``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from preprocess_service.core.planner import StepPlan
 from preprocess_service.core.sample import Document, TextSegment
 
-MODALITY_CLASSES = ("image-text", "audio", "interleaved", "text-only", "generation")
+MODALITY_CLASSES = ("image-text", "audio", "interleaved", "conversation", "text-only", "generation")
 PERCENTILES = (10, 50, 90, 99)
 UNKNOWN = -1
 """A number the source does not give (a manifest's missing size, a text not measured)."""
@@ -83,6 +84,8 @@ class ManifestLike(Protocol):
 def modality_of(doc: Document) -> str:
     if doc.generated:
         return "generation"
+    if any(isinstance(s, TextSegment) and not s.trainable for s in doc.segments):
+        return "conversation"
     if sum(1 for s in doc.segments if isinstance(s, TextSegment)) >= 2:
         return "interleaved"
     if doc.audio:

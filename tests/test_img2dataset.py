@@ -14,7 +14,13 @@ import pytest
 from disttrain_api.errors import SampleError
 from helpers import write_tiny_shards
 from preprocess_service.adapters import img2dataset
-from preprocess_service.adapters.img2dataset import MISSING, failed_rows_as_errors, read_manifest
+from preprocess_service.adapters.img2dataset import (
+    MAX_FAILED_ROWS,
+    MAX_TEXT_CHARS,
+    MISSING,
+    failed_rows_as_errors,
+    read_manifest,
+)
 from preprocess_service.service.job import SkippedRecord
 
 # img2dataset's webdataset output: one row per URL it tried (writer.py's schema, less exif/sha256's content)
@@ -63,6 +69,7 @@ def test_manifest_of_successful_and_failed_rows(tmp_path, rows):
     assert [(f.key, f.status, f.error_message, f.url) for f in manifest.failed] == [
         ("000000002", "failed_to_download", "HTTP Error 404", "https://img.example/2.jpg"),
         ("000000004", "failed_to_resize", "image too small", "https://img.example/4.jpg")]
+    assert manifest.num_failed == 2 and not manifest.more_failed
 
 
 def test_failed_rows_become_download_failed_errors_outside_the_error_tolerance(tmp_path, rows):
@@ -132,13 +139,13 @@ def test_reads_only_the_manifest_columns(tmp_path, rows, monkeypatch):
         r["blob"] = b"\x00" * 4096
     tar = write_parquet(tmp_path / "00000.parquet", rows, big)
     read = []
-    original = pq.ParquetFile.read
+    original = pq.ParquetFile.iter_batches
 
-    def spy(self, columns=None, **kw):
+    def spy(self, *args, columns=None, **kw):
         read.append(columns)
-        return original(self, columns=columns, **kw)
+        return original(self, *args, columns=columns, **kw)
 
-    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
     assert read_manifest(tar).num_samples == 4
     assert read and all(c is not None and "blob" not in c and "similarity" not in c for c in read)
 
@@ -191,3 +198,148 @@ def test_a_job_reports_each_failed_download_once_per_epoch_and_goes_on(tmp_path)
     reported = [r for r in job.report()["skipped"] if r.kind == "download_failed"]
     assert sorted(r.key for r in reported) == [f"00000{90 + i:04d}" for i in range(3)]
     assert all(r.shard.endswith("00000.tar") and "HTTP 404" in r.reason for r in reported)
+
+
+# --- a parquet file is untrusted data: whatever is wrong with it, the shard is read without it ---
+
+@pytest.mark.parametrize("column, value", [
+    (pa.array([2**60], pa.int64()), MISSING),  # beyond float64's exact integers: a checked cast raised
+    (pa.array([2**64 - 1], pa.uint64()), MISSING),
+    (pa.array([2**40], pa.int64()), MISSING),  # absurd: width x height would overflow int64
+    (pa.array([640], pa.int16()), 640),
+    (pa.array([1e300], pa.float64()), MISSING),
+])
+def test_absurd_sizes_are_missing_not_an_error(tmp_path, column, value):
+    table = pa.table({"key": ["000000000"], "status": ["success"], "width": column, "original_width": column})
+    pq.write_table(table, tmp_path / "00000.parquet")
+    manifest = read_manifest(tmp_path / "00000.tar")
+    assert manifest.width.tolist() == [value] and manifest.original_width.tolist() == [value]
+
+
+def test_a_parquet_with_absurd_sizes_does_not_fail_the_job(tmp_path):
+    from disttrain_api.config import JobConfig
+    from preprocess_service.service.job import Job
+
+    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=4)
+    rows = [{"key": f"00000{i:04d}", "status": "success", "width": 2**60} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "00000.parquet")
+    job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024))
+    steps = job.plan_all()
+    assert sum(len(list(job.step_plan(s).documents())) for s in range(steps)) == 4
+
+
+def test_any_failure_building_a_manifest_is_a_warning_but_memory_error(tmp_path, rows, monkeypatch, caplog):
+    tar = write_parquet(tmp_path / "00000.parquet", rows)
+
+    def broken(*args):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(img2dataset, "_manifest", broken)
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(tar) is None
+    assert "RuntimeError: unexpected" in caplog.text and "00000.parquet" in caplog.text
+
+    def no_memory(*args):
+        raise MemoryError
+
+    monkeypatch.setattr(img2dataset, "_manifest", no_memory)
+    write_parquet(tmp_path / "00000.parquet", rows[:3])  # another size: not cached
+    with pytest.raises(MemoryError):
+        read_manifest(tar)
+
+
+def test_a_fifo_named_parquet_never_blocks(tmp_path, caplog):
+    import threading
+
+    fifo = tmp_path / "00000.parquet"
+    os.mkfifo(fifo)
+    got = []
+    with caplog.at_level(logging.WARNING):
+        reader = threading.Thread(target=lambda: got.append(read_manifest(tmp_path / "00000.tar")), daemon=True)
+        reader.start()
+        reader.join(10)
+    if reader.is_alive():  # it blocked in open(): a writer lets it go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("reading a FIFO blocked")
+    assert got == [None] and "FIFO" in caplog.text
+
+
+def test_a_link_out_of_the_shards_folder_is_refused(tmp_path, rows, caplog):
+    elsewhere = write_parquet(tmp_path / "private" / "secret.parquet", rows)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "00000.parquet").symlink_to(elsewhere.with_suffix(".parquet"))
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(tmp_path / "data" / "00000.tar") is None
+    assert "outside the shard's folder" in caplog.text
+    write_parquet(tmp_path / "data" / "00001.real.parquet", rows)  # a link within the folder is fine
+    (tmp_path / "data" / "00001.parquet").symlink_to("00001.real.parquet")
+    assert read_manifest(tmp_path / "data" / "00001.tar").num_samples == 4
+
+
+def test_decoded_size_is_bounded_not_the_files_own(tmp_path, monkeypatch, caplog):
+    """A dictionary-encoded column declares little (the dictionary and its indices) and decodes to
+    much: the bound counts it expanded, batch by batch, and the file is refused."""
+    message = "x" * 1000
+    rows = [row(i, "failed_to_download", caption="a cat", error=message) for i in range(2000)]
+    tar = write_parquet(tmp_path / "00000.parquet", rows)
+    meta = pq.ParquetFile(tmp_path / "00000.parquet").metadata
+    declared = sum(meta.row_group(g).column(j).total_uncompressed_size for g in range(meta.num_row_groups)
+                   for j in range(meta.row_group(g).num_columns))
+    assert declared < 1 << 20 < 2000 * len(message)
+    monkeypatch.setattr(img2dataset, "MAX_UNCOMPRESSED_BYTES", 1 << 20)
+    monkeypatch.setattr(img2dataset, "BATCH_ROWS", 500)
+    with caplog.at_level(logging.WARNING):
+        assert read_manifest(tar) is None
+    assert "decode to more than 1048576 bytes" in caplog.text and "first 1000 rows" in caplog.text  # of 2000
+
+
+def test_reported_texts_are_cut(tmp_path, caplog):
+    long_row = row(0, "failed_to_download", error="E" * 100_000)
+    long_row["url"] = "https://img.example/" + "u" * 100_000
+    long_row["key"] = "k" * 100_000
+    manifest = read_manifest(write_parquet(tmp_path / "00000.parquet", [long_row, row(1)]))
+    (failed,) = manifest.failed
+    assert failed.error_message == "E" * MAX_TEXT_CHARS and len(failed.url) == MAX_TEXT_CHARS
+    assert failed.key == "k" * MAX_TEXT_CHARS
+    (error,) = failed_rows_as_errors(manifest, "/data/00000.tar")
+    assert len(error.reason) < 3 * MAX_TEXT_CHARS
+
+
+def test_failed_rows_are_reported_first_k_then_one_summary(tmp_path):
+    more = 3 * MAX_FAILED_ROWS
+    messages = ["HTTP Error 404"] * 50 + ["timed out"] * 30 + ["image too small"] * 10 + [f"odd {i}" for i in range(6)]
+    rows = [row(i) for i in range(3)] + [row(10 + i, "failed_to_download", error=m) for i, m in enumerate(messages)]
+    assert len(messages) == more
+    manifest = read_manifest(write_parquet(tmp_path / "00000.parquet", rows))
+    assert manifest.num_failed == more and manifest.num_rows == 3 + more and manifest.num_samples == 3
+    assert len(manifest.failed) == MAX_FAILED_ROWS
+    errors = failed_rows_as_errors(manifest, "/data/00000.tar")
+    assert len(errors) == MAX_FAILED_ROWS + 1 and all(e.kind == "download_failed" for e in errors)
+    assert [e.key for e in errors[:-1]] == [f"00000{10 + i:04d}" for i in range(MAX_FAILED_ROWS)]
+    summary, rest = errors[-1], more - MAX_FAILED_ROWS
+    assert summary.key == f"<{rest} more failed downloads>" and summary.shard == "/data/00000.tar"
+    # the rest: 18 x 404, 30 x timed out, 10 x too small, 6 odd ones; the three most common named
+    assert f"{rest} more rows" in summary.reason
+    assert "30 x 'timed out'" in summary.reason and "18 x 'HTTP Error 404'" in summary.reason
+    assert "10 x 'image too small'" in summary.reason and "odd" not in summary.reason
+
+
+def test_a_few_failed_rows_have_no_summary(tmp_path):
+    rows = [row(i, "failed_to_download", error="404") for i in range(MAX_FAILED_ROWS)]
+    errors = failed_rows_as_errors(read_manifest(write_parquet(tmp_path / "00000.parquet", rows)), "s.tar")
+    assert len(errors) == MAX_FAILED_ROWS and not any(e.key.startswith("<") for e in errors)
+
+
+def test_cache_is_bounded_by_bytes(tmp_path, rows, monkeypatch):
+    first = write_parquet(tmp_path / "00000.parquet", rows)
+    second = write_parquet(tmp_path / "00001.parquet", rows)
+    size = read_manifest(first).nbytes
+    monkeypatch.setattr(img2dataset, "CACHE_BYTES", size + size // 2)  # room for one
+    loads = []
+    original = img2dataset.load
+    monkeypatch.setattr(img2dataset, "load", lambda *a, **k: loads.append(a) or original(*a, **k))
+    read_manifest(second)
+    read_manifest(first)
+    assert len(loads) == 2, "the second manifest pushed the first out"
+    assert img2dataset._cache_bytes <= size + size // 2

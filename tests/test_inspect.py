@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from helpers import make_document, write_tiny_shards
+from helpers import jpeg_bytes, make_document, write_tiny_shards
 from preprocess_service.core import datastats
 from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
 from preprocess_service.service import cli, inspect_cli
@@ -50,7 +50,8 @@ def test_numbers_match_the_shards(shards, tmp_path, capsys):
     stats = json.loads((tmp_path / "s.json").read_text())
     texts = captions(shards)
     assert stats["samples"] == {"read": 24, "accepted": 24, "planned": 24, "skipped": 0, "skipped_by_kind": {}}
-    assert stats["modalities"] == {"image-text": 24, "audio": 0, "interleaved": 0, "text-only": 0, "generation": 0}
+    assert stats["modalities"] == {"image-text": 24, "audio": 0, "interleaved": 0, "conversation": 0, "text-only": 0,
+                                   "generation": 0}
     dist = stats["distributions"]
     assert dist["image_tokens"]["count"] == 24 + 4  # a second image in samples 4 and 9 of each shard
     lengths = sorted(len(t) for t in texts.values())
@@ -64,6 +65,34 @@ def test_numbers_match_the_shards(shards, tmp_path, capsys):
     assert sum(stats["modalities"].values()) == stats["samples"]["planned"]
     assert "image-text 24 (100%)" in out and "text characters per document" in out
     assert "no img2dataset manifest" in out and "lower bound" in out
+
+
+LLAVA = {"conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."},
+                           {"from": "human", "value": "Color?"}, {"from": "gpt", "value": "Black."}]}
+OPENAI = {"messages": [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
+                       {"role": "assistant", "content": "hi"}]}
+# as the model reads them: role headers and turns, the <image> marker taken by the image
+LLAVA_TEXT = "USER: \nWhat is it?\nASSISTANT: A cat.\nUSER: Color?\nASSISTANT: Black."
+OPENAI_TEXT = "SYSTEM: Be brief.\nUSER: Say hi\nASSISTANT: hi"
+
+
+def test_conversations_are_their_own_class_and_their_text_is_counted(tmp_path, capsys):
+    extra = {"convo-llava": {"jpg": jpeg_bytes(56, 56), "json": json.dumps(LLAVA).encode()},
+             "convo-openai": {"json": json.dumps(OPENAI).encode()}}
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=6, extra=extra)
+    code, out, _ = run([str(paths[0]), "--no-plot", "--json", str(tmp_path / "s.json")], capsys)
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert code == 0
+    assert stats["samples"] == {"read": 8, "accepted": 8, "planned": 8, "skipped": 0, "skipped_by_kind": {}}
+    assert stats["modalities"]["conversation"] == 2 and stats["modalities"]["image-text"] == 6
+    assert stats["modalities"]["interleaved"] == 0
+    lengths = sorted([len(t) for t in captions(paths).values()] + [len(LLAVA_TEXT), len(OPENAI_TEXT)])
+    dist = stats["distributions"]
+    assert dist["text_chars"]["count"] == 8 and dist["text_chars"]["min"] == lengths[0]
+    assert dist["text_chars"]["max"] == lengths[-1]
+    assert dist["text_tokens"] == dist["text_chars"]  # the byte tokenizer, ASCII text: headers counted too
+    assert "conversation 2 (25%)" in out
 
 
 def test_png_is_written_and_valid(shards, tmp_path, capsys):
@@ -121,16 +150,17 @@ def test_img2dataset_manifests_are_used(tmp_path, capsys):
     paths = write_tiny_shards(tmp_path / "d", num_shards=2, samples_per_shard=4)
     rows = [{"key": f"0000{i:05d}", "status": "success", "caption": "x" * (10 + i), "original_width": 1000 + i,
              "original_height": 500, "error_message": None, "url": f"https://h/{i}"} for i in range(4)]
-    rows.append({"key": "000000004", "status": "failed_to_download", "caption": "lost", "original_width": None,
-                 "original_height": None, "error_message": "HTTP Error 404", "url": "https://h/4"})
+    rows += [{"key": f"0000{i:05d}", "status": "failed_to_download", "caption": "lost", "original_width": None,
+              "original_height": None, "error_message": "HTTP Error 404", "url": f"https://h/{i}"}
+             for i in range(4, 4 + 40)]  # more than the manifest keeps one by one: all are counted
     pq.write_table(pa.Table.from_pylist(rows), paths[0].with_suffix(".parquet"))  # shard 1 keeps its fake
     code, out, _ = run([str(paths[0].parent), "--no-plot", "--json", str(tmp_path / "s.json")], capsys)
     stats = json.loads((tmp_path / "s.json").read_text())
     assert code == 0
-    assert stats["manifests"] == {"shards": 1, "of_shards": 2, "samples": 4, "failed_rows": 1}
+    assert stats["manifests"] == {"shards": 1, "of_shards": 2, "samples": 4, "failed_rows": 40}
     assert stats["distributions"]["manifest_original_width"]["max"] == 1003
     assert stats["distributions"]["manifest_caption_chars"]["min"] == 10
-    assert "manifests of 1 of 2 shards: 4 samples, 1 failed-download rows" in out
+    assert "manifests of 1 of 2 shards: 4 samples, 40 failed-download rows" in out
     assert "caption characters *" in out
 
 
@@ -180,6 +210,11 @@ def test_modality_classes():
     assert datastats.modality_of(doc(text, clip, text)) == "interleaved"
     assert datastats.modality_of(doc(text, target)) == "generation"
     assert datastats.modality_of(doc(text)) == "text-only"
+    header = TextSegment("json:conversations[0]:header", np.arange(6, dtype=np.int32), trainable=False)
+    answer = TextSegment("json:conversations[1]", np.arange(3, dtype=np.int32))
+    assert datastats.modality_of(doc(header, image, text, header, answer)) == "conversation"
+    assert datastats.modality_of(doc(header, text)) == "conversation"
+    assert datastats.modality_of(doc(header, text, target)) == "generation"
 
 
 def test_compute_stats_is_pure_and_exact():

@@ -4,13 +4,20 @@ img2dataset writes, per shard, a parquet file with one row per URL it tried: ``k
 ("success", "failed_to_download", "failed_to_resize"), ``error_message``, ``url``, ``caption``,
 ``width``/``height`` (as stored), ``original_width``/``original_height`` (as downloaded), and more.
 ``read_manifest`` turns it into a Manifest: the successful keys and their sizes (so epoch planning
-knows how many samples a shard holds without reading it) and the failed rows (reported as
-``download_failed`` skips, which lose nothing the tar holds). A parquet file that cannot be used
-is never fatal: the shard is read as any tar, with a warning naming the file.
+knows how many samples a shard holds without reading it), how many rows failed, the first
+MAX_FAILED_ROWS of them and the most common error messages of the others (reported as
+``download_failed`` skips, which lose nothing the tar holds: ``failed_rows_as_errors``). A parquet
+file that cannot be used is never fatal, whatever is wrong with it (MemoryError apart): the shard is
+read as any tar, with a warning naming the file.
 
-Bounded (a parquet file is data too): files above MAX_PARQUET_BYTES, with more than MAX_ROWS rows or
-more than MAX_UNCOMPRESSED_BYTES in the columns read are refused; only those columns are read.
-Manifests are cached by path, modification time and size, so asking again costs a ``stat``.
+Bounded (a parquet file is data too): it is opened as a regular file only (never a FIFO or a
+device), in the shard's own folder (a link to elsewhere is refused); files above MAX_PARQUET_BYTES
+or with more than MAX_ROWS rows are refused; only the manifest's columns are read, in batches of
+BATCH_ROWS rows with text columns kept dictionary-encoded, and the file is refused once those
+columns hold more than MAX_UNCOMPRESSED_BYTES decoded (dictionaries expanded: a small file can
+declare little and decode to much). A failed row's key, status, URL and error message are cut to
+MAX_TEXT_CHARS characters. Manifests are cached by path, modification time and size (at most
+CACHE_ENTRIES of them and about CACHE_BYTES), so asking again costs a ``stat``.
 """
 
 from __future__ import annotations
@@ -33,8 +40,21 @@ MAX_PARQUET_BYTES = 256 << 20
 MAX_ROWS = 1_000_000
 """Parquet files with more rows are refused (img2dataset's default shard is 10,000 rows)."""
 MAX_UNCOMPRESSED_BYTES = 1 << 30
-"""Refused above this many bytes in the columns read, decompressed (a parquet file can be a bomb)."""
+"""Refused above this many bytes in the columns read, as the file declares them uncompressed and as
+they decode (dictionaries expanded)."""
+BATCH_ROWS = 65_536
+"""Rows read at a time; the decoded bound is checked after each batch."""
+MAX_TEXT_CHARS = 512
+"""A failed row's key, status, URL and error message are cut to this many characters."""
+MAX_FAILED_ROWS = 32
+"""Failed rows kept (and reported one by one) per shard; the others are counted and summarised."""
+COMMON_MESSAGES = 3
+"""Most common error messages kept of the failed rows beyond MAX_FAILED_ROWS."""
+MAX_SIZE = 2**31 - 1
+"""Larger sizes and caption lengths are absurd: MISSING (products of two stay within int64)."""
 CACHE_ENTRIES = 4096
+CACHE_BYTES = 256 << 20
+"""About the most memory the cached manifests take (Manifest.nbytes)."""
 SUCCESS = "success"
 REQUIRED_COLUMNS = ("key", "status")
 SIZE_COLUMNS = ("width", "height", "original_width", "original_height")
@@ -46,7 +66,7 @@ MISSING = -1
 
 @dataclass(frozen=True, slots=True)
 class FailedRow:
-    """A URL img2dataset tried and did not write into the tar."""
+    """A URL img2dataset tried and did not write into the tar (texts cut to MAX_TEXT_CHARS)."""
 
     key: str
     status: str
@@ -72,7 +92,8 @@ class SampleSizes:
 @dataclass(frozen=True, slots=True, eq=False)
 class Manifest:
     """One shard's img2dataset parquet: successful keys in row order, their sizes as int64 arrays
-    aligned with ``keys`` (MISSING where absent), and the failed rows."""
+    aligned with ``keys`` (MISSING where absent), and its failed rows: ``num_failed`` of them, the
+    first MAX_FAILED_ROWS in ``failed``, the most common messages of the others in ``more_failed``."""
 
     parquet: str
     keys: tuple[str, ...]
@@ -82,6 +103,11 @@ class Manifest:
     original_height: np.ndarray
     caption_chars: np.ndarray
     failed: tuple[FailedRow, ...]
+    """The first failed rows (at most MAX_FAILED_ROWS)."""
+    num_failed: int
+    """All failed rows."""
+    more_failed: tuple[tuple[str, int], ...] = ()
+    """(error message, rows) of the most common messages among the failed rows not in ``failed``."""
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -91,7 +117,15 @@ class Manifest:
 
     @property
     def num_rows(self) -> int:
-        return len(self.keys) + len(self.failed)
+        return len(self.keys) + self.num_failed
+
+    @property
+    def nbytes(self) -> int:
+        """About the memory it takes (keys, their index, sizes and the failed rows kept)."""
+        per_key = 160 + 5 * 8  # str, tuple slot and index entry; five int64 sizes
+        return (sum(len(k) for k in self.keys) + per_key * len(self.keys) + 400
+                + sum(len(r.key) + len(r.status) + len(r.error_message) + len(r.url) + 300 for r in self.failed)
+                + sum(len(m) + 100 for m, _ in self.more_failed))
 
     def __post_init__(self) -> None:
         if not self._index:
@@ -120,18 +154,22 @@ def parquet_of(tar_path: str | os.PathLike) -> Path | None:
 
 
 _cache: OrderedDict[tuple[str, int, int], Manifest | None] = OrderedDict()
+_cache_bytes = 0
 _cache_lock = threading.Lock()
+_NONE_BYTES = 200
+"""What a cached None (a file that cannot be used) counts for."""
 
 
 def read_manifest(tar_path: str | os.PathLike) -> Manifest | None:
     """The Manifest of a local shard whose sibling parquet exists; None when there is none, or
     (with a warning naming the file) when it cannot be used. Cached by path, mtime and size."""
+    global _cache_bytes
     path = parquet_of(tar_path)
     if path is None:
         return None
     try:
         stat = path.stat()
-    except OSError:
+    except (OSError, ValueError):
         return None
     cache_key = (str(path), stat.st_mtime_ns, stat.st_size)
     with _cache_lock:
@@ -139,44 +177,80 @@ def read_manifest(tar_path: str | os.PathLike) -> Manifest | None:
             _cache.move_to_end(cache_key)
             return _cache[cache_key]
     try:
-        manifest: Manifest | None = load(path, stat.st_size)
+        manifest: Manifest | None = load(path)
     except ManifestError as exc:
         log.warning("img2dataset parquet %s is not used (the shard is read without it): %s", path, exc)
         manifest = None
     with _cache_lock:
-        _cache[cache_key] = manifest
-        while len(_cache) > CACHE_ENTRIES:
-            _cache.popitem(last=False)
+        if cache_key not in _cache:
+            _cache[cache_key] = manifest
+            _cache_bytes += _entry_bytes(manifest)
+        while _cache and (len(_cache) > CACHE_ENTRIES or _cache_bytes > CACHE_BYTES):
+            _cache_bytes -= _entry_bytes(_cache.popitem(last=False)[1])
     return manifest
 
 
+def _entry_bytes(manifest: Manifest | None) -> int:
+    return _NONE_BYTES if manifest is None else manifest.nbytes
+
+
 def load(path: Path, size: int | None = None) -> Manifest:
-    """Reads one img2dataset parquet within the bounds; ManifestError says why it cannot be used."""
-    import pyarrow as pa
+    """Reads one img2dataset parquet within the bounds. Whatever goes wrong (but MemoryError) is a
+    ManifestError saying why it cannot be used. ``size`` is unused (the open file is measured)."""
+    try:
+        return _load(Path(path))
+    except (ManifestError, MemoryError):
+        raise
+    except Exception as exc:  # not parquet, damaged, unreadable, not a regular file, unexpected content
+        raise ManifestError(f"cannot read it as an img2dataset parquet ({type(exc).__name__}: "
+                            f"{str(exc)[:200]})") from None
+
+
+def _load(path: Path) -> Manifest:
     import pyarrow.parquet as pq
 
-    size = path.stat().st_size if size is None else size
-    if size > MAX_PARQUET_BYTES:
-        raise ManifestError(f"{size} bytes, more than {MAX_PARQUET_BYTES}")
-    try:
-        with pq.ParquetFile(path) as parquet:
-            columns = _columns_to_read(parquet)
-            table = parquet.read(columns=columns)
-    except (OSError, pa.ArrowException, ValueError) as exc:  # not parquet, damaged, unreadable
-        raise ManifestError(f"cannot read it as parquet ({type(exc).__name__}: {str(exc)[:200]})") from None
-    return _manifest(str(path), table)
+    from preprocess_service.adapters.shards import open_regular
+
+    real = _in_its_folder(path)
+    with open_regular(real) as f:  # never blocks on a FIFO; refuses what is not a regular file
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_PARQUET_BYTES:
+            raise ManifestError(f"{size} bytes, more than {MAX_PARQUET_BYTES}")
+        with pq.ParquetFile(f) as parquet:
+            columns, texts = _columns_to_read(parquet)
+            metadata = parquet.metadata
+        f.seek(0)
+        with pq.ParquetFile(f, metadata=metadata, read_dictionary=texts) as parquet:  # texts stay compact
+            batches = _read_bounded(parquet, columns)
+    return _manifest(str(path), batches)
 
 
-def _columns_to_read(parquet) -> list[str]:
-    """The manifest's columns this file has; ManifestError when a bound or a required column fails."""
+def _in_its_folder(path: Path) -> str:
+    """The real path of ``path``, which must be in the real folder of the shard beside it (a link
+    to elsewhere could lead outside the folders the service may read)."""
+    real = os.path.realpath(path)
+    folder = os.path.realpath(path.parent)
+    if os.path.dirname(real) != folder:
+        raise ManifestError(f"it is a link to {real[:200]!r}, outside the shard's folder {folder[:200]!r}")
+    return real
+
+
+def _columns_to_read(parquet) -> tuple[list[str], list[str]]:
+    """(the manifest's columns this file has, those of them holding text); ManifestError when a
+    bound or a required column fails."""
+    import pyarrow as pa
+
     meta = parquet.metadata
     if meta.num_rows > MAX_ROWS:
         raise ManifestError(f"{meta.num_rows} rows, more than {MAX_ROWS}")
-    names = set(parquet.schema_arrow.names)
+    schema = parquet.schema_arrow
+    names = set(schema.names)
     missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
         raise ManifestError(f"no column {missing} (columns: {sorted(names)[:20]})")
     columns = [c for c in COLUMNS if c in names]
+    texts = [c for c in columns if pa.types.is_string(schema.field(c).type) or
+             pa.types.is_large_string(schema.field(c).type)]
     unpacked = 0
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
@@ -187,53 +261,141 @@ def _columns_to_read(parquet) -> list[str]:
     if unpacked > MAX_UNCOMPRESSED_BYTES:
         raise ManifestError(f"its columns {columns} hold {unpacked} bytes uncompressed, more than "
                             f"{MAX_UNCOMPRESSED_BYTES}")
-    return columns
+    return columns, texts
 
 
-def _manifest(path: str, table) -> Manifest:
+def _read_bounded(parquet, columns: list[str]) -> list:
+    """The record batches of ``columns``, read BATCH_ROWS rows at a time; ManifestError as soon as
+    they hold more than MAX_UNCOMPRESSED_BYTES decoded (the file's own sizes may lie)."""
+    batches, decoded, rows = [], 0, 0
+    for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False):
+        decoded += sum(_decoded_bytes(name, column) for name, column in zip(batch.schema.names, batch.columns))
+        rows += batch.num_rows
+        if decoded > MAX_UNCOMPRESSED_BYTES:
+            raise ManifestError(f"its columns {columns} decode to more than {MAX_UNCOMPRESSED_BYTES} bytes "
+                                f"(dictionaries expanded) in the first {rows} rows")
+        batches.append(batch)
+    return batches
+
+
+def _decoded_bytes(name: str, array) -> int:
+    """Bytes ``array`` would take with its dictionary (if any) expanded, plus the dictionary."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if not pa.types.is_dictionary(array.type):
+        return array.nbytes
+    values = array.dictionary.type
+    base = array.dictionary.nbytes + array.indices.nbytes
+    if pa.types.is_primitive(values) and values.bit_width >= 8:
+        return base + len(array) * values.bit_width // 8
+    if pa.types.is_string(values) or pa.types.is_large_string(values) or pa.types.is_binary(values) \
+            or pa.types.is_large_binary(values):
+        lengths = pc.sum(pc.take(pc.binary_length(array.dictionary), array.indices)).as_py() or 0
+        return base + 8 * len(array) + lengths
+    raise ManifestError(f"column {name!r} holds a dictionary of {values}")
+
+
+def _manifest(path: str, batches: list) -> Manifest:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not batches:
+        empty = np.empty(0, dtype=np.int64)
+        return Manifest(parquet=path, keys=(), width=empty, height=empty, original_width=empty,
+                        original_height=empty, caption_chars=empty, failed=(), num_failed=0)
+    table = pa.Table.from_batches(batches)
+    names = table.column_names
     try:
-        keys = _strings(table.column("key"))
-        status = _strings(table.column("status"))
+        keys = _strings(_plain(table.column("key")))
+        status = _plain(table.column("status"))
+        if not (pa.types.is_string(status.type) or pa.types.is_large_string(status.type)):
+            raise ValueError(f"type {status.type}")
     except (pa.ArrowException, ValueError) as exc:
         raise ManifestError(f"its key or status column cannot be read as text ({exc})") from None
-    ok = np.array([s == SUCCESS for s in status], dtype=bool)
+    ok = pc.fill_null(pc.equal(status, SUCCESS), False).to_numpy(zero_copy_only=False).astype(bool)
     good_keys = tuple(k for k, good in zip(keys, ok) if good)
     if any(k is None for k in good_keys):
         raise ManifestError("a successful row has no key")
     rows = len(ok)
-    sizes = {name: _ints(table.column(name) if name in table.column_names else None, rows)[ok]
-             for name in SIZE_COLUMNS}
-    captions = table.column("caption") if "caption" in table.column_names else None
+    sizes = {name: _ints(table.column(name) if name in names else None, rows)[ok] for name in SIZE_COLUMNS}
+    captions = _plain(table.column("caption")) if "caption" in names else None
     is_text = captions is not None and (pa.types.is_string(captions.type) or pa.types.is_large_string(captions.type))
     chars = _ints(pc.utf8_length(captions) if is_text else None, rows)[ok]
     failed_rows = np.flatnonzero(~ok)
-    details = {name: (table.column(name).take(pa.array(failed_rows)).to_pylist()
-                      if name in table.column_names and len(failed_rows) else [None] * len(failed_rows))
-               for name in FAILURE_COLUMNS}
-    failed = tuple(FailedRow(keys[i] or "", status[i] or "", str(message or ""), str(url or ""))
-                   for i, message, url in zip(failed_rows, details["error_message"], details["url"]))
-    return Manifest(parquet=path, keys=good_keys, caption_chars=chars, failed=failed, **sizes)
+    kept, rest = failed_rows[:MAX_FAILED_ROWS], failed_rows[MAX_FAILED_ROWS:]
+    details = {name: _cut_texts(table.column(name), kept) if name in names else [None] * len(kept)
+               for name in ("status", *FAILURE_COLUMNS)}
+    failed = tuple(FailedRow(_cut(keys[i]), status or "", message or "", url or "")
+                   for i, status, message, url in zip(kept, details["status"], details["error_message"],
+                                                      details["url"]))
+    more = _common_messages(table.column("error_message"), rest) if "error_message" in names and len(rest) else ()
+    return Manifest(parquet=path, keys=good_keys, caption_chars=chars, failed=failed,
+                    num_failed=len(failed_rows), more_failed=more, **sizes)
+
+
+def _plain(column):
+    """A column with its dictionaries (if any) expanded."""
+    import pyarrow as pa
+
+    if not pa.types.is_dictionary(column.type):
+        return column
+    return pa.chunked_array([chunk.dictionary.take(chunk.indices) for chunk in column.chunks],
+                            type=column.type.value_type)
+
+
+def _cut_texts(column, rows: np.ndarray) -> list[str | None]:
+    """The values at ``rows`` as text cut to MAX_TEXT_CHARS (None where null)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    picked = _plain(column.take(pa.array(rows, type=pa.int64())))
+    if pa.types.is_string(picked.type) or pa.types.is_large_string(picked.type):
+        return pc.utf8_slice_codeunits(picked, 0, MAX_TEXT_CHARS).to_pylist()
+    return [None if v is None else _cut(str(v)) for v in picked.to_pylist()]
+
+
+def _cut(text: str | None) -> str:
+    return "" if text is None else text[:MAX_TEXT_CHARS]
+
+
+def _common_messages(column, rows: np.ndarray) -> tuple[tuple[str, int], ...]:
+    """The COMMON_MESSAGES most common error messages at ``rows`` (cut), with their counts."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    picked = column.take(pa.array(rows, type=pa.int64()))
+    if pa.types.is_dictionary(picked.type):  # cut the few distinct values, not every row
+        value_type = picked.type.value_type
+        if pa.types.is_string(value_type) or pa.types.is_large_string(value_type):
+            picked = pa.chunked_array([pa.DictionaryArray.from_arrays(
+                chunk.indices, pc.utf8_slice_codeunits(chunk.dictionary, 0, MAX_TEXT_CHARS))
+                for chunk in picked.chunks])
+        picked = _plain(picked)
+    elif pa.types.is_string(picked.type) or pa.types.is_large_string(picked.type):
+        picked = pc.utf8_slice_codeunits(picked, 0, MAX_TEXT_CHARS)
+    counts = pc.value_counts(picked).to_pylist()
+    counts.sort(key=lambda vc: -vc["counts"])
+    return tuple((_cut(str(vc["values"])) if vc["values"] is not None else "", int(vc["counts"]))
+                 for vc in counts[:COMMON_MESSAGES])
 
 
 def _ints(column, rows: int) -> np.ndarray:
-    """An integer or float column as int64: MISSING for nulls, NaN, negatives, absurd values and
-    columns of another type (or none)."""
+    """An integer or float column as int64: MISSING for nulls, NaN, negatives, values above MAX_SIZE
+    and columns of another type (or none)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if column is None or not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         return np.full(rows, MISSING, dtype=np.int64)
-    values = pc.fill_null(column.cast(pa.float64()), float("nan")).to_numpy()
-    valid = np.isfinite(values) & (values >= 0) & (values < 2.0**53)
+    # unchecked: an integer beyond 2**53 loses precision (then is MISSING) instead of raising
+    values = pc.fill_null(column.cast(pa.float64(), safe=False), float("nan")).to_numpy()
+    valid = np.isfinite(values) & (values >= 0) & (values <= MAX_SIZE)
     return np.where(valid, values, MISSING).astype(np.int64)
 
 
 def _strings(column) -> list[str | None]:
-    """A key or status column as text: strings as they are, integers as img2dataset's old
-    9-digit keys."""
+    """A key column as text: strings as they are, integers as img2dataset's old 9-digit keys."""
     import pyarrow as pa
 
     if pa.types.is_integer(column.type):
@@ -244,12 +406,21 @@ def _strings(column) -> list[str | None]:
 
 
 def failed_rows_as_errors(manifest: Manifest, shard_url: str) -> list[SampleError]:
-    """One ``download_failed`` SampleError per failed row of ``manifest`` (key, shard and
-    img2dataset's error message); they do not count toward the job's error tolerance."""
+    """``download_failed`` SampleErrors for the failed rows of ``manifest``: one per row kept (the
+    first MAX_FAILED_ROWS: key, shard and img2dataset's error message), then, when there are more,
+    one for all the others (key ``<N more failed downloads>``, the most common messages in its
+    reason), so a shard's report stays small whatever img2dataset's failure rate. They do not
+    count toward the job's error tolerance."""
     out = []
     for row in manifest.failed:
         message = row.error_message or "no error message"
         where = f" from {row.url}" if row.url else ""
         out.append(SampleError(row.key, f"img2dataset did not write it ({row.status}{where}: {message})",
                                shard_url, "download_failed"))
+    more = manifest.num_failed - len(manifest.failed)
+    if more > 0:
+        common = ", ".join(f"{n} x {message or 'no error message'!r}" for message, n in manifest.more_failed)
+        out.append(SampleError(f"<{more} more failed downloads>",
+                               f"img2dataset did not write {more} more rows of {Path(manifest.parquet).name} "
+                               f"(most common errors: {common or 'none given'})", shard_url, "download_failed"))
     return out

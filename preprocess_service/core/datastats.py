@@ -6,8 +6,9 @@ some, into named arrays (what the plot draws); ``compute_stats`` summarises thos
 JSON-serialisable dict (what the text and ``--json`` show).
 
 A document's modality is one of MODALITY_CLASSES, the first that applies: ``generation`` (it has
-an image to generate), ``interleaved`` (two or more texts), ``audio`` (an audio clip),
-``image-text`` (an encoder image), ``text-only``.
+an image to generate), ``conversation`` (text it only reads: a conversation's role headers and
+user turns; its pieces are separate texts but it is not interleaved data), ``interleaved`` (two or
+more texts), ``audio`` (an audio clip), ``image-text`` (an encoder image), ``text-only``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from preprocess_service.core.planner import StepPlan
 from preprocess_service.core.sample import Document, TextSegment
 
-MODALITY_CLASSES = ("image-text", "audio", "interleaved", "text-only", "generation")
+MODALITY_CLASSES = ("image-text", "audio", "interleaved", "conversation", "text-only", "generation")
 PERCENTILES = (10, 50, 90, 99)
 UNKNOWN = -1
 """A number the source does not give (a manifest's missing size, a text not measured)."""
@@ -73,7 +74,8 @@ class ManifestLike(Protocol):
     original_width: np.ndarray
     original_height: np.ndarray
     caption_chars: np.ndarray
-    failed: tuple
+    num_failed: int
+    """Its failed-download rows, all of them."""
 
     @property
     def num_samples(self) -> int: ...
@@ -82,6 +84,8 @@ class ManifestLike(Protocol):
 def modality_of(doc: Document) -> str:
     if doc.generated:
         return "generation"
+    if any(isinstance(s, TextSegment) and not s.trainable for s in doc.segments):
+        return "conversation"
     if sum(1 for s in doc.segments if isinstance(s, TextSegment)) >= 2:
         return "interleaved"
     if doc.audio:
@@ -180,7 +184,7 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
         per_dataset.append({"name": name, "planned": sum(1 for d in documents if d.dataset == i),
                             "modalities": _modalities(d for d in documents if d.dataset == i),
                             "manifest_shards": len(mine), "manifest_samples": sum(m.num_samples for m in mine),
-                            "manifest_failed_rows": sum(len(m.failed) for m in mine)})
+                            "manifest_failed_rows": sum(m.num_failed for m in mine)})
     totals = {name: float(values[f"step_{name}"].sum()) for name in ("iteration_s", "arrival_iteration_s",
                                                                        "lower_bound_s")}
     return {
@@ -194,7 +198,7 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
         "steps": {"count": len(steps), **{f"total_{k}": v for k, v in totals.items()}},
         "manifests": {"shards": len(manifests), "of_shards": num_shards,
                       "samples": sum(m.num_samples for _, m in manifests),
-                      "failed_rows": sum(len(m.failed) for _, m in manifests)},
+                      "failed_rows": sum(m.num_failed for _, m in manifests)},
         "distributions": {name: distribution(v) for name, v in values.items()},
     }
 

@@ -26,10 +26,12 @@ from pathlib import Path
 from disttrain_api.cli_args import add_job_arguments
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, DisttrainError
+from preprocess_service.adapters.conversations import TextPiece, parse_conversation
 from preprocess_service.adapters.img2dataset import Manifest, read_manifest
 from preprocess_service.adapters.samples import CAPTION_MEMBER
 from preprocess_service.core.datastats import (
     MODALITY_CLASSES,
+    UNKNOWN,
     DocumentFacts,
     StepFacts,
     compute_stats,
@@ -86,17 +88,33 @@ def _measuring(parse: Callable[[dict], Document], chars: dict, out: Collected) -
     def parse_and_measure(sample: dict) -> Document:
         doc = parse(sample)
         out.num_parsed += 1
-        chars[(doc.shard, doc.key)] = sum(_text_chars(sample, seg.member) for seg in doc.segments
-                                          if isinstance(seg, TextSegment))
+        chars[(doc.shard, doc.key)] = text_chars(sample, doc)
         return doc
 
     return parse_and_measure
 
 
-def _text_chars(sample: dict, member: str) -> int:
-    if member == CAPTION_MEMBER:
-        return len(json.loads(sample["json"]).get("caption", ""))
-    return len(sample[member].decode("utf-8", errors="replace"))
+def text_chars(sample: dict, doc: Document) -> int:
+    """Characters of ``doc``'s texts as ``sample`` holds them: its text members, its JSON caption or
+    its conversation (role headers and turns, conversations.py); UNKNOWN if they cannot be measured.
+    Never raises: a measurement is no reason to skip a sample the service accepted."""
+    try:
+        total, conversation = 0, False
+        for seg in doc.segments:
+            if not isinstance(seg, TextSegment):
+                continue
+            if seg.member == CAPTION_MEMBER:
+                total += len(json.loads(sample["json"]).get("caption", ""))
+            elif seg.member.startswith("json:"):  # a conversation's pseudo-members: no member of the sample
+                conversation = True
+            else:
+                total += len(sample[seg.member].decode("utf-8", errors="replace"))
+        if conversation:
+            pieces = parse_conversation(json.loads(sample["json"])) or []
+            total += sum(len(p.text) for p in pieces if isinstance(p, TextPiece))
+        return total
+    except Exception:  # whatever the sample holds, inspect goes on
+        return UNKNOWN
 
 
 # --- text --------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
@@ -18,10 +19,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import PermissionDenied
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import sources
+from preprocess_service.adapters import shardcache, sources
 from preprocess_service.adapters.decode import InlineDecoder
 from preprocess_service.adapters.remote import FetchPolicy
-from preprocess_service.adapters.shardcache import ShardCache
+from preprocess_service.adapters.shardcache import Claim, ShardCache
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.core.planner import EpochPlanner
@@ -149,6 +150,70 @@ def test_a_slow_but_progressing_download_is_not_abandoned(data, nginx, tmp_path)
     keys = {s["__key__"] for s in reader.iter_shard(f"{nginx.url}/slow/{data[0].name}", problems.append)}
     assert time.monotonic() - begin > 2.0
     assert not problems and keys == shard_keys(data[:1])
+
+
+def _claim(cache: ShardCache, url: str, data: bytes, **kw) -> Claim:
+    claim = cache.acquire(url, **kw)
+    assert isinstance(claim, Claim) and claim.reserve(len(data)) and claim.temp_path is not None
+    with open(claim.temp_path, "wb") as f:
+        f.write(data)
+    return claim
+
+
+@pytest.mark.parametrize("fault", ["rename", "closed"])
+def test_a_commit_that_fails_ends_the_download(data, nginx, tmp_path, monkeypatch, fault):
+    """The disk refusing the rename, or the cache closed (its directory removed) mid-download:
+    the claim ends, its room is freed, and the next reader of the URL claims it again at once
+    (it used to wait wait_timeout_s for a download nobody was making, then fail)."""
+    cache, url = ShardCache(1 << 20, str(tmp_path / "cache")), "http://example.org/a.tar"
+    claim = _claim(cache, url, b"x" * 100)
+    rename = os.rename
+    if fault == "rename":
+        monkeypatch.setattr(shardcache.os, "rename", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    else:
+        cache.close()
+    with pytest.raises(OSError):
+        claim.commit()
+    monkeypatch.setattr(shardcache.os, "rename", rename)
+    assert cache.stats().used_bytes == 0 and not os.path.exists(claim.temp_path)
+    assert isinstance(cache.acquire(url, wait_timeout_s=0.05), Claim)
+    # through a reader: the shard is streamed instead, and the next read caches it
+    reader, failed = _reader(tmp_path / "reader"), []
+
+    def rename_once(src, dst):
+        if not failed and dst.endswith(".tar"):
+            failed.append(dst)
+            raise OSError(5, "Input/output error")
+        return rename(src, dst)
+
+    monkeypatch.setattr(shardcache.os, "rename", rename_once)
+    shard = f"{nginx.url}/{data[0].name}"
+    assert {s["__key__"] for s in reader.iter_shard(shard, pytest.fail)} == shard_keys(data[:1])
+    assert set(reader.read_samples(shard, {"000000003"})) == {"000000003"}
+    events = reader.cache.stats().events
+    assert failed and events["bypass"] == 1 and events["miss"] == 2 and reader.cache.stats().shards == 1
+
+
+def test_a_cache_directory_being_made_is_never_taken_for_a_dead_one(tmp_path, monkeypatch):
+    """Another server's cleanup (``_remove_dead_caches``) running while this cache makes its
+    directory, between creating the lock file and locking it, must not remove it."""
+    parent, real_open = tmp_path / "caches", os.open
+
+    def open_then_cleanup(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if flags & os.O_CREAT and os.path.basename(os.path.dirname(str(path))).startswith(shardcache.DIR_PREFIX):
+            shardcache._remove_dead_caches(str(parent))  # a second process: its own open file and flock
+        return fd
+
+    monkeypatch.setattr(shardcache.os, "open", open_then_cleanup)
+    cache = ShardCache(1 << 20, str(parent))
+    claim = _claim(cache, "http://example.org/a.tar", b"x" * 10)
+    monkeypatch.setattr(shardcache.os, "open", real_open)
+    assert claim.commit() and os.path.isdir(cache.directory)
+    shardcache._remove_dead_caches(str(parent))  # alive: kept
+    assert os.path.isdir(cache.directory)
+    cache.close()
+    assert not os.path.exists(cache.directory)
 
 
 @pytest.mark.parametrize("ignore_ranges", [False, True], ids=["range", "no-range"])

@@ -416,7 +416,11 @@ def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy
     except Exception as exc:
         got.abandon(exc)
         raise
-    path = _download(got, remote, cache) if remote.size is not None and got.reserve(remote.size) else None
+    try:
+        path = _download(got, remote, cache) if remote.size is not None and got.reserve(remote.size) else None
+    except BaseException as exc:  # the claim ends whatever happened (abandoning it twice does nothing)
+        got.abandon(exc)
+        raise
     if path is not None:
         yield from _cached(cache, url, path, start)
         return
@@ -451,17 +455,17 @@ def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None
             while chunk := _read_chunk(remote, claim):
                 out.write(chunk)
                 claim.touch()
+        return claim.commit()
     except FetchError as exc:
         claim.abandon(exc)
         raise
-    except OSError as exc:  # the local disk: full, read-only, removed
+    except OSError as exc:  # the local disk: full, read-only, removed (also by the cache's close)
         log.warning("cannot cache %s in %s (%s); it is streamed uncached", claim.url, claim.temp_path, exc)
         claim.abandon(None)
         return None
-    except Exception as exc:
+    except BaseException as exc:
         claim.abandon(exc)
         raise
-    return claim.commit()
 
 
 def _read_chunk(remote: RemoteFile, claim: Claim) -> bytes:

@@ -11,11 +11,15 @@ the tar-header index for a microbatch's samples) instead of being fetched again 
 - **Once**: the first caller of a URL gets a ``Claim`` and downloads it (to a temp file, renamed
   when complete); others asking for the same URL meanwhile wait for that download, and give up
   with TimeoutError after ``wait_timeout_s`` without progress. A failed download fails its
-  waiters with the same error; the next caller tries again (a failure is not remembered).
+  waiters with the same error; the next caller tries again (a failure is not remembered). A
+  claim always ends: a commit that fails (the local disk, or the cache closed meanwhile) frees
+  its room and lets the waiters try themselves.
 - **Where**: a directory of its own per cache (``disttrain-shards-*``) under ``parent``
   (default: the system's temp dir), created at the first download and removed when the cache
-  is closed or the process exits. Each holds a lock (flock) while alive, so the directories of
-  processes that died without cleaning up are removed by the next cache made under ``parent``.
+  is closed or the process exits. Each holds a lock (flock on its ``.lock`` file, which only
+  appears already locked: it is created under another name, locked, then renamed) while alive,
+  so the directories of processes that died without cleaning up are removed by the next cache
+  made under ``parent``, and never one being created.
   Nothing is kept across restarts.
 - **Counters** (``stats()``, and the Prometheus metrics in metrics.py): bytes fetched per URL
   (also by readers that stream), hits, misses, shards streamed uncached, evictions, retries,
@@ -27,6 +31,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -38,8 +43,11 @@ from dataclasses import dataclass, field
 
 from preprocess_service.adapters import metrics
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CACHE_BYTES = 8 << 30
 """8 GiB: a few dozen LAION shards of 10,000 samples (200-400 MB each)."""
+LOCK_NAME = ".lock"
 DIR_PREFIX = "disttrain-shards-"
 MAX_URLS_COUNTED = 65_536
 """Per-URL byte counts kept (the oldest are dropped beyond it); the totals keep counting."""
@@ -97,11 +105,14 @@ class Claim:
         self._flight.last_progress = time.monotonic()
 
     def commit(self) -> str:
-        """The completed temp file becomes the cached shard, pinned for this caller."""
+        """The completed temp file becomes the cached shard, pinned for this caller. Raises
+        OSError when it cannot (the local disk; the cache closed meanwhile): the claim is then
+        abandoned, its room freed, and the waiters try themselves."""
         return self.cache._commit(self)
 
     def abandon(self, error: BaseException | None = None) -> None:
-        """Gives the claim up: ``error`` goes to the waiters (None: they try themselves)."""
+        """Gives the claim up: ``error`` goes to the waiters (None: they try themselves). Does
+        nothing once the claim ended (committed, or abandoned before)."""
         self.cache._end(self, error)
 
 
@@ -198,9 +209,14 @@ class ShardCache:
                     room += entry.size
             if room < size:
                 return False
+            try:
+                directory = self._directory()
+            except OSError as exc:  # the parent cannot hold it: streamed
+                log.warning("cannot make a shard cache directory under %s (%s); remote shards are streamed uncached",
+                            self.parent or tempfile.gettempdir(), exc)
+                return False
             for url in victims:
                 self._evict(url)
-            directory = self._directory()
             name = hashlib.sha256(claim.url.encode()).hexdigest()[:40]
             claim.temp_path = os.path.join(directory, f"{name}.{os.urandom(4).hex()}.part")
             claim._flight.reserved = size
@@ -211,10 +227,21 @@ class ShardCache:
     def _commit(self, claim: Claim) -> str:
         assert claim.temp_path is not None, "commit without a reservation"
         path = claim.temp_path.rsplit(".", 2)[0] + ".tar"
-        size = os.path.getsize(claim.temp_path)
-        os.rename(claim.temp_path, path)
+        try:
+            if self._closed:
+                raise FileNotFoundError(f"the shard cache was closed while {claim.url} was downloaded")
+            size = os.path.getsize(claim.temp_path)
+            os.rename(claim.temp_path, path)
+        except BaseException as exc:  # the claim ends whatever happened: no waiter waits for it in vain
+            self._end(claim, None if isinstance(exc, OSError) else exc)
+            raise
         with self._lock:
             flight = claim._flight
+            if self._closed:  # closed between the rename and now: its directory is gone or going
+                _unlink(path)
+                self._release_room(flight)
+                self._finish(claim, None)
+                raise FileNotFoundError(f"the shard cache was closed while {claim.url} was downloaded")
             self._used += size - flight.reserved
             metrics.SHARD_CACHE_BYTES.inc(size - flight.reserved)
             flight.reserved = 0
@@ -223,15 +250,22 @@ class ShardCache:
         return path
 
     def _end(self, claim: Claim, error: BaseException | None) -> None:
+        if claim._flight.done:
+            return
         if claim.temp_path is not None:
             _unlink(claim.temp_path)
         with self._lock:
-            self._used -= claim._flight.reserved
-            metrics.SHARD_CACHE_BYTES.dec(claim._flight.reserved)
-            claim._flight.reserved = 0
+            self._release_room(claim._flight)
             self._finish(claim, error)
 
+    def _release_room(self, flight: _Flight) -> None:
+        self._used -= flight.reserved
+        metrics.SHARD_CACHE_BYTES.dec(flight.reserved)
+        flight.reserved = 0
+
     def _finish(self, claim: Claim, error: BaseException | None) -> None:
+        if claim._flight.done:  # ended before: the first ending's error stands
+            return
         claim._flight.done, claim._flight.error = True, error
         if self._flights.get(claim.url) is claim._flight:
             del self._flights[claim.url]
@@ -251,8 +285,18 @@ class ShardCache:
             os.makedirs(parent, exist_ok=True)
             _remove_dead_caches(parent)
             directory = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
-            lock_fd = os.open(os.path.join(directory, ".lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:  # locked before it gets the name another process's _remove_dead_caches looks for
+                making = os.path.join(directory, LOCK_NAME + ".new")
+                lock_fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.rename(making, os.path.join(directory, LOCK_NAME))
+                except BaseException:
+                    os.close(lock_fd)
+                    raise
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
             self._dir = directory
             self._finalizer = weakref.finalize(self, _remove_directory, directory, lock_fd, os.getpid())
         return self._dir
@@ -295,7 +339,7 @@ def _remove_dead_caches(parent: str) -> None:
     for name in names:
         directory = os.path.join(parent, name)
         try:
-            fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue  # not ours, or being created right now
         try:

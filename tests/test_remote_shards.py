@@ -322,7 +322,18 @@ def fake_s3(data, monkeypatch):
 
 
 def test_object_store_shards_are_read_through_fsspec_only_when_allowed(data, fake_s3, tmp_path, monkeypatch):
+    import fsspec
+    import fsspec.core
+
     monkeypatch.setattr(sys.modules["webdataset.gopen"], "gopen", lambda *a, **k: pytest.fail("gopen runs programs"))
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda *a, **k: pytest.fail("url_to_fs interprets URL syntax"))
+    made, filesystem = [], fsspec.filesystem
+
+    def recorded(protocol, **options):
+        made.append((protocol, options))
+        return filesystem(protocol, **options)
+
+    monkeypatch.setattr(fsspec, "filesystem", recorded)
     with pytest.raises(PermissionDenied, match="object store"):
         sources.resolve(fake_s3[:1], ShardPolicy())
     reader = _reader(tmp_path, policy=ShardPolicy(allowed_schemes=("file", "s3"),
@@ -334,6 +345,27 @@ def test_object_store_shards_are_read_through_fsspec_only_when_allowed(data, fak
     problems = []
     assert list(reader.iter_shard("s3://bucket/laion/nope.tar", problems.append)) == []
     assert problems[0].kind == "shard_error" and "FileNotFoundError" in problems[0].reason
+    # the filesystem made for the scheme, with the read timeout for connecting and reading
+    timeouts = {"connect_timeout": reader.read_timeout_s, "read_timeout": reader.read_timeout_s}
+    assert made and all(m == ("s3", {"config_kwargs": timeouts}) for m in made)
+
+
+def test_object_store_requests_have_timeouts(monkeypatch):
+    """s3fs gets botocore's connect and read timeouts, gcsfs an aiohttp timeout per request (it
+    has none by default); what the operator set in fsspec's config wins."""
+    from types import SimpleNamespace
+
+    import fsspec.config
+
+    from preprocess_service.adapters.remote import store_options
+
+    assert store_options("s3", 7.0) == {"config_kwargs": {"connect_timeout": 7.0, "read_timeout": 7.0}}
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 99}})
+    assert store_options("s3", 7.0) == {"config_kwargs": {"connect_timeout": 7.0, "read_timeout": 99}}
+    monkeypatch.setitem(sys.modules, "aiohttp", SimpleNamespace(ClientTimeout=lambda **kw: kw))  # gcsfs's dependency
+    assert store_options("gs", 7.0) == {"requests_timeout": {"sock_connect": 7.0, "sock_read": 7.0}}
+    monkeypatch.setitem(fsspec.config.conf, "gcs", {"requests_timeout": 30})
+    assert store_options("gs", 7.0) == {}
 
 
 def test_s3_shards_through_s3fs_against_a_local_s3_server(data, tmp_path, monkeypatch):

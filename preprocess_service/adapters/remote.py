@@ -19,7 +19,10 @@ shard that changed (size or ETag/Last-Modified) while it was read, a size above
 Object stores use the server's own credentials (s3fs: AWS_* variables, ~/.aws; gcsfs: Google
 application default credentials), so they are only read when the operator lists the scheme in
 allowed_shard_schemes; fsspec runs no program for them (webdataset's gopen would run
-``aws``/``gsutil``).
+``aws``/``gsutil``). Their filesystem is made for the scheme (``fsspec.filesystem``) and given the
+plain ``bucket/key``: nothing in a name is read as fsspec URL syntax (``::`` chains, which
+sources.parse refuses anyway), and every request has the read timeout (s3fs: botocore's
+connect_timeout and read_timeout; gcsfs: aiohttp's sock_connect and sock_read).
 """
 
 from __future__ import annotations
@@ -332,12 +335,32 @@ def _length(url: str, value: str | None) -> int | None:
     return int(value)
 
 
-def fsspec_connector(location: str) -> Connector:
-    """Connects to an object (s3://bucket/key, gs://bucket/key) through fsspec."""
+def store_options(scheme: str, timeout_s: float) -> dict[str, Any]:
+    """The fsspec filesystem options of an object store: ``timeout_s`` for connecting and for
+    each read (options the operator set in fsspec's config for the scheme win)."""
+    import fsspec.config
+
+    aliases = ("gcs", "gs") if scheme == "gs" else (scheme,)  # gcsfs answers to both
+    configured = {key: value for alias in aliases for key, value in fsspec.config.conf.get(alias, {}).items()}
+    if scheme == "s3":  # s3fs -> botocore.config.Config
+        return {"config_kwargs": {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                                  **configured.get("config_kwargs", {})}}
+    if scheme == "gs" and "requests_timeout" not in configured:  # gcsfs: for every aiohttp request; none by default
+        import aiohttp  # gcsfs's own dependency
+
+        return {"requests_timeout": aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)}
+    return {}
+
+
+def fsspec_connector(source: Source, timeout_s: float) -> Connector:
+    """Connects to an object (s3://bucket/key, gs://bucket/key; sources.parse normalised it)
+    through fsspec, ``timeout_s`` per request."""
+    location = source.location
+    path = location[len(source.scheme) + len("://"):]  # bucket/key
     try:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(location)
+        fs = fsspec.filesystem(source.scheme, **store_options(source.scheme, timeout_s))
     except ImportError as exc:
         raise FetchError(f"cannot read {location}: {exc} (pip install 'disttrain[remote]' installs fsspec, s3fs "
                          "and gcsfs)", transient=False) from None
@@ -384,7 +407,7 @@ class _ObjectBody:
 def connector(source: Source, policy: ShardPolicy, timeout_s: float) -> Connector:
     if source.scheme in HTTP_SCHEMES:
         return http_connector(source.location, policy, timeout_s)
-    return fsspec_connector(source.location)
+    return fsspec_connector(source, timeout_s)
 
 
 # --- through the cache ------------------------------------------------------------------------

@@ -226,6 +226,63 @@ def test_a_cache_directory_being_made_is_never_taken_for_a_dead_one(tmp_path, mo
     assert not os.path.exists(cache.directory)
 
 
+def test_a_download_that_trickles_gives_its_room_in_the_cache_back(data, tmp_path):
+    """A server sending a byte now and then keeps the watchdog and the socket timeouts content;
+    a download into the cache must also keep up shard_fetch_min_bytes_per_s (after a grace of
+    retry_window_s), else it fails and frees the room it reserved (evicting others for it)."""
+    name = f"/{data[0].name}"
+    server = RangeServer(data[0].parent, Plan(pace={name: (50, 0.05)}))  # 2.5 s by the server's pauses alone
+    try:
+        fetch = FetchPolicy(retries=3, backoff_s=0.05, retry_window_s=0.3, min_bytes_per_s=1 << 40)
+        reader, problems = _reader(tmp_path, fetch=fetch), []
+        assert list(reader.iter_shard(server.url + name, problems.append)) == []
+        assert [p.kind for p in problems] == ["shard_error"] and "shard_fetch_min_bytes_per_s" in problems[0].reason
+        stats = reader.cache.stats()
+        assert stats.used_bytes == 0 and stats.shards == 0 and stats.events["failure"] == 1
+        assert 0 < stats.fetched_total < data[0].stat().st_size  # given up part way
+        claim = reader.cache.acquire(server.url + name, wait_timeout_s=0.05)  # nobody waits for it in vain
+        assert isinstance(claim, Claim)
+        claim.abandon()
+    finally:
+        server.close()
+
+
+def test_one_owner_holds_at_most_its_share_of_the_cache(data, nginx, tmp_path):
+    """What one job pins or has reserved is at most owner_share of the cache: beyond, its
+    downloads are streamed; others (and it, once it released what it pinned) cache as before."""
+    cache = ShardCache(1000, str(tmp_path / "cache"), owner_share=0.5)
+    first = _claim(cache, "http://h/1.tar", b"x" * 400, owner="a")
+    second = cache.acquire("http://h/2.tar", owner="a")
+    assert isinstance(second, Claim) and not second.reserve(200)  # 400 reserved + 200 > 500
+    second.abandon()
+    third = cache.acquire("http://h/3.tar", owner="b")
+    assert isinstance(third, Claim) and third.reserve(400)  # another job's share
+    third.abandon()
+    first.commit()  # now pinned by "a"
+    assert cache.held("a") == 400 and cache.held("b") == 0
+    assert isinstance(hit := cache.acquire("http://h/1.tar", owner="b"), str) and hit  # a hit is never refused
+    assert cache.held("b") == 400
+    cache.release("http://h/1.tar", owner="b")
+    again = cache.acquire("http://h/2.tar", owner="a")
+    assert isinstance(again, Claim) and not again.reserve(200)
+    cache.release("http://h/1.tar", owner="a")
+    assert cache.held("a") == 0 and again.reserve(200)  # unpinned: room again
+    again.abandon()
+    unowned = cache.acquire("http://h/4.tar")
+    assert isinstance(unowned, Claim) and unowned.reserve(600)  # no owner: the cache's size alone
+    unowned.abandon()
+    # through readers: a shard larger than a job's share is streamed for that job, cached otherwise
+    size = data[0].stat().st_size
+    shared = _reader(tmp_path / "shared", cache_bytes=size * 3 // 2)
+    url = f"{nginx.url}/{data[0].name}"
+    job = shared.for_owner("job-1")
+    assert job.cache is shared.cache and job.owner == "job-1"
+    assert {s["__key__"] for s in job.iter_shard(url, pytest.fail)} == shard_keys(data[:1])
+    assert shared.cache.stats().events["bypass"] == 1 and shared.cache.stats().shards == 0
+    assert {s["__key__"] for s in shared.iter_shard(url, pytest.fail)} == shard_keys(data[:1])
+    assert shared.cache.stats().shards == 1 and shared.cache.stats().used_bytes == size
+
+
 @pytest.mark.parametrize("ignore_ranges", [False, True], ids=["range", "no-range"])
 def test_a_connection_dropped_mid_shard_is_resumed(data, tmp_path, ignore_ranges):
     drops = {f"/{p.name}": p.stat().st_size // 2 for p in data}

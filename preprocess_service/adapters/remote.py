@@ -16,6 +16,14 @@ shard that changed (size or ETag/Last-Modified) while it was read, a size above
 ``max_shard_bytes``. Every socket read has a timeout, and every byte received calls
 ``progress`` (the reader thread's watchdog in shards.py sees a slow download progressing).
 
+A download into the cache holds room there (reserved from the announced size, evicting other
+shards) until it ends, so it must also keep up a minimum throughput: once it has fallen more
+than ``retry_window_s`` behind ``min_bytes_per_s`` (fewer than ``min_bytes_per_s * (seconds
+since it began - retry_window_s)`` bytes), the shard fails and its room is freed; a server
+that trickles a byte at a time cannot keep a reservation indefinitely. A stream (no cache room)
+holds nothing shared and is bounded by the reader's watchdog alone. With the cache's per-owner
+share (shardcache.py), one job can neither hold nor keep reserved more than its share.
+
 Object stores use the server's own credentials (s3fs: AWS_* variables, ~/.aws; gcsfs: Google
 application default credentials), so they are only read when the operator lists the scheme in
 allowed_shard_schemes; fsspec runs no program for them (webdataset's gopen would run
@@ -81,9 +89,13 @@ class FetchPolicy:
     """Seconds without a byte after which no more retries are made."""
     max_shard_bytes: int = 16 << 30
     """Largest remote shard read (Content-Length or object size; counted when none is given)."""
+    min_bytes_per_s: int = 256 << 10
+    """Least average throughput of a download into the cache, after a grace of retry_window_s
+    (256 KiB/s: a 400 MB shard within about 27 minutes); 0: none."""
 
     def __post_init__(self) -> None:
-        if self.retries < 0 or self.backoff_s < 0 or self.retry_window_s <= 0 or self.max_shard_bytes < 1:
+        if self.retries < 0 or self.backoff_s < 0 or self.retry_window_s <= 0 or self.max_shard_bytes < 1 or \
+                self.min_bytes_per_s < 0:
             raise ValueError(f"invalid fetch policy {self}")
 
 
@@ -425,14 +437,14 @@ class Opened:
 
 @contextmanager
 def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy: ShardPolicy, timeout_s: float,
-                progress: Callable[[], None] = _nothing, start: int = 0) -> Iterator[Opened]:
+                progress: Callable[[], None] = _nothing, start: int = 0, owner: str | None = None) -> Iterator[Opened]:
     """``source`` from byte ``start``: its cached copy (downloaded first if needed), or a stream
-    when the cache has no room for it (counted ``bypass``)."""
+    when the cache has no room for it, or none within ``owner``'s share (counted ``bypass``)."""
     url = source.url
     connect = connector(source, policy, timeout_s)
-    got = cache.acquire(url, progress, timeout_s)
+    got = cache.acquire(url, progress, timeout_s, owner=owner)
     if isinstance(got, str):
-        yield from _cached(cache, url, got, start)
+        yield from _cached(cache, url, got, start, owner)
         return
     try:
         remote = RemoteFile(url, connect, fetch, cache, progress=progress)
@@ -445,7 +457,7 @@ def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy
         got.abandon(exc)
         raise
     if path is not None:
-        yield from _cached(cache, url, path, start)
+        yield from _cached(cache, url, path, start, owner)
         return
     got.abandon(None)
     cache.count("bypass")
@@ -459,13 +471,13 @@ def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy
         yield Opened(remote, None)
 
 
-def _cached(cache: ShardCache, url: str, path: str, start: int) -> Iterator[Opened]:
+def _cached(cache: ShardCache, url: str, path: str, start: int, owner: str | None) -> Iterator[Opened]:
     try:
         with open(path, "rb") as f:
             f.seek(start)
             yield Opened(f, path)
     finally:
-        cache.release(url)
+        cache.release(url, owner)
 
 
 def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None:
@@ -473,11 +485,13 @@ def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None
     local disk refused it (the caller streams instead). A fetch error abandons the claim and is raised."""
     cache.count("miss")
     assert claim.temp_path is not None
+    began = time.monotonic()
     try:
         with remote, open(claim.temp_path, "wb") as out:
             while chunk := _read_chunk(remote, claim):
                 out.write(chunk)
                 claim.touch()
+                _keep_up(remote, began, cache)
         return claim.commit()
     except FetchError as exc:
         claim.abandon(exc)
@@ -489,6 +503,18 @@ def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None
     except BaseException as exc:
         claim.abandon(exc)
         raise
+
+
+def _keep_up(remote: RemoteFile, began: float, cache: ShardCache) -> None:
+    """Fails a download into the cache that fell more than retry_window_s behind min_bytes_per_s."""
+    policy = remote.policy
+    elapsed = time.monotonic() - began
+    if policy.min_bytes_per_s and elapsed > policy.retry_window_s + remote.position / policy.min_bytes_per_s:
+        cache.count("failure")
+        raise FetchError(f"{remote.url} came at {remote.position / elapsed:.0f} bytes/s ({remote.position} of "
+                         f"{remote.size} bytes in {elapsed:.1f} s), below shard_fetch_min_bytes_per_s "
+                         f"({policy.min_bytes_per_s}) for more than shard_fetch_retry_window_s "
+                         f"({policy.retry_window_s:g} s): given up", transient=False)
 
 
 def _read_chunk(remote: RemoteFile, claim: Claim) -> bytes:

@@ -8,6 +8,12 @@ the tar-header index for a microbatch's samples) instead of being fetched again 
   evicted. A shard that cannot get room (larger than the whole cache, or the rest is pinned) is
   not cached: its reader streams it (remote.py), and it is fetched again when read again.
   ``max_bytes = 0`` turns caching off.
+- **Share**: a caller may name an ``owner`` (a job): what one owner pins (cached shards it is
+  reading) and has reserved (its downloads under way) is at most ``owner_share`` of
+  ``max_bytes`` (half by default); a download that would take it beyond gets no room and is
+  streamed, so no single job can pin the whole cache or keep all of it reserved. Reading a
+  shard already cached is never refused. Callers that name no owner are bound by ``max_bytes``
+  alone.
 - **Once**: the first caller of a URL gets a ``Claim`` and downloads it (to a temp file, renamed
   when complete); others asking for the same URL meanwhile wait for that download, and give up
   with TimeoutError after ``wait_timeout_s`` without progress. A failed download fails its
@@ -47,6 +53,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 8 << 30
 """8 GiB: a few dozen LAION shards of 10,000 samples (200-400 MB each)."""
+DEFAULT_OWNER_SHARE = 0.5
+"""Most of the cache one owner (a job) may pin or have reserved (``ShardCache.owner_share``)."""
 LOCK_NAME = ".lock"
 DIR_PREFIX = "disttrain-shards-"
 MAX_URLS_COUNTED = 65_536
@@ -76,12 +84,20 @@ class _Entry:
     path: str
     size: int
     pins: int = 0
+    owners: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Pins per owner (the pins of callers that named one)."""
+
+    def pin(self, owner: str | None) -> None:
+        self.pins += 1
+        if owner is not None:
+            self.owners[owner] += 1
 
 
 @dataclass(slots=True)
 class _Flight:
     """A download under way; waiters watch ``last_progress``."""
 
+    owner: str | None = None
     reserved: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     done: bool = False
@@ -119,10 +135,13 @@ class Claim:
 class ShardCache:
     """Whole remote shards on local disk, at most ``max_bytes``; thread-safe."""
 
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, parent: str | None = None):
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, parent: str | None = None, *,
+                 owner_share: float = DEFAULT_OWNER_SHARE):
         if max_bytes < 0:
             raise ValueError(f"a shard cache's max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes, self.parent = max_bytes, parent
+        if not 0 < owner_share <= 1:
+            raise ValueError(f"a shard cache's owner_share must be in (0, 1], got {owner_share}")
+        self.max_bytes, self.parent, self.owner_share = max_bytes, parent, owner_share
         self._lock = threading.Condition()
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()  # LRU first
         self._flights: dict[str, _Flight] = {}
@@ -135,11 +154,13 @@ class ShardCache:
         self._fetched_total = 0
 
     # --- reading ------------------------------------------------------------------------------
-    def acquire(self, url: str, touch: Callable[[], None] = lambda: None, wait_timeout_s: float = 60.0) -> str | Claim:
-        """The path of ``url``'s cached copy, pinned until ``release(url)``; or a Claim when the
-        caller is to download it. While another caller downloads it, waits (calling ``touch``
-        whenever that download progresses) and raises TimeoutError after ``wait_timeout_s``
-        without progress, or that download's error when it fails."""
+    def acquire(self, url: str, touch: Callable[[], None] = lambda: None, wait_timeout_s: float = 60.0, *,
+                owner: str | None = None) -> str | Claim:
+        """The path of ``url``'s cached copy, pinned until ``release(url, owner)``; or a Claim
+        when the caller is to download it. While another caller downloads it, waits (calling
+        ``touch`` whenever that download progresses) and raises TimeoutError after
+        ``wait_timeout_s`` without progress, or that download's error when it fails. ``owner``
+        (a job) is whose share (``owner_share``) the pin and the claim's room count against."""
         with self._lock:
             while (flight := self._flights.get(url)) is not None:
                 seen = flight.last_progress
@@ -155,19 +176,32 @@ class ShardCache:
                                        "which made no progress")
             entry = self._entries.get(url)
             if entry is not None:
-                entry.pins += 1
+                entry.pin(owner)
                 self._entries.move_to_end(url)
                 self._event("hit")
                 return entry.path
-            flight = self._flights[url] = _Flight()
+            flight = self._flights[url] = _Flight(owner)
             return Claim(self, url, flight)
 
-    def release(self, url: str) -> None:
-        """Unpins a path ``acquire`` or ``Claim.commit`` returned."""
+    def release(self, url: str, owner: str | None = None) -> None:
+        """Unpins a path ``acquire`` or ``Claim.commit`` returned (the same ``owner``)."""
         with self._lock:
             entry = self._entries.get(url)
             if entry is not None and entry.pins > 0:
                 entry.pins -= 1
+                if owner is not None and entry.owners[owner] > 0:
+                    entry.owners[owner] -= 1
+                    if not entry.owners[owner]:
+                        del entry.owners[owner]
+
+    def held(self, owner: str) -> int:
+        """Bytes ``owner`` pins (cached shards it reads) or has reserved (its downloads under way)."""
+        with self._lock:
+            return self._held(owner)
+
+    def _held(self, owner: str) -> int:
+        return sum(f.reserved for f in self._flights.values() if f.owner == owner) + \
+            sum(e.size for e in self._entries.values() if e.owners[owner])
 
     # --- counters -----------------------------------------------------------------------------
     def count_fetched(self, url: str, nbytes: int) -> None:
@@ -199,6 +233,9 @@ class ShardCache:
         with self._lock:
             if self._closed or size > self.max_bytes:
                 return False
+            owner = claim._flight.owner
+            if owner is not None and self._held(owner) + size > self.owner_share * self.max_bytes:
+                return False  # this owner's share is taken: streamed
             room = self.max_bytes - self._used
             victims = []
             for url, entry in self._entries.items():  # least recently used first
@@ -245,7 +282,8 @@ class ShardCache:
             self._used += size - flight.reserved
             metrics.SHARD_CACHE_BYTES.inc(size - flight.reserved)
             flight.reserved = 0
-            self._entries[claim.url] = _Entry(path, size, pins=1)
+            entry = self._entries[claim.url] = _Entry(path, size)
+            entry.pin(flight.owner)
             self._finish(claim, None)
         return path
 

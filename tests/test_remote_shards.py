@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,10 +18,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import PermissionDenied
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import sources
+from preprocess_service.adapters import shardcache, sources
 from preprocess_service.adapters.decode import InlineDecoder
 from preprocess_service.adapters.remote import FetchPolicy
-from preprocess_service.adapters.shardcache import ShardCache
+from preprocess_service.adapters.shardcache import Claim, ShardCache
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.core.planner import EpochPlanner
@@ -142,13 +142,145 @@ def test_two_threads_reading_one_url_download_it_once(data, nginx, tmp_path):
     assert reader.cache.stats().events["miss"] == 1
 
 
-def test_a_slow_but_progressing_download_is_not_abandoned(data, nginx, tmp_path):
-    reader = _reader(tmp_path, read_timeout_s=1.0)  # the download takes about 2.5 s at 96 KB/s
-    problems = []
-    begin = time.monotonic()
-    keys = {s["__key__"] for s in reader.iter_shard(f"{nginx.url}/slow/{data[0].name}", problems.append)}
-    assert time.monotonic() - begin > 2.0
-    assert not problems and keys == shard_keys(data[:1])
+def test_a_slow_but_progressing_download_is_not_abandoned(data, tmp_path):
+    """The server pauses between pieces of the shard: each pause is well within read_timeout_s,
+    all of them together (by the server's own sleeps, whatever the machine's speed) longer. The
+    download completes in one request and the watchdog never fires."""
+    name, pieces, pause = f"/{data[0].name}", 16, 0.1
+    server = RangeServer(data[0].parent, Plan(pace={name: (pieces, pause)}))
+    try:
+        reader = _reader(tmp_path, read_timeout_s=1.0)
+        assert (pieces - 1) * pause > reader.read_timeout_s
+        problems = []
+        keys = {s["__key__"] for s in reader.iter_shard(server.url + name, problems.append)}
+        assert not problems and keys == shard_keys(data[:1])  # no read_timeout, nothing lost
+        size = data[0].stat().st_size
+        assert server.requests == [(name, "", 200, size)]  # one request, sent whole
+        stats = reader.cache.stats()
+        assert stats.fetched_total == size and stats.events["miss"] == 1 and stats.events["retry"] == 0
+    finally:
+        server.close()
+
+
+def _claim(cache: ShardCache, url: str, data: bytes, **kw) -> Claim:
+    claim = cache.acquire(url, **kw)
+    assert isinstance(claim, Claim) and claim.reserve(len(data)) and claim.temp_path is not None
+    with open(claim.temp_path, "wb") as f:
+        f.write(data)
+    return claim
+
+
+@pytest.mark.parametrize("fault", ["rename", "closed"])
+def test_a_commit_that_fails_ends_the_download(data, nginx, tmp_path, monkeypatch, fault):
+    """The disk refusing the rename, or the cache closed (its directory removed) mid-download:
+    the claim ends, its room is freed, and the next reader of the URL claims it again at once
+    (it used to wait wait_timeout_s for a download nobody was making, then fail)."""
+    cache, url = ShardCache(1 << 20, str(tmp_path / "cache")), "http://example.org/a.tar"
+    claim = _claim(cache, url, b"x" * 100)
+    rename = os.rename
+    if fault == "rename":
+        monkeypatch.setattr(shardcache.os, "rename", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    else:
+        cache.close()
+    with pytest.raises(OSError):
+        claim.commit()
+    monkeypatch.setattr(shardcache.os, "rename", rename)
+    assert cache.stats().used_bytes == 0 and not os.path.exists(claim.temp_path)
+    assert isinstance(cache.acquire(url, wait_timeout_s=0.05), Claim)
+    # through a reader: the shard is streamed instead, and the next read caches it
+    reader, failed = _reader(tmp_path / "reader"), []
+
+    def rename_once(src, dst):
+        if not failed and dst.endswith(".tar"):
+            failed.append(dst)
+            raise OSError(5, "Input/output error")
+        return rename(src, dst)
+
+    monkeypatch.setattr(shardcache.os, "rename", rename_once)
+    shard = f"{nginx.url}/{data[0].name}"
+    assert {s["__key__"] for s in reader.iter_shard(shard, pytest.fail)} == shard_keys(data[:1])
+    assert set(reader.read_samples(shard, {"000000003"})) == {"000000003"}
+    events = reader.cache.stats().events
+    assert failed and events["bypass"] == 1 and events["miss"] == 2 and reader.cache.stats().shards == 1
+
+
+def test_a_cache_directory_being_made_is_never_taken_for_a_dead_one(tmp_path, monkeypatch):
+    """Another server's cleanup (``_remove_dead_caches``) running while this cache makes its
+    directory, between creating the lock file and locking it, must not remove it."""
+    parent, real_open = tmp_path / "caches", os.open
+
+    def open_then_cleanup(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if flags & os.O_CREAT and os.path.basename(os.path.dirname(str(path))).startswith(shardcache.DIR_PREFIX):
+            shardcache._remove_dead_caches(str(parent))  # a second process: its own open file and flock
+        return fd
+
+    monkeypatch.setattr(shardcache.os, "open", open_then_cleanup)
+    cache = ShardCache(1 << 20, str(parent))
+    claim = _claim(cache, "http://example.org/a.tar", b"x" * 10)
+    monkeypatch.setattr(shardcache.os, "open", real_open)
+    assert claim.commit() and os.path.isdir(cache.directory)
+    shardcache._remove_dead_caches(str(parent))  # alive: kept
+    assert os.path.isdir(cache.directory)
+    cache.close()
+    assert not os.path.exists(cache.directory)
+
+
+def test_a_download_that_trickles_gives_its_room_in_the_cache_back(data, tmp_path):
+    """A server sending a byte now and then keeps the watchdog and the socket timeouts content;
+    a download into the cache must also keep up shard_fetch_min_bytes_per_s (after a grace of
+    retry_window_s), else it fails and frees the room it reserved (evicting others for it)."""
+    name = f"/{data[0].name}"
+    server = RangeServer(data[0].parent, Plan(pace={name: (50, 0.05)}))  # 2.5 s by the server's pauses alone
+    try:
+        fetch = FetchPolicy(retries=3, backoff_s=0.05, retry_window_s=0.3, min_bytes_per_s=1 << 40)
+        reader, problems = _reader(tmp_path, fetch=fetch), []
+        assert list(reader.iter_shard(server.url + name, problems.append)) == []
+        assert [p.kind for p in problems] == ["shard_error"] and "shard_fetch_min_bytes_per_s" in problems[0].reason
+        stats = reader.cache.stats()
+        assert stats.used_bytes == 0 and stats.shards == 0 and stats.events["failure"] == 1
+        assert 0 < stats.fetched_total < data[0].stat().st_size  # given up part way
+        claim = reader.cache.acquire(server.url + name, wait_timeout_s=0.05)  # nobody waits for it in vain
+        assert isinstance(claim, Claim)
+        claim.abandon()
+    finally:
+        server.close()
+
+
+def test_one_owner_holds_at_most_its_share_of_the_cache(data, nginx, tmp_path):
+    """What one job pins or has reserved is at most owner_share of the cache: beyond, its
+    downloads are streamed; others (and it, once it released what it pinned) cache as before."""
+    cache = ShardCache(1000, str(tmp_path / "cache"), owner_share=0.5)
+    first = _claim(cache, "http://h/1.tar", b"x" * 400, owner="a")
+    second = cache.acquire("http://h/2.tar", owner="a")
+    assert isinstance(second, Claim) and not second.reserve(200)  # 400 reserved + 200 > 500
+    second.abandon()
+    third = cache.acquire("http://h/3.tar", owner="b")
+    assert isinstance(third, Claim) and third.reserve(400)  # another job's share
+    third.abandon()
+    first.commit()  # now pinned by "a"
+    assert cache.held("a") == 400 and cache.held("b") == 0
+    assert isinstance(hit := cache.acquire("http://h/1.tar", owner="b"), str) and hit  # a hit is never refused
+    assert cache.held("b") == 400
+    cache.release("http://h/1.tar", owner="b")
+    again = cache.acquire("http://h/2.tar", owner="a")
+    assert isinstance(again, Claim) and not again.reserve(200)
+    cache.release("http://h/1.tar", owner="a")
+    assert cache.held("a") == 0 and again.reserve(200)  # unpinned: room again
+    again.abandon()
+    unowned = cache.acquire("http://h/4.tar")
+    assert isinstance(unowned, Claim) and unowned.reserve(600)  # no owner: the cache's size alone
+    unowned.abandon()
+    # through readers: a shard larger than a job's share is streamed for that job, cached otherwise
+    size = data[0].stat().st_size
+    shared = _reader(tmp_path / "shared", cache_bytes=size * 3 // 2)
+    url = f"{nginx.url}/{data[0].name}"
+    job = shared.for_owner("job-1")
+    assert job.cache is shared.cache and job.owner == "job-1"
+    assert {s["__key__"] for s in job.iter_shard(url, pytest.fail)} == shard_keys(data[:1])
+    assert shared.cache.stats().events["bypass"] == 1 and shared.cache.stats().shards == 0
+    assert {s["__key__"] for s in shared.iter_shard(url, pytest.fail)} == shard_keys(data[:1])
+    assert shared.cache.stats().shards == 1 and shared.cache.stats().used_bytes == size
 
 
 @pytest.mark.parametrize("ignore_ranges", [False, True], ids=["range", "no-range"])
@@ -206,15 +338,15 @@ def test_missing_and_unreachable_shards_are_reported_and_the_rest_delivered(data
     reader = _reader(tmp_path)
     job = Job(_config([f"{nginx.url}/{data[0].name}", missing, dead, f"{nginx.url}/{data[2].name}"]),
               retain_steps=1, reader=reader)
-    begin = time.monotonic()
+    start = len(nginx.log())
     delivered = [key for keys, _ in _epoch(job) for key in keys]
-    assert time.monotonic() - begin < 20
     assert sorted(delivered) == sorted(shard_keys([data[0], data[2]]))
     reasons = {s.shard: s for s in job.report()["skipped"]}
     assert reasons[missing].kind == "shard_error" and "HTTP 404" in reasons[missing].reason
     assert reasons[dead].kind == "shard_error" and "Connection refused" in reasons[dead].reason
-    assert f"after {FAST.retries + 1} attempts" in reasons[dead].reason  # the 404 is not retried
-    assert reader.cache.stats().events["failure"] == 1
+    assert f"after {FAST.retries + 1} attempts" in reasons[dead].reason  # bounded: retries, not a wall time
+    assert [line.path for line in nginx.log()[start:] if line.status == 404] == ["/missing.tar"]  # not retried
+    assert reader.cache.stats().events["failure"] == 1 and reader.cache.stats().events["retry"] == FAST.retries
 
 
 def test_sizes_from_the_server_are_bounded(data, nginx, tmp_path):
@@ -247,7 +379,18 @@ def fake_s3(data, monkeypatch):
 
 
 def test_object_store_shards_are_read_through_fsspec_only_when_allowed(data, fake_s3, tmp_path, monkeypatch):
+    import fsspec
+    import fsspec.core
+
     monkeypatch.setattr(sys.modules["webdataset.gopen"], "gopen", lambda *a, **k: pytest.fail("gopen runs programs"))
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda *a, **k: pytest.fail("url_to_fs interprets URL syntax"))
+    made, filesystem = [], fsspec.filesystem
+
+    def recorded(protocol, **options):
+        made.append((protocol, options))
+        return filesystem(protocol, **options)
+
+    monkeypatch.setattr(fsspec, "filesystem", recorded)
     with pytest.raises(PermissionDenied, match="object store"):
         sources.resolve(fake_s3[:1], ShardPolicy())
     reader = _reader(tmp_path, policy=ShardPolicy(allowed_schemes=("file", "s3"),
@@ -259,6 +402,27 @@ def test_object_store_shards_are_read_through_fsspec_only_when_allowed(data, fak
     problems = []
     assert list(reader.iter_shard("s3://bucket/laion/nope.tar", problems.append)) == []
     assert problems[0].kind == "shard_error" and "FileNotFoundError" in problems[0].reason
+    # the filesystem made for the scheme, with the read timeout for connecting and reading
+    timeouts = {"connect_timeout": reader.read_timeout_s, "read_timeout": reader.read_timeout_s}
+    assert made and all(m == ("s3", {"config_kwargs": timeouts}) for m in made)
+
+
+def test_object_store_requests_have_timeouts(monkeypatch):
+    """s3fs gets botocore's connect and read timeouts, gcsfs an aiohttp timeout per request (it
+    has none by default); what the operator set in fsspec's config wins."""
+    from types import SimpleNamespace
+
+    import fsspec.config
+
+    from preprocess_service.adapters.remote import store_options
+
+    assert store_options("s3", 7.0) == {"config_kwargs": {"connect_timeout": 7.0, "read_timeout": 7.0}}
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 99}})
+    assert store_options("s3", 7.0) == {"config_kwargs": {"connect_timeout": 7.0, "read_timeout": 99}}
+    monkeypatch.setitem(sys.modules, "aiohttp", SimpleNamespace(ClientTimeout=lambda **kw: kw))  # gcsfs's dependency
+    assert store_options("gs", 7.0) == {"requests_timeout": {"sock_connect": 7.0, "sock_read": 7.0}}
+    monkeypatch.setitem(fsspec.config.conf, "gcs", {"requests_timeout": 30})
+    assert store_options("gs", 7.0) == {}
 
 
 def test_s3_shards_through_s3fs_against_a_local_s3_server(data, tmp_path, monkeypatch):

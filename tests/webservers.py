@@ -132,6 +132,9 @@ class Plan:
     """Answer every request 200 with the whole file (a server without Range support)."""
     fail_first: dict[str, int] = field(default_factory=dict)
     """Path -> how many first requests get 503."""
+    pace: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Path -> (pieces, seconds): the body is sent in that many pieces with that pause between
+    two (a slow server whose delays the test controls, not the machine's speed)."""
 
 
 class RangeServer:
@@ -180,9 +183,9 @@ class RangeServer:
         headers = {"ETag": f'"{len(data)}-{int(file.stat().st_mtime)}"', "Accept-Ranges": "bytes"}
         if start:
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        self._answer(handler, path, rng, 206 if start else 200, data[start:], headers, drop)
+        self._answer(handler, path, rng, 206 if start else 200, data[start:], headers, drop, self.plan.pace.get(path))
 
-    def _answer(self, handler, path, rng, status, body, headers, drop=None) -> None:
+    def _answer(self, handler, path, rng, status, body, headers, drop=None, pace=None) -> None:
         handler.send_response(status)
         handler.send_header("Content-Length", str(len(body)))
         for name, value in headers.items():
@@ -191,11 +194,19 @@ class RangeServer:
             handler.send_header("Connection", "close")
         handler.end_headers()
         sent = body if drop is None else body[:drop]
+        pieces, pause = pace or (1, 0.0)
+        step = -(-len(sent) // pieces) or 1
+        written = 0
         try:
-            handler.wfile.write(sent)
-            handler.wfile.flush()
-        except OSError:
+            for offset in range(0, len(sent), step):
+                if offset:
+                    time.sleep(pause)
+                handler.wfile.write(sent[offset:offset + step])
+                handler.wfile.flush()
+                written = min(len(sent), offset + step)
+        except OSError:  # the client went away
             pass
+        sent = sent[:written]
         if drop is not None:
             handler.close_connection = True
             handler.connection.shutdown(socket.SHUT_RDWR)

@@ -16,10 +16,21 @@ shard that changed (size or ETag/Last-Modified) while it was read, a size above
 ``max_shard_bytes``. Every socket read has a timeout, and every byte received calls
 ``progress`` (the reader thread's watchdog in shards.py sees a slow download progressing).
 
+A download into the cache holds room there (reserved from the announced size, evicting other
+shards) until it ends, so it must also keep up a minimum throughput: once it has fallen more
+than ``retry_window_s`` behind ``min_bytes_per_s`` (fewer than ``min_bytes_per_s * (seconds
+since it began - retry_window_s)`` bytes), the shard fails and its room is freed; a server
+that trickles a byte at a time cannot keep a reservation indefinitely. A stream (no cache room)
+holds nothing shared and is bounded by the reader's watchdog alone. With the cache's per-owner
+share (shardcache.py), one job can neither hold nor keep reserved more than its share.
+
 Object stores use the server's own credentials (s3fs: AWS_* variables, ~/.aws; gcsfs: Google
 application default credentials), so they are only read when the operator lists the scheme in
 allowed_shard_schemes; fsspec runs no program for them (webdataset's gopen would run
-``aws``/``gsutil``).
+``aws``/``gsutil``). Their filesystem is made for the scheme (``fsspec.filesystem``) and given the
+plain ``bucket/key``: nothing in a name is read as fsspec URL syntax (``::`` chains, which
+sources.parse refuses anyway), and every request has the read timeout (s3fs: botocore's
+connect_timeout and read_timeout; gcsfs: aiohttp's sock_connect and sock_read).
 """
 
 from __future__ import annotations
@@ -78,9 +89,13 @@ class FetchPolicy:
     """Seconds without a byte after which no more retries are made."""
     max_shard_bytes: int = 16 << 30
     """Largest remote shard read (Content-Length or object size; counted when none is given)."""
+    min_bytes_per_s: int = 256 << 10
+    """Least average throughput of a download into the cache, after a grace of retry_window_s
+    (256 KiB/s: a 400 MB shard within about 27 minutes); 0: none."""
 
     def __post_init__(self) -> None:
-        if self.retries < 0 or self.backoff_s < 0 or self.retry_window_s <= 0 or self.max_shard_bytes < 1:
+        if self.retries < 0 or self.backoff_s < 0 or self.retry_window_s <= 0 or self.max_shard_bytes < 1 or \
+                self.min_bytes_per_s < 0:
             raise ValueError(f"invalid fetch policy {self}")
 
 
@@ -332,12 +347,32 @@ def _length(url: str, value: str | None) -> int | None:
     return int(value)
 
 
-def fsspec_connector(location: str) -> Connector:
-    """Connects to an object (s3://bucket/key, gs://bucket/key) through fsspec."""
+def store_options(scheme: str, timeout_s: float) -> dict[str, Any]:
+    """The fsspec filesystem options of an object store: ``timeout_s`` for connecting and for
+    each read (options the operator set in fsspec's config for the scheme win)."""
+    import fsspec.config
+
+    aliases = ("gcs", "gs") if scheme == "gs" else (scheme,)  # gcsfs answers to both
+    configured = {key: value for alias in aliases for key, value in fsspec.config.conf.get(alias, {}).items()}
+    if scheme == "s3":  # s3fs -> botocore.config.Config
+        return {"config_kwargs": {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                                  **configured.get("config_kwargs", {})}}
+    if scheme == "gs" and "requests_timeout" not in configured:  # gcsfs: for every aiohttp request; none by default
+        import aiohttp  # gcsfs's own dependency
+
+        return {"requests_timeout": aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)}
+    return {}
+
+
+def fsspec_connector(source: Source, timeout_s: float) -> Connector:
+    """Connects to an object (s3://bucket/key, gs://bucket/key; sources.parse normalised it)
+    through fsspec, ``timeout_s`` per request."""
+    location = source.location
+    path = location[len(source.scheme) + len("://"):]  # bucket/key
     try:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(location)
+        fs = fsspec.filesystem(source.scheme, **store_options(source.scheme, timeout_s))
     except ImportError as exc:
         raise FetchError(f"cannot read {location}: {exc} (pip install 'disttrain[remote]' installs fsspec, s3fs "
                          "and gcsfs)", transient=False) from None
@@ -384,7 +419,7 @@ class _ObjectBody:
 def connector(source: Source, policy: ShardPolicy, timeout_s: float) -> Connector:
     if source.scheme in HTTP_SCHEMES:
         return http_connector(source.location, policy, timeout_s)
-    return fsspec_connector(source.location)
+    return fsspec_connector(source, timeout_s)
 
 
 # --- through the cache ------------------------------------------------------------------------
@@ -402,23 +437,27 @@ class Opened:
 
 @contextmanager
 def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy: ShardPolicy, timeout_s: float,
-                progress: Callable[[], None] = _nothing, start: int = 0) -> Iterator[Opened]:
+                progress: Callable[[], None] = _nothing, start: int = 0, owner: str | None = None) -> Iterator[Opened]:
     """``source`` from byte ``start``: its cached copy (downloaded first if needed), or a stream
-    when the cache has no room for it (counted ``bypass``)."""
+    when the cache has no room for it, or none within ``owner``'s share (counted ``bypass``)."""
     url = source.url
     connect = connector(source, policy, timeout_s)
-    got = cache.acquire(url, progress, timeout_s)
+    got = cache.acquire(url, progress, timeout_s, owner=owner)
     if isinstance(got, str):
-        yield from _cached(cache, url, got, start)
+        yield from _cached(cache, url, got, start, owner)
         return
     try:
         remote = RemoteFile(url, connect, fetch, cache, progress=progress)
     except Exception as exc:
         got.abandon(exc)
         raise
-    path = _download(got, remote, cache) if remote.size is not None and got.reserve(remote.size) else None
+    try:
+        path = _download(got, remote, cache) if remote.size is not None and got.reserve(remote.size) else None
+    except BaseException as exc:  # the claim ends whatever happened (abandoning it twice does nothing)
+        got.abandon(exc)
+        raise
     if path is not None:
-        yield from _cached(cache, url, path, start)
+        yield from _cached(cache, url, path, start, owner)
         return
     got.abandon(None)
     cache.count("bypass")
@@ -432,13 +471,13 @@ def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy
         yield Opened(remote, None)
 
 
-def _cached(cache: ShardCache, url: str, path: str, start: int) -> Iterator[Opened]:
+def _cached(cache: ShardCache, url: str, path: str, start: int, owner: str | None) -> Iterator[Opened]:
     try:
         with open(path, "rb") as f:
             f.seek(start)
             yield Opened(f, path)
     finally:
-        cache.release(url)
+        cache.release(url, owner)
 
 
 def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None:
@@ -446,22 +485,36 @@ def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None
     local disk refused it (the caller streams instead). A fetch error abandons the claim and is raised."""
     cache.count("miss")
     assert claim.temp_path is not None
+    began = time.monotonic()
     try:
         with remote, open(claim.temp_path, "wb") as out:
             while chunk := _read_chunk(remote, claim):
                 out.write(chunk)
                 claim.touch()
+                _keep_up(remote, began, cache)
+        return claim.commit()
     except FetchError as exc:
         claim.abandon(exc)
         raise
-    except OSError as exc:  # the local disk: full, read-only, removed
+    except OSError as exc:  # the local disk: full, read-only, removed (also by the cache's close)
         log.warning("cannot cache %s in %s (%s); it is streamed uncached", claim.url, claim.temp_path, exc)
         claim.abandon(None)
         return None
-    except Exception as exc:
+    except BaseException as exc:
         claim.abandon(exc)
         raise
-    return claim.commit()
+
+
+def _keep_up(remote: RemoteFile, began: float, cache: ShardCache) -> None:
+    """Fails a download into the cache that fell more than retry_window_s behind min_bytes_per_s."""
+    policy = remote.policy
+    elapsed = time.monotonic() - began
+    if policy.min_bytes_per_s and elapsed > policy.retry_window_s + remote.position / policy.min_bytes_per_s:
+        cache.count("failure")
+        raise FetchError(f"{remote.url} came at {remote.position / elapsed:.0f} bytes/s ({remote.position} of "
+                         f"{remote.size} bytes in {elapsed:.1f} s), below shard_fetch_min_bytes_per_s "
+                         f"({policy.min_bytes_per_s}) for more than shard_fetch_retry_window_s "
+                         f"({policy.retry_window_s:g} s): given up", transient=False)
 
 
 def _read_chunk(remote: RemoteFile, claim: Claim) -> bytes:

@@ -8,14 +8,24 @@ the tar-header index for a microbatch's samples) instead of being fetched again 
   evicted. A shard that cannot get room (larger than the whole cache, or the rest is pinned) is
   not cached: its reader streams it (remote.py), and it is fetched again when read again.
   ``max_bytes = 0`` turns caching off.
+- **Share**: a caller may name an ``owner`` (a job): what one owner pins (cached shards it is
+  reading) and has reserved (its downloads under way) is at most ``owner_share`` of
+  ``max_bytes`` (half by default); a download that would take it beyond gets no room and is
+  streamed, so no single job can pin the whole cache or keep all of it reserved. Reading a
+  shard already cached is never refused. Callers that name no owner are bound by ``max_bytes``
+  alone.
 - **Once**: the first caller of a URL gets a ``Claim`` and downloads it (to a temp file, renamed
   when complete); others asking for the same URL meanwhile wait for that download, and give up
   with TimeoutError after ``wait_timeout_s`` without progress. A failed download fails its
-  waiters with the same error; the next caller tries again (a failure is not remembered).
+  waiters with the same error; the next caller tries again (a failure is not remembered). A
+  claim always ends: a commit that fails (the local disk, or the cache closed meanwhile) frees
+  its room and lets the waiters try themselves.
 - **Where**: a directory of its own per cache (``disttrain-shards-*``) under ``parent``
   (default: the system's temp dir), created at the first download and removed when the cache
-  is closed or the process exits. Each holds a lock (flock) while alive, so the directories of
-  processes that died without cleaning up are removed by the next cache made under ``parent``.
+  is closed or the process exits. Each holds a lock (flock on its ``.lock`` file, which only
+  appears already locked: it is created under another name, locked, then renamed) while alive,
+  so the directories of processes that died without cleaning up are removed by the next cache
+  made under ``parent``, and never one being created.
   Nothing is kept across restarts.
 - **Counters** (``stats()``, and the Prometheus metrics in metrics.py): bytes fetched per URL
   (also by readers that stream), hits, misses, shards streamed uncached, evictions, retries,
@@ -27,6 +37,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -38,8 +49,13 @@ from dataclasses import dataclass, field
 
 from preprocess_service.adapters import metrics
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CACHE_BYTES = 8 << 30
 """8 GiB: a few dozen LAION shards of 10,000 samples (200-400 MB each)."""
+DEFAULT_OWNER_SHARE = 0.5
+"""Most of the cache one owner (a job) may pin or have reserved (``ShardCache.owner_share``)."""
+LOCK_NAME = ".lock"
 DIR_PREFIX = "disttrain-shards-"
 MAX_URLS_COUNTED = 65_536
 """Per-URL byte counts kept (the oldest are dropped beyond it); the totals keep counting."""
@@ -68,12 +84,20 @@ class _Entry:
     path: str
     size: int
     pins: int = 0
+    owners: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Pins per owner (the pins of callers that named one)."""
+
+    def pin(self, owner: str | None) -> None:
+        self.pins += 1
+        if owner is not None:
+            self.owners[owner] += 1
 
 
 @dataclass(slots=True)
 class _Flight:
     """A download under way; waiters watch ``last_progress``."""
 
+    owner: str | None = None
     reserved: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     done: bool = False
@@ -97,21 +121,27 @@ class Claim:
         self._flight.last_progress = time.monotonic()
 
     def commit(self) -> str:
-        """The completed temp file becomes the cached shard, pinned for this caller."""
+        """The completed temp file becomes the cached shard, pinned for this caller. Raises
+        OSError when it cannot (the local disk; the cache closed meanwhile): the claim is then
+        abandoned, its room freed, and the waiters try themselves."""
         return self.cache._commit(self)
 
     def abandon(self, error: BaseException | None = None) -> None:
-        """Gives the claim up: ``error`` goes to the waiters (None: they try themselves)."""
+        """Gives the claim up: ``error`` goes to the waiters (None: they try themselves). Does
+        nothing once the claim ended (committed, or abandoned before)."""
         self.cache._end(self, error)
 
 
 class ShardCache:
     """Whole remote shards on local disk, at most ``max_bytes``; thread-safe."""
 
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, parent: str | None = None):
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, parent: str | None = None, *,
+                 owner_share: float = DEFAULT_OWNER_SHARE):
         if max_bytes < 0:
             raise ValueError(f"a shard cache's max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes, self.parent = max_bytes, parent
+        if not 0 < owner_share <= 1:
+            raise ValueError(f"a shard cache's owner_share must be in (0, 1], got {owner_share}")
+        self.max_bytes, self.parent, self.owner_share = max_bytes, parent, owner_share
         self._lock = threading.Condition()
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()  # LRU first
         self._flights: dict[str, _Flight] = {}
@@ -124,11 +154,13 @@ class ShardCache:
         self._fetched_total = 0
 
     # --- reading ------------------------------------------------------------------------------
-    def acquire(self, url: str, touch: Callable[[], None] = lambda: None, wait_timeout_s: float = 60.0) -> str | Claim:
-        """The path of ``url``'s cached copy, pinned until ``release(url)``; or a Claim when the
-        caller is to download it. While another caller downloads it, waits (calling ``touch``
-        whenever that download progresses) and raises TimeoutError after ``wait_timeout_s``
-        without progress, or that download's error when it fails."""
+    def acquire(self, url: str, touch: Callable[[], None] = lambda: None, wait_timeout_s: float = 60.0, *,
+                owner: str | None = None) -> str | Claim:
+        """The path of ``url``'s cached copy, pinned until ``release(url, owner)``; or a Claim
+        when the caller is to download it. While another caller downloads it, waits (calling
+        ``touch`` whenever that download progresses) and raises TimeoutError after
+        ``wait_timeout_s`` without progress, or that download's error when it fails. ``owner``
+        (a job) is whose share (``owner_share``) the pin and the claim's room count against."""
         with self._lock:
             while (flight := self._flights.get(url)) is not None:
                 seen = flight.last_progress
@@ -144,19 +176,32 @@ class ShardCache:
                                        "which made no progress")
             entry = self._entries.get(url)
             if entry is not None:
-                entry.pins += 1
+                entry.pin(owner)
                 self._entries.move_to_end(url)
                 self._event("hit")
                 return entry.path
-            flight = self._flights[url] = _Flight()
+            flight = self._flights[url] = _Flight(owner)
             return Claim(self, url, flight)
 
-    def release(self, url: str) -> None:
-        """Unpins a path ``acquire`` or ``Claim.commit`` returned."""
+    def release(self, url: str, owner: str | None = None) -> None:
+        """Unpins a path ``acquire`` or ``Claim.commit`` returned (the same ``owner``)."""
         with self._lock:
             entry = self._entries.get(url)
             if entry is not None and entry.pins > 0:
                 entry.pins -= 1
+                if owner is not None and entry.owners[owner] > 0:
+                    entry.owners[owner] -= 1
+                    if not entry.owners[owner]:
+                        del entry.owners[owner]
+
+    def held(self, owner: str) -> int:
+        """Bytes ``owner`` pins (cached shards it reads) or has reserved (its downloads under way)."""
+        with self._lock:
+            return self._held(owner)
+
+    def _held(self, owner: str) -> int:
+        return sum(f.reserved for f in self._flights.values() if f.owner == owner) + \
+            sum(e.size for e in self._entries.values() if e.owners[owner])
 
     # --- counters -----------------------------------------------------------------------------
     def count_fetched(self, url: str, nbytes: int) -> None:
@@ -188,6 +233,9 @@ class ShardCache:
         with self._lock:
             if self._closed or size > self.max_bytes:
                 return False
+            owner = claim._flight.owner
+            if owner is not None and self._held(owner) + size > self.owner_share * self.max_bytes:
+                return False  # this owner's share is taken: streamed
             room = self.max_bytes - self._used
             victims = []
             for url, entry in self._entries.items():  # least recently used first
@@ -198,9 +246,14 @@ class ShardCache:
                     room += entry.size
             if room < size:
                 return False
+            try:
+                directory = self._directory()
+            except OSError as exc:  # the parent cannot hold it: streamed
+                log.warning("cannot make a shard cache directory under %s (%s); remote shards are streamed uncached",
+                            self.parent or tempfile.gettempdir(), exc)
+                return False
             for url in victims:
                 self._evict(url)
-            directory = self._directory()
             name = hashlib.sha256(claim.url.encode()).hexdigest()[:40]
             claim.temp_path = os.path.join(directory, f"{name}.{os.urandom(4).hex()}.part")
             claim._flight.reserved = size
@@ -211,27 +264,46 @@ class ShardCache:
     def _commit(self, claim: Claim) -> str:
         assert claim.temp_path is not None, "commit without a reservation"
         path = claim.temp_path.rsplit(".", 2)[0] + ".tar"
-        size = os.path.getsize(claim.temp_path)
-        os.rename(claim.temp_path, path)
+        try:
+            if self._closed:
+                raise FileNotFoundError(f"the shard cache was closed while {claim.url} was downloaded")
+            size = os.path.getsize(claim.temp_path)
+            os.rename(claim.temp_path, path)
+        except BaseException as exc:  # the claim ends whatever happened: no waiter waits for it in vain
+            self._end(claim, None if isinstance(exc, OSError) else exc)
+            raise
         with self._lock:
             flight = claim._flight
+            if self._closed:  # closed between the rename and now: its directory is gone or going
+                _unlink(path)
+                self._release_room(flight)
+                self._finish(claim, None)
+                raise FileNotFoundError(f"the shard cache was closed while {claim.url} was downloaded")
             self._used += size - flight.reserved
             metrics.SHARD_CACHE_BYTES.inc(size - flight.reserved)
             flight.reserved = 0
-            self._entries[claim.url] = _Entry(path, size, pins=1)
+            entry = self._entries[claim.url] = _Entry(path, size)
+            entry.pin(flight.owner)
             self._finish(claim, None)
         return path
 
     def _end(self, claim: Claim, error: BaseException | None) -> None:
+        if claim._flight.done:
+            return
         if claim.temp_path is not None:
             _unlink(claim.temp_path)
         with self._lock:
-            self._used -= claim._flight.reserved
-            metrics.SHARD_CACHE_BYTES.dec(claim._flight.reserved)
-            claim._flight.reserved = 0
+            self._release_room(claim._flight)
             self._finish(claim, error)
 
+    def _release_room(self, flight: _Flight) -> None:
+        self._used -= flight.reserved
+        metrics.SHARD_CACHE_BYTES.dec(flight.reserved)
+        flight.reserved = 0
+
     def _finish(self, claim: Claim, error: BaseException | None) -> None:
+        if claim._flight.done:  # ended before: the first ending's error stands
+            return
         claim._flight.done, claim._flight.error = True, error
         if self._flights.get(claim.url) is claim._flight:
             del self._flights[claim.url]
@@ -251,8 +323,18 @@ class ShardCache:
             os.makedirs(parent, exist_ok=True)
             _remove_dead_caches(parent)
             directory = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
-            lock_fd = os.open(os.path.join(directory, ".lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:  # locked before it gets the name another process's _remove_dead_caches looks for
+                making = os.path.join(directory, LOCK_NAME + ".new")
+                lock_fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.rename(making, os.path.join(directory, LOCK_NAME))
+                except BaseException:
+                    os.close(lock_fd)
+                    raise
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
             self._dir = directory
             self._finalizer = weakref.finalize(self, _remove_directory, directory, lock_fd, os.getpid())
         return self._dir
@@ -295,7 +377,7 @@ def _remove_dead_caches(parent: str) -> None:
     for name in names:
         directory = os.path.join(parent, name)
         try:
-            fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue  # not ours, or being created right now
         try:

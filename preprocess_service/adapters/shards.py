@@ -9,7 +9,9 @@ source is opened:
   regular file before any read, so a FIFO, a device or a socket fails that shard at once;
 - http(s), and s3:// / gs:// when the operator allows them (remote.py): downloaded once into the
   bounded shard cache (shardcache.py) and then read like a local file, retried and resumed with
-  Range requests after a dropped connection; a shard the cache has no room for is streamed;
+  Range requests after a dropped connection, failed when the download falls behind the fetch
+  policy's minimum throughput; a shard the cache has no room for (or none left in the reader's
+  owner's share of it: ``for_owner``) is streamed;
   redirects are followed only to URLs the same policy allows (webdataset's gopen would run
   ``curl``, ``aws`` or ``gsutil``);
 - every other scheme (``pipe:`` ...) only when the operator lists it in allowed_shard_schemes,
@@ -24,6 +26,7 @@ beside each tar are never opened.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -64,6 +67,13 @@ class ShardReader:
     """Retries, backoff and size bound of remote reads."""
     cache: ShardCache = field(default_factory=ShardCache, compare=False)
     """Remote shards on local disk, shared by every job reading through this reader."""
+    owner: str | None = None
+    """Whose share of the cache (ShardCache.owner_share) this reader's pins and downloads count
+    against: a job's reader is ``for_owner(job id)``; None: bound by the cache's size alone."""
+
+    def for_owner(self, owner: str) -> ShardReader:
+        """This reader for one owner (a job): the same limits and cache, the owner's share of it."""
+        return dataclasses.replace(self, owner=owner)
 
     def expand(self, specs: Iterable[str]) -> list[str]:
         """The checked, normalised shard names of a job's specs (sources.resolve)."""
@@ -81,7 +91,8 @@ class ShardReader:
                 yield Opened(f, source.location)
         elif source.scheme in remote.SCHEMES:
             with remote.open_remote(source, cache=self.cache, fetch=self.fetch, policy=self.policy,
-                                    timeout_s=self.read_timeout_s, progress=progress, start=start) as opened:
+                                    timeout_s=self.read_timeout_s, progress=progress, start=start,
+                                    owner=self.owner) as opened:
                 yield opened
         else:
             from webdataset.gopen import gopen  # only schemes the operator enabled get here

@@ -8,7 +8,10 @@ Order of work for every spec (``resolve``), so no check can be bypassed by synta
 3. parse every expanded name into a ``Source`` (scheme, normalised location): local paths (plain
    or ``file:``) must not contain a ``..`` component and are resolved with realpath (symlinks
    followed); URLs get a lower-case scheme and host and may not contain ``..`` segments, raw or
-   percent-encoded;
+   percent-encoded; no name of another scheme may contain ``::`` (webdataset's list separator,
+   and fsspec's chain of filesystems: ``s3://bucket/key::file:///etc/passwd`` would pass an
+   ``s3://bucket/`` prefix and read a local file; only an http(s) URL's bracketed IPv6 host may
+   hold it), and an object store's name is ``s3://bucket/key`` (no user, port or query);
 4. check the scheme against ``ShardPolicy.allowed_schemes`` (default: local files and
    http(s); object stores (``s3://``, ``gs://``, normalised like URLs with the bucket as the host),
    ``pipe:`` and every other scheme that runs a program only when the operator lists it) and the
@@ -247,10 +250,17 @@ def parse(name: str, spec: str = "") -> Source:
         return Source("file", _local(path, name, spec))
     if scheme in ("http", "https") or scheme in OBJECT_STORE_SCHEMES:  # s3://bucket/key: the bucket is the host
         return Source(scheme, _url(name, scheme, spec))
+    _refuse_chain(name, spec, name)
     rest = name[len(scheme) + 1:]
     if _has_dotdot(unquote(rest)):
         raise ConfigError(f"shard {name!r} (from {spec!r}) contains a '..' component")
     return Source(scheme, scheme + ":" + rest)
+
+
+def _refuse_chain(name: str, spec: str, text: str) -> None:
+    if "::" in text:
+        raise ConfigError(f"shard {name!r} (from {spec!r}) contains '::', which would be read as a chain of "
+                          "filesystems (fsspec) or a list of shards (webdataset); give each shard its own name")
 
 
 def _has_dotdot(path: str) -> bool:
@@ -279,6 +289,14 @@ def _url(name: str, scheme: str, spec: str) -> str:
         raise ConfigError(f"shard {name!r} (from {spec!r}) contains a '..' path segment")
     if any(c in name for c in " \"'`<>\\"):
         raise ConfigError(f"shard {name!r} (from {spec!r}) contains characters a URL may not hold unquoted")
+    if scheme in OBJECT_STORE_SCHEMES:
+        _refuse_chain(name, spec, name)
+        if parts.username is not None or parts.password is not None or port is not None or parts.query:
+            raise ConfigError(f"shard {name!r} (from {spec!r}): an object store's shard is named "
+                              f"{scheme}://bucket/key, without a user, a port or a query")
+    else:  # an IPv6 host ([::1]) may hold '::'; nothing else may
+        _refuse_chain(name, spec, name[:len(scheme) + 3] + re.sub(r"\[[^\]]*\]", "", parts.netloc, count=1)
+                      + name[len(scheme) + 3 + len(parts.netloc):])
     host = parts.hostname.lower()
     netloc = (f"{parts.username}@" if parts.username else "") + (f"[{host}]" if ":" in host else host)
     netloc += f":{port}" if port is not None else ""

@@ -144,7 +144,8 @@ class Job:
         self._media_held = 0
         self._largest_message = 0
         self.job_id = config.job_id()
-        self.reader = reader
+        self.reader = reader.for_owner(self.job_id)
+        """The server's reader, as this job: its share of the remote-shard cache (shardcache.py)."""
         self.dataset_urls = shard_urls if shard_urls is not None else expand_datasets(reader, config)
         """Each dataset's shard names (JobConfig.mixture() order)."""
         self.shard_urls = [url for urls in self.dataset_urls for url in urls]
@@ -163,7 +164,7 @@ class Job:
         self._snapshots: dict[int, dict] = {}
         """Planner states before every ``snapshot_every``-th step, from the newest one at or before
         the acknowledged step: what ``state_dict()`` resumes from."""
-        self.planner = EpochPlanner(config, self.dataset_urls, reader, self._parse, self._record_skip,
+        self.planner = EpochPlanner(config, self.dataset_urls, self.reader, self._parse, self._record_skip,
                                     keep_media=self._keep_media, on_shard=self._shard_started,
                                     fingerprint=self.fingerprint)
         self.refitter = CostRefitter(config.cost) if config.cost_feedback else None

@@ -120,6 +120,8 @@ class Limits:
     """Wait before the first retry of a remote read, doubled for each next one (at most 8 s)."""
     shard_fetch_retry_window_s: float = 60.0
     """Seconds without a byte from a remote shard after which it is not retried any more."""
+    shard_fetch_min_bytes_per_s: int = 256 << 10
+    """Slowest download into the shard cache after shard_fetch_retry_window_s (0: no minimum)."""
     max_shard_bytes: int = 16 << 30
     """Largest remote shard read (its announced size, or the bytes counted when none is)."""
 
@@ -129,7 +131,8 @@ class Limits:
                              max_shards=self.max_shards)
         tar_limits = TarLimits(max_member_bytes=self.max_member_bytes, max_sample_bytes=self.max_sample_bytes)
         fetch = FetchPolicy(retries=self.shard_fetch_retries, backoff_s=self.shard_fetch_backoff_s,
-                            retry_window_s=self.shard_fetch_retry_window_s, max_shard_bytes=self.max_shard_bytes)
+                            retry_window_s=self.shard_fetch_retry_window_s, max_shard_bytes=self.max_shard_bytes,
+                            min_bytes_per_s=self.shard_fetch_min_bytes_per_s)
         return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=self.shard_read_timeout_s, fetch=fetch,
                            cache=ShardCache(self.shard_cache_bytes, self.shard_cache_dir))
 

@@ -98,6 +98,9 @@ class ServiceSettings:
                                         "one (at most 8 s); a dropped download resumes with a Range request", 0.5)
     shard_fetch_retry_window_s: float = _doc("seconds without a byte from a remote shard after which it is not "
                                              "retried any more", 60.0)
+    shard_fetch_min_bytes_per_s: int = _doc("slowest download into the shard cache, bytes/s, after "
+                                            "shard_fetch_retry_window_s: a slower one fails and frees its space "
+                                            "(0: no minimum)", 256 << 10)
     max_shard_bytes: int = _doc("largest remote shard read, bytes (its Content-Length or object size; counted when "
                                 "the server gives none)", 16 << 30)
 
@@ -131,6 +134,8 @@ class ServiceSettings:
         if self.shard_cache_bytes < 0 or not 0 <= self.shard_fetch_retries <= 100:
             raise ConfigError(f"shard_cache_bytes must be >= 0 and shard_fetch_retries in [0, 100], got "
                               f"{self.shard_cache_bytes} and {self.shard_fetch_retries}")
+        if self.shard_fetch_min_bytes_per_s < 0:
+            raise ConfigError(f"shard_fetch_min_bytes_per_s must be >= 0, got {self.shard_fetch_min_bytes_per_s}")
         if not 0 <= self.shard_fetch_backoff_s <= 60 or not 0 < self.shard_fetch_retry_window_s <= 3600:
             raise ConfigError(f"shard_fetch_backoff_s must be in [0, 60] and shard_fetch_retry_window_s in (0, 3600], "
                               f"got {self.shard_fetch_backoff_s} and {self.shard_fetch_retry_window_s}")

@@ -7,9 +7,11 @@ Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
   numbers through a pipe, and the worker writes its arrays straight into their slots, so nothing
   large is pickled and the output does not depend on which worker finishes first. Each worker
   holds at most ``max_in_flight`` tasks; the rest wait in the pool, and a stream submits at most
-  two microbatches ahead, so memory is bounded. A worker that dies is replaced at once and its
-  in-flight documents are retried once on another worker; a document that kills a worker twice
-  is reported as failed (``DecodeError.worker_died``), never lost and never delivered twice.
+  two microbatches ahead, so memory is bounded. Waiting work is served fairly across streams
+  (fairqueue.py): each waiting stream gets one microbatch decoded per round, whatever it
+  queued. A worker that dies is replaced at once and its in-flight documents are retried once
+  (ahead of later work) on another worker; a document that kills a worker twice is reported
+  as failed (``DecodeError.worker_died``), never lost and never delivered twice.
 - ``InlineDecoder``: the same decoding in the calling process on a thread pool (tests, debugging,
   ``--decode-workers 0``).
 """
@@ -32,6 +34,7 @@ from multiprocessing import connection, shared_memory
 import numpy as np
 
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.adapters.fairqueue import FairQueue, Order
 from preprocess_service.core.assemble import Layout, MediaItem
 
 log = logging.getLogger(__name__)
@@ -230,6 +233,8 @@ class _Task:
     key: str
     items: list
     attempts: int = 0
+    order: Order = (0, 0, 0)
+    """Its place in the pool's FairQueue, kept for a retry."""
 
 
 @dataclass(slots=True)
@@ -254,7 +259,7 @@ class DecodePool:
         self.max_in_flight = max_in_flight
         self._ctx = mp.get_context("spawn")  # no forked copies of gRPC threads or locks
         self._lock = threading.Lock()
-        self._pending: collections.deque[_Task] = collections.deque()
+        self._pending: FairQueue[_Task] = FairQueue()
         self._task_ids = itertools.count()
         self._free_arenas: list[shared_memory.SharedMemory] = []
         self._all_arenas: dict[str, shared_memory.SharedMemory] = {}
@@ -351,7 +356,9 @@ class DecodePool:
     # --- submitting ---------------------------------------------------------------------------
     def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
         """Decodes ``layout``'s documents into a shared buffer; the future gives a Decoded. Waits
-        for room in the memory budget (ResourceExhausted past its wait, or once ``stop`` is set)."""
+        for room in the memory budget (ResourceExhausted past its wait, or once ``stop`` is set).
+        ``stop`` also names the stream: microbatches submitted with one event are one stream's,
+        and streams are served in turn (fairqueue.py); without one, each is its own stream."""
         future: futures.Future = futures.Future()
         inputs = [(doc, items) for doc, items in layout.documents if items]
         in_nbytes = sum(len(doc.media_bytes[i.member]) for doc, items in inputs if not _missing(doc) for i in items)
@@ -379,7 +386,7 @@ class DecodePool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the decode pool is closed")
-            self._pending.extend(tasks)
+            self._pending.push(stop if stop is not None else object(), tasks)
         os.write(self._wake_w, b"x")
         return future
 
@@ -410,7 +417,8 @@ class DecodePool:
         hundred bytes, far below the pipe's buffer, so send never blocks on a busy worker."""
         for worker in sorted(self._workers, key=lambda w: len(w.in_flight)):
             while self._pending and len(worker.in_flight) < self.max_in_flight:
-                task = self._pending.popleft()
+                order, task = self._pending.pop()
+                task.order = order
                 task.attempts += 1
                 worker.in_flight[task.task_id] = task
                 try:
@@ -472,7 +480,8 @@ class DecodePool:
                 retry.append(task)
         with self._lock:
             self._counters["documents_retried"] += len(retry)
-            self._pending.extendleft(reversed(retry))
+            for task in retry:
+                self._pending.requeue(task.order, task)
             self._workers[worker.slot] = successor
 
     def close(self) -> None:

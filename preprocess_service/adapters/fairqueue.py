@@ -1,0 +1,67 @@
+"""The decode pool's waiting room: work of many streams served in turn (start-time fair queueing).
+
+Every stream (a rank's microbatch stream) must receive its microbatches at the same pace, since a
+synchronous training step waits for its slowest rank. Served first come, first served, a stream
+that submits two microbatches back to back gets them back to back, and then waits a whole queue
+for the next two; one that comes back after a pause (planning, a slow client) waits behind every
+other stream's backlog. Here each unit of work (a microbatch: a list of items, its documents)
+gets a tag: one more than its stream's previous unit, or the current round if the stream had
+fallen behind it (no credit is saved up while idle). Items leave in tag order, a unit's items
+together, equal tags in arrival order, so each round serves every waiting stream one unit,
+whatever its cost and however many units it queued. Only the order of work changes, never what
+a unit holds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+Order = tuple[int, int, int]
+"""(tag, unit number, item index): an item's place in the queue."""
+
+
+class FairQueue(Generic[T]):
+    """Items of units of many streams; ``pop`` gives them in fair order. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[Order, T]] = []
+        self._units = itertools.count()
+        self._next_tag: dict[Hashable, int] = {}
+        self._round = 0
+        """The tag of the latest item taken: a stream that comes back starts here."""
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, stream: Hashable, items: Sequence[T]) -> None:
+        """Queues one unit of ``stream``: it is served after the stream's earlier units, in a
+        later round than them."""
+        if not items:
+            return
+        tag = max(self._next_tag.get(stream, 0), self._round)
+        self._next_tag[stream] = tag + 1
+        unit = next(self._units)
+        for index, item in enumerate(items):
+            heapq.heappush(self._heap, ((tag, unit, index), item))
+        if len(self._next_tag) > 4 * len(self._heap) + 64:
+            self._forget_idle()
+
+    def pop(self) -> tuple[Order, T]:
+        """The next item and its place (IndexError when empty)."""
+        order, item = heapq.heappop(self._heap)
+        self._round = max(self._round, order[0])
+        return order, item
+
+    def requeue(self, order: Order, item: T) -> None:
+        """Puts back an item taken by ``pop`` (a retry) at its old place: ahead of later work."""
+        heapq.heappush(self._heap, (order, item))
+
+    def _forget_idle(self) -> None:
+        """Drops the entries of streams with nothing queued past the next round, so a server that
+        saw many streams keeps no state for those gone (at most one more than the items queued).
+        Such a stream, if it comes back, is served as a new one: at worst one unit early."""
+        self._next_tag = {s: t for s, t in self._next_tag.items() if t > self._round + 1}

@@ -117,4 +117,20 @@ def test_streams_gone_leave_no_state_behind():
     for number in range(1000):  # a thousand short streams, one microbatch each
         queue.push(object(), [number])
         assert queue.pop()[1] == number
-    assert len(queue._next_tag) <= 65
+    assert len(queue._streams) <= 65
+
+
+def test_streams_keep_their_seats_whatever_order_they_queue_in():
+    """Each round serves the streams in one order, so each waits one round between units, not
+    none and then two as its place in the queue moves."""
+    queue: FairQueue = FairQueue()
+    streams = ["a", "b", "c", "d"]
+    for stream in streams:
+        queue.push(stream, _unit(stream, 0, 1))
+    orders = []
+    for number in range(1, 6):
+        served = _served_units(queue, pops=4)
+        orders.append([s for s, _ in served])
+        for stream in reversed(served and [s for s, _ in served]):  # next units queued in reverse
+            queue.push(stream, _unit(stream, number, 1))
+    assert orders == [streams] * 5

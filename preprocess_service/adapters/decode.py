@@ -233,7 +233,7 @@ class _Task:
     key: str
     items: list
     attempts: int = 0
-    order: Order = (0, 0, 0)
+    order: Order = (0, 0, 0, 0)
     """Its place in the pool's FairQueue, kept for a retry."""
 
 

@@ -7,9 +7,11 @@ for the next two; one that comes back after a pause (planning, a slow client) wa
 other stream's backlog. Here each unit of work (a microbatch: a list of items, its documents)
 gets a tag: one more than its stream's previous unit, or the current round if the stream had
 fallen behind it (no credit is saved up while idle). Items leave in tag order, a unit's items
-together, equal tags in arrival order, so each round serves every waiting stream one unit,
-whatever its cost and however many units it queued. Only the order of work changes, never what
-a unit holds.
+together, so each round serves every waiting stream one unit, whatever its cost and however many
+units it queued. Within a round streams keep their seats (the order they first came in), not
+the order they queued in: a stream served last in one round and first in the next would get
+two units at once and then wait two rounds. Only the order of work changes, never what a unit
+holds.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-Order = tuple[int, int, int]
-"""(tag, unit number, item index): an item's place in the queue."""
+Order = tuple[int, int, int, int]
+"""(tag, seat of its stream, unit number, item index): an item's place in the queue."""
 
 
 class FairQueue(Generic[T]):
@@ -30,7 +32,9 @@ class FairQueue(Generic[T]):
     def __init__(self) -> None:
         self._heap: list[tuple[Order, T]] = []
         self._units = itertools.count()
-        self._next_tag: dict[Hashable, int] = {}
+        self._seats = itertools.count()
+        self._streams: dict[Hashable, tuple[int, int]] = {}
+        """Stream -> (tag of its next unit, its seat)."""
         self._round = 0
         """The tag of the latest item taken: a stream that comes back starts here."""
 
@@ -42,12 +46,13 @@ class FairQueue(Generic[T]):
         later round than them."""
         if not items:
             return
-        tag = max(self._next_tag.get(stream, 0), self._round)
-        self._next_tag[stream] = tag + 1
+        next_tag, seat = self._streams.get(stream) or (0, next(self._seats))
+        tag = max(next_tag, self._round)
+        self._streams[stream] = (tag + 1, seat)
         unit = next(self._units)
         for index, item in enumerate(items):
-            heapq.heappush(self._heap, ((tag, unit, index), item))
-        if len(self._next_tag) > 4 * len(self._heap) + 64:
+            heapq.heappush(self._heap, ((tag, seat, unit, index), item))
+        if len(self._streams) > 4 * len(self._heap) + 64:
             self._forget_idle()
 
     def pop(self) -> tuple[Order, T]:
@@ -64,4 +69,4 @@ class FairQueue(Generic[T]):
         """Drops the entries of streams with nothing queued past the next round, so a server that
         saw many streams keeps no state for those gone (at most one more than the items queued).
         Such a stream, if it comes back, is served as a new one: at worst one unit early."""
-        self._next_tag = {s: t for s, t in self._next_tag.items() if t > self._round + 1}
+        self._streams = {s: entry for s, entry in self._streams.items() if entry[0] > self._round + 1}

@@ -90,6 +90,10 @@ def _drain(items: queue.Queue) -> None:
             item.release()
 
 
+def _has_media(pending) -> bool:
+    return any(items for _, items in pending.layout.documents)
+
+
 class MicrobatchStream:
     """Serves ``request`` (a StreamRequest) of ``job`` until the end, a failure, or ``stop``."""
 
@@ -146,7 +150,10 @@ class MicrobatchStream:
             _drain(items)  # prepared messages the client will never read (the producer drains too)
 
     def _produce(self, job: Job, request, items: queue.Queue, stop: threading.Event) -> None:
-        """Keeps up to two microbatches decoding ahead of the one being serialized."""
+        """Keeps up to two microbatches decoding ahead of the one being serialized. One with no
+        media (the end of an epoch) takes no turn in the decode pool, so it does not count: the
+        next is submitted at once, else it would join the pool's rounds a round late and the
+        stream would get two microbatches at once, then wait two rounds (three are held then)."""
         in_decode: collections.deque = collections.deque()
         lease = None
         try:
@@ -155,8 +162,9 @@ class MicrobatchStream:
                 in_decode.append((plan, index, last,
                                   job.start_microbatch(plan, request.dp_rank, index, self.decoder, stop)))
                 metrics.QUEUE_DEPTH.labels("decode").inc()
-                if len(in_decode) == 2 and not self._emit(job, request, lease, in_decode.popleft(), items, stop):
-                    return
+                while len(in_decode) > 2 or (len(in_decode) == 2 and _has_media(in_decode[-1][-1])):
+                    if not self._emit(job, request, lease, in_decode.popleft(), items, stop):
+                        return
             while in_decode and not stop.is_set():
                 if not self._emit(job, request, lease, in_decode.popleft(), items, stop):
                     return

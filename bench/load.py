@@ -6,7 +6,10 @@ One job with --streams data-parallel ranks (2048-token sequences, 1 per microbat
 microbatches per step, the demo data set repeated) is served by 2 replica processes (one decode
 worker each) on a real redis-server; rank r reads from replica r % 2 in one of 4 client
 processes (threads per rank). Reported: microbatches and samples per second over all streams,
-the time between consecutive microbatches of a stream (median, p99, max), and the service's
+the time between consecutive microbatches of a stream (median, p99, max over all streams, the p99
+over the median, which the decode pool's fair scheduling keeps under 2, and each stream's own
+median and p99; a microbatch with no media, at the end of an epoch, needs no decoding and comes
+right after the one before, as it would from any scheduler), and the service's
 memory: the resident set of each replica with its decode workers, sampled every second; the
 peak in the first and the last third of the run show whether memory stays bounded (it should:
 every queue is bounded). Machines here are noisy and have 2 cores shared by everything.
@@ -49,6 +52,31 @@ def _tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (nearest rank below, as figures here always were)."""
+    return values[int(q * (len(values) - 1))]
+
+
+def _gap_figures(results: dict) -> tuple[dict, list[str]]:
+    """Figures of the time between a stream's microbatches, over all streams, and a line per stream."""
+    gaps = sorted(g for r in results.values() for g in r["gaps"])
+    if not gaps:
+        return {"gap_median_ms": None, "gap_p99_ms": None, "gap_max_ms": None}, []
+    lines, ratios = [], []
+    for rank in sorted(results):
+        own = sorted(results[rank]["gaps"])
+        if own:
+            median, p99 = statistics.median(own), _percentile(own, 0.99)
+            ratios.append(p99 / median)
+            lines.append(f"    rank {rank:3d}: {len(own):4d} gaps, median {1000 * median:6.0f} ms, "
+                         f"p99 {1000 * p99:6.0f} ms ({p99 / median:.2f}x)")
+    median, p99 = statistics.median(gaps), _percentile(gaps, 0.99)
+    return {"gap_median_ms": round(1000 * median, 1), "gap_p99_ms": round(1000 * p99, 1),
+            "gap_max_ms": round(1000 * gaps[-1], 1), "gap_p99_over_median": round(p99 / median, 2),
+            "stream_p99_over_median_max": round(max(ratios), 2),
+            "stream_p99_over_median_median": round(statistics.median(ratios), 2)}, lines
+
+
 def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline: float, out) -> None:
     """One client process: a thread per rank, each iterating its stream until the deadline."""
     from trainer import DataClient
@@ -56,13 +84,14 @@ def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline
     results = {}
 
     def rank_loop(rank: int) -> None:
-        gaps, samples, count, errors = [], 0, 0, []
+        gaps, arrivals, samples, count, errors = [], [], 0, 0, []
         try:
             with DataClient(addresses[rank % 2], config, rank, prefetch=2) as client:
                 last = time.monotonic()
                 for mb in client:
                     now = time.monotonic()
                     gaps.append(now - last)
+                    arrivals.append((now, mb.step, mb.microbatch_index, len(mb.sample_keys), len(mb.images)))
                     last = now
                     count += 1
                     samples += len(mb.sample_keys)
@@ -70,7 +99,8 @@ def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline
                         break
         except Exception as exc:  # reported, not hidden
             errors.append(repr(exc))
-        results[rank] = {"gaps": gaps[1:], "microbatches": count, "samples": samples, "errors": errors}
+        results[rank] = {"gaps": gaps[1:], "arrivals": arrivals, "microbatches": count, "samples": samples,
+                         "errors": errors}
 
     threads = [threading.Thread(target=rank_loop, args=(r,)) for r in ranks]
     for t in threads:
@@ -85,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--raw", type=Path, help="write every stream's arrival times (s, step, index) here")
     args = parser.parse_args(argv)
     shards = str(ensure_demo_dataset(REPO / "data" / "laion-demo")[0].parent)
     config = JobConfig(shards=(shards,), seq_len=2048, dp_size=args.streams, num_microbatches=2,
@@ -121,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         sampler.join()
         for r in replicas:
             r.kill()
-    gaps = sorted(g for r in results.values() for g in r["gaps"])
+    if args.raw:
+        args.raw.write_text(json.dumps({r: v["arrivals"] for r, v in results.items()}))
+    gap_figures, stream_lines = _gap_figures(results)
     microbatches = sum(r["microbatches"] for r in results.values())
     samples = sum(r["samples"] for r in results.values())
     errors = [e for r in results.values() for e in r["errors"]]
@@ -131,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "streams": args.streams, "duration_s": round(elapsed, 1), "microbatches": microbatches, "samples": samples,
         "microbatches_per_s": round(microbatches / elapsed, 1), "samples_per_s": round(samples / elapsed, 1),
-        "gap_median_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
-        "gap_p99_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 1) if gaps else None,
-        "gap_max_ms": round(1000 * gaps[-1], 1) if gaps else None,
+        **gap_figures,
         "streams_served": sum(1 for r in results.values() if r["microbatches"]),
         "errors": errors,
         "rss_idle_mib": round(idle_rss / 2**20), "rss_peak_mib": round(max(m for _, m in samples_rss) / 2**20),
@@ -142,9 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{args.streams} streams on 2 replicas for {elapsed:.0f} s (2 cores shared by replicas, Redis and clients)")
     for key, value in figures.items():
-        print(f"  {key:28s} {value}")
+        print(f"  {key:31s} {value}")
+    print("  time between microbatches, per stream:")
+    print("\n".join(stream_lines))
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        args.json.write_text(json.dumps({**figures, "per_stream": {
+            rank: {"median_ms": round(1000 * statistics.median(r["gaps"]), 1),
+                   "p99_ms": round(1000 * _percentile(sorted(r["gaps"]), 0.99), 1)}
+            for rank, r in sorted(results.items()) if r["gaps"]}}, indent=2))
     return 0 if not errors and figures["streams_served"] == args.streams else 1
 
 

@@ -147,3 +147,36 @@ def _kill_when_busy(servicer) -> None:
             os.kill(busy[0], signal.SIGKILL)
             return
         time.sleep(0.001)
+
+
+def test_streams_are_served_in_turn_and_decode_the_same_bytes(layout):
+    """A stream (its stop event) that queued three microbatches gets one per round: the two
+    streams that queued one each come before its second, not after its third. Content is the
+    same whatever the order."""
+    def single(i: int):
+        doc = parse_document({"__key__": f"one{i}", "png": _big_png(100 + i), "txt": b"caption"},
+                             image_config=CFG, tokenizer=TOK, seq_len=8192)
+        return layout_microbatch([PackedSequence(seq_len=8192, documents=[doc])], seq_len=8192,
+                                 tokenizer=TOK, audio_config=AudioConfig())
+
+    singles = [single(i) for i in range(5)]
+    expected = [InlineDecoder().submit(s).result().buffer.copy() for s in singles]
+    deep, a, b = threading.Event(), threading.Event(), threading.Event()
+    pool = DecodePool(1, max_in_flight=1)
+    try:
+        blocker = pool.submit(layout)  # 8 slow documents: the rest queue up behind it meanwhile
+        finished: list[str] = []
+        futures = {}
+        for name, index, stop in (("deep0", 0, deep), ("deep1", 1, deep), ("deep2", 2, deep), ("a", 3, a),
+                                  ("b", 4, b)):
+            futures[name] = pool.submit(singles[index], stop)
+            futures[name].add_done_callback(lambda _, name=name: finished.append(name))
+        assert not blocker.done(), "the blocker finished before the others were queued: make it slower"
+        blocker.result(timeout=120).release()
+        for name, index in (("deep0", 0), ("deep1", 1), ("deep2", 2), ("a", 3), ("b", 4)):
+            decoded = futures[name].result(timeout=120)
+            np.testing.assert_array_equal(decoded.buffer, expected[index])
+            decoded.release()
+        assert finished == ["deep0", "a", "b", "deep1", "deep2"]  # first come, first served: deep0..2, a, b
+    finally:
+        pool.close()

@@ -412,12 +412,14 @@ class Job:
 
     def stream_estimate(self, prefetch: int) -> int:
         """Bytes a stream of this job may hold: two microbatches in decode (each a shared-memory
-        arena rounded up to a power of two, with room for the encoded inputs), ``prefetch``
-        prepared messages, and two with gRPC (the one being sent and gRPC's copy of the one
-        before). Sized by the largest message seen, or before any by the config's bound."""
+        arena rounded up to a power of two, with room for the encoded inputs) plus a media-free
+        one (streams.py lets it pass the decode slots: one minimal arena), ``prefetch`` prepared
+        messages, and two with gRPC (the one being sent and gRPC's copy of the one before).
+        Sized by the largest message seen, or before any by the config's bound."""
         per = self._largest_message or self.config.max_microbatch_bytes()
-        arena = max(1 << 22, 1 << (int(per * 1.5) - 1).bit_length())
-        return 2 * arena + (prefetch + 2) * per
+        minimal = 1 << 22
+        arena = max(minimal, 1 << (int(per * 1.5) - 1).bit_length())
+        return 2 * arena + minimal + (prefetch + 2) * per
 
     # --- lifecycle --------------------------------------------------------------------------
     def touch(self) -> None:

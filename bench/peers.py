@@ -22,6 +22,10 @@ of every process's CPU as last sampled (every 0.2 s) counts; see TreeSampler):
   tf-service  tf.data service: dispatcher + worker in one process, consumer in another
               (tf.py_function running the Pillow work, num_parallel_calls=2).
   ray         Ray Data read_webdataset(decoder=None).map(Pillow work), num_cpus=2, driver consumes.
+  energon     Megatron-Energon: CrudeWebdataset (raw bytes) + a cooker doing the Pillow work, its
+              loader with WorkerConfig(num_workers=2); `energon prepare` runs once before the rounds.
+MosaicML Streaming is not run: its install would replace torch (see --setup), and it reads only its
+own MDS format (a converted copy of the corpus).
 Start-up (launch to first delivered sample) is reported apart; samples/s and CPU per sample are
 steady state (first to last sample; CPU after the first sample), beside the total CPU per sample.
 """
@@ -56,12 +60,9 @@ SYSTEMS = {  # row -> (interpreter, peer name in peers_setup (None: the project'
     "dl-pillow": (PROJECT_PYTHON, None),
     "tf-service": (peers_setup.python(), "tf.data service"),
     "ray": (peers_setup.python(), "Ray Data"),
+    "energon": (peers_setup.python(), "Megatron-Energon"),
 }
-NOT_RUN = {
-    "Megatron-Energon": "installs, but needs `energon prepare` metadata (.nv-meta) for the shards and a task "
-                        "encoder; not written yet",
-    "MosaicML Streaming": "needs its MDS format (a converted copy of the corpus) besides the install",
-}
+NOT_RUN = {"MosaicML Streaming": "it would also need the corpus converted to its MDS format"}
 HZ = os.sysconf("SC_CLK_TCK")
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -131,6 +132,14 @@ def _pss_mib(pid: int) -> float:
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def prepare_energon(urls: list[str], workdir: Path) -> list[str]:
+    """energon reads a prepared folder (see peers_systems.prepare_energon); made once, not timed."""
+    root = workdir / "energon"
+    subprocess.run([str(SYSTEMS["energon"][0]), str(BENCH / "peers_systems.py"), "energon-prepare",
+                    str(workdir / "energon-prepare.json"), str(root), *urls], check=True)
+    return [str(root)]
 
 
 def measure(system: str, urls: list[str], workdir: Path) -> dict:
@@ -269,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(urls)} shards, {rounds} interleaved rounds of {', '.join(systems)}; "
           f"{os.cpu_count()} cores; load {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="peers-") as workdir:
+        inputs = {s: urls for s in systems}
+        if "energon" in systems:
+            inputs["energon"] = prepare_energon(urls, Path(workdir))
         for r in range(rounds):
             for system in systems:
-                runs[system].append(measure(system, urls, Path(workdir)))
+                runs[system].append(measure(system, inputs[system], Path(workdir)))
                 print(f"  round {r + 1} {system:10s} {json.dumps(runs[system][-1])[:300]}", flush=True)
     rows = {s: summarise(rs) for s, rs in runs.items()}
     print()
@@ -279,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = goals(rows)
     print("\ngoals (issue 20), disttrain against each, medians:")
     for name, value, _, met in measured:
-        print(f"  {name:58s} {value:6.2f}  {'met' if met else 'NOT met'}")
+        verdict = "not measured" if value != value else "met" if met else "NOT met"
+        print(f"  {name:58s} {value:6.2f}  {verdict}")
     if args.json:
         args.json.write_text(json.dumps({"urls": urls, "runs": runs, "rows": rows, "skipped": skipped,
                                          "goals": [{"goal": g, "value": v, "target": t, "met": m}

@@ -239,6 +239,47 @@ def run_ray(urls: list[str]) -> dict:
     return tally.as_dict()
 
 
+# --- Megatron-Energon: CrudeWebdataset + a cooker, its loader with 2 workers ------------------------
+def prepare_energon(urls: list[str], root: Path) -> Path:
+    """The metadata energon needs (``energon prepare``: .nv-meta/ with a sample index), made once
+    before the rounds on a folder of links to the shards, one split holding them all."""
+    import subprocess
+
+    root.mkdir(parents=True, exist_ok=True)
+    for i, url in enumerate(urls):
+        (root / f"{i:05d}.tar").symlink_to(url)
+    energon = Path(sys.executable).parent / "energon"
+    subprocess.run([str(energon), "prepare", str(root), "--non-interactive", "--split-ratio", "1,0,0",
+                    "--sample-type", "CrudeWebdataset", "--no-progress"], check=True, capture_output=True)
+    return root
+
+
+def _energon_cook(sample: dict) -> dict:
+    raw = {k: v for k, v in sample.items() if isinstance(v, bytes) or k in ("__key__",)}
+    return _dl_sample(raw, "pillow")
+
+
+def run_energon(urls: list[str]) -> dict:
+    from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_loader, get_val_dataset, stateless
+
+    class Encoder(DefaultTaskEncoder):
+        decoder = None  # raw bytes: the cooker does the work
+        cookers = [Cooker(stateless(_energon_cook))]
+
+        def batch(self, samples):
+            return samples
+
+    _one_thread()
+    dataset = get_val_dataset(urls[0], split_part="train", batch_size=1, task_encoder=Encoder(),
+                              worker_config=WorkerConfig(rank=0, world_size=1, num_workers=2))
+    tally = Tally()
+    for batch in get_loader(dataset):
+        for item in batch:
+            if not item.get("skipped"):
+                tally.add(1, item["tokens"].nbytes + sum(t.nbytes for t in item["images"] + item["audio"]))
+    return tally.as_dict()
+
+
 SYSTEMS = {
     "floor": run_floor,
     "disttrain": run_disttrain,
@@ -247,6 +288,8 @@ SYSTEMS = {
     "tf-service": run_tf_service,
     "tf-consumer": run_tf_consumer,
     "ray": run_ray,
+    "energon": run_energon,
+    "energon-prepare": lambda args: str(prepare_energon(args[1:], Path(args[0]))),
 }
 
 if __name__ == "__main__":

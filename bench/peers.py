@@ -1,7 +1,7 @@
 """disttrain against its peers on the same corpus and the same work, in interleaved rounds.
 
     python bench/peers.py --setup                 # once: .venv-peers/ with the peers (never ours)
-    python bench/peers.py [--quick] [--rounds 3] [--json FILE] [--shards TAR ...]
+    python bench/peers.py [--quick] [--rounds 3] [--json FILE] [--shards TAR ...] [--scale]
 
 Corpus: the demo's LAION-layout shards (data/laion-demo/0000[0-3].tar, 1,000 samples: ~80% one
 JPEG + caption, ~10% 2-8 images, 5% PNG and 5% WebP first images, 3% EXIF-rotated, ~10% with 1-2
@@ -250,6 +250,17 @@ def print_table(rows: dict, skipped: dict) -> None:
         print(f"{peer}: skipped: {reason}")
 
 
+def demo_shards() -> list[str]:
+    """The demo set's clean shards, generated (deterministically) if this checkout lacks them."""
+    demo = REPO / "data" / "laion-demo"
+    if not list(demo.glob("0000[0-9].tar")):
+        subprocess.run([str(PROJECT_PYTHON), "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "from preprocess_service.service.cli import ensure_demo_dataset; "
+                        "ensure_demo_dataset(__import__('pathlib').Path(sys.argv[2]))", str(REPO), str(demo)],
+                       check=True)
+    return [str(p) for p in sorted(demo.glob("0000[0-9].tar"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help="create .venv-peers/ with the peers, then exit")
@@ -258,14 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", nargs="+", help="tar files (default: the demo set's four clean shards)")
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     parser.add_argument("--json", type=Path, help="also write every run and the goals here")
+    parser.add_argument("--scale", action="store_true",
+                        help="also: the service's planning + layout CPU per sample and memory for 2..128 DP "
+                             "ranks, samples per sequence and images per sample (bench/peers_scale.py)")
     args = parser.parse_args(argv)
     if args.setup:
         peers_setup.setup()
         return 0
-    urls = args.shards or [str(p) for p in sorted((REPO / "data" / "laion-demo").glob("0000[0-9].tar"))]
-    if not urls:
-        raise SystemExit("no shards: run `python -m preprocess_service.service.cli run` once (it writes the demo "
-                         "set to data/laion-demo) or pass --shards")
+    urls = args.shards or demo_shards()
     urls, rounds = (urls[:1], 1) if args.quick else (urls, args.rounds)
     installed = peers_setup.installed()
     skipped = {name: f"not installed: {installed.get(name, 'run --setup')}" for _, name in SYSTEMS.values()
@@ -293,8 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, value, _, met in measured:
         verdict = "not measured" if value != value else "met" if met else "NOT met"
         print(f"  {name:58s} {value:6.2f}  {verdict}")
+    scale = None
+    if args.scale:
+        with tempfile.TemporaryDirectory(prefix="peers-scale-") as workdir:
+            out = Path(workdir) / "scale.json"
+            subprocess.run([str(PROJECT_PYTHON), str(BENCH / "peers_scale.py"), str(out),
+                            "quick" if args.quick else "full", *urls], check=True)
+            scale = json.loads(out.read_text())
     if args.json:
-        args.json.write_text(json.dumps({"urls": urls, "runs": runs, "rows": rows, "skipped": skipped,
+        args.json.write_text(json.dumps({"urls": urls, "runs": runs, "rows": rows, "skipped": skipped, "scale": scale,
                                          "goals": [{"goal": g, "value": v, "target": t, "met": m}
                                                    for g, v, t, m in measured]}, indent=1))
     return 0

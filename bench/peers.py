@@ -251,6 +251,15 @@ def print_table(rows: dict, skipped: dict) -> None:
         print(f"{peer}: skipped: {reason}")
 
 
+def run_scale(urls: list[str], quick: bool) -> list[dict]:
+    """bench/peers_scale.py in the project's venv (it plans with the service's own code)."""
+    with tempfile.TemporaryDirectory(prefix="peers-scale-") as workdir:
+        out = Path(workdir) / "scale.json"
+        subprocess.run([str(PROJECT_PYTHON), str(BENCH / "peers_scale.py"), str(out), "quick" if quick else "full",
+                        *urls], check=True)
+        return json.loads(out.read_text())
+
+
 def demo_shards() -> list[str]:
     """The demo set's clean shards, generated (deterministically) if this checkout lacks them."""
     demo = REPO / "data" / "laion-demo"
@@ -268,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one shard, one round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians and ranges)")
     parser.add_argument("--shards", nargs="+", help="tar files (default: the demo set's four clean shards)")
-    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="*", choices=list(SYSTEMS), default=list(SYSTEMS),
+                        help="rows to run (none: only --scale)")
     parser.add_argument("--json", type=Path, help="also write every run and the goals here")
     parser.add_argument("--scale", action="store_true",
                         help="also: the service's planning + layout CPU per sample and memory for 2..128 DP "
@@ -279,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     urls = args.shards or demo_shards()
     urls, rounds = (urls[:1], 1) if args.quick else (urls, args.rounds)
+    if not args.systems:  # --scale alone
+        scale = run_scale(urls, args.quick) if args.scale else []
+        if args.json:
+            args.json.write_text(json.dumps({"urls": urls, "scale": scale}, indent=1))
+        return 0
     installed = peers_setup.installed()
     skipped = {name: f"not installed: {installed.get(name, 'run --setup')}" for _, name in SYSTEMS.values()
                if name and installed.get(name) != "ok"}
@@ -305,17 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, value, _, met in measured:
         verdict = "not measured" if value != value else "met" if met else "NOT met"
         print(f"  {name:58s} {value:6.2f}  {verdict}")
-    scale = None
-    if args.scale:
-        with tempfile.TemporaryDirectory(prefix="peers-scale-") as workdir:
-            out = Path(workdir) / "scale.json"
-            subprocess.run([str(PROJECT_PYTHON), str(BENCH / "peers_scale.py"), str(out),
-                            "quick" if args.quick else "full", *urls], check=True)
-            scale = json.loads(out.read_text())
     if args.json:
-        args.json.write_text(json.dumps({"urls": urls, "runs": runs, "rows": rows, "skipped": skipped, "scale": scale,
+        args.json.write_text(json.dumps({"urls": urls, "runs": runs, "rows": rows, "skipped": skipped,
                                          "goals": [{"goal": g, "value": v, "target": t, "met": m}
                                                    for g, v, t, m in measured]}, indent=1))
+    if args.scale:
+        scale = run_scale(urls, args.quick)
+        if args.json:
+            args.json.with_suffix(".scale.json").write_text(json.dumps(scale, indent=1))
     return 0
 
 

@@ -52,7 +52,8 @@ def _parser(num_images: int, rng: np.random.Generator):
 def measure_shape(dp_size: int, samples_per_seq: int, num_images: int, steps: int = 3) -> dict:
     """Planning + layout CPU per sample and memory of ``steps`` steps of one job shape."""
     doc_tokens = num_images * IMAGE_TOKENS + CAPTION_TOKENS * 1.25 + 2
-    seq_len = int(max(256, samples_per_seq * doc_tokens * 1.1))
+    longest = num_images * IMAGE_TOKENS + CAPTION_TOKENS * 2 + 2  # the parser's longest document
+    seq_len = int(max(longest, samples_per_seq * doc_tokens * 1.1))
     config = JobConfig(shards=("fake.tar",), dp_size=dp_size, num_microbatches=4, seqs_per_microbatch=1,
                        seq_len=seq_len)
     tokenizer = ByteTokenizer()

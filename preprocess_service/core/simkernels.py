@@ -85,6 +85,53 @@ def simulate_component(F, B, groups, kinds, stages, mbs, latency, f_end, b_end, 
 
 
 @nb.njit(cache=True, nogil=True)
+def flat_schedule(groups, kinds, stages, mbs, P, M, latency):
+    """The op order of one independent rank (no shared stage: every groups[s] is 1 or -k) as flat
+    arrays for simulate_flat: for op k, the flat index s * M + m of its duration, the op whose
+    output it waits for (-1: none) and that wait's latency, and the previous op of the same
+    replica (-1: none)."""
+    n = kinds.shape[0]
+    pos = np.empty((2, P, M), dtype=np.int64)
+    for k in range(n):
+        pos[kinds[k], stages[k], mbs[k]] = k
+    src, dep, prev = np.empty(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+    lat = np.zeros(n)
+    last = np.full((P, max(1, -groups.min())), -1, dtype=np.int64)
+    for k in range(n):
+        s, m = stages[k], mbs[k]
+        src[k] = s * M + m
+        if kinds[k] == 0:
+            if s > 0:
+                dep[k], lat[k] = pos[0, s - 1, m], latency
+        elif s == P - 1:
+            dep[k] = pos[0, s, m]
+        else:
+            dep[k], lat[k] = pos[1, s + 1, m], latency
+        j = m % -groups[s] if groups[s] < 0 else 0
+        prev[k] = last[s, j]
+        last[s, j] = k
+    return src, dep, lat, prev
+
+
+@nb.njit(cache=True, nogil=True)
+def simulate_flat(F, B, base, kinds, src, dep, lat, prev, end):
+    """Makespan of one independent rank whose stage times are F, B flat (float[D * P * M], the rank's
+    from ``base``), by the flat_schedule arrays; end float[num_ops] is scratch. Equal to
+    simulate_component for that rank, about twice as fast: two array lookups per op."""
+    span = 0.0
+    for k in range(kinds.shape[0]):
+        t = end[dep[k]] + lat[k] if dep[k] >= 0 else 0.0
+        p = prev[k]
+        if p >= 0 and end[p] > t:
+            t = end[p]
+        t += F[base + src[k]] if kinds[k] == 0 else B[base + src[k]]
+        end[k] = t
+        if t > span:
+            span = t
+    return span
+
+
+@nb.njit(cache=True, nogil=True)
 def component_spans(F, B, L, groups, kinds, stages, mbs, latency):
     """float[D / L]: makespan of every component of L consecutive ranks (F, B float[D, P, M])."""
     D, P, M = F.shape
@@ -170,6 +217,9 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     np.random.seed(seed)
     f_end, b_end, free = np.empty((L, P, M)), np.empty((L, P, M)), np.empty((L, P, max(1, -groups.min())))
     spans = np.empty(C)
+    flat = L == 1  # independent ranks: the flat kernel
+    src, dep, lat, prev = flat_schedule(groups, kinds, stages, mbs, P, M, latency)
+    Ff, Bf, end = F.reshape(-1), B.reshape(-1), np.empty(kinds.shape[0])
     for c in range(C):
         spans[c] = simulate_component(F[c * L:(c + 1) * L], B[c * L:(c + 1) * L], groups, kinds, stages, mbs,
                                       latency, f_end, b_end, free)
@@ -252,13 +302,19 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             _add_sequence(B, r, i, sb, y, x)
             _add_sequence(F, w, j, sf, x, y)
             _add_sequence(B, w, j, sb, x, y)
-        new = simulate_component(F[base:base + L], B[base:base + L], groups, kinds, stages, mbs, latency,
-                                 f_end, b_end, free)
+        if flat:
+            new = simulate_flat(Ff, Bf, r * P * M, kinds, src, dep, lat, prev, end)
+        else:
+            new = simulate_component(F[base:base + L], B[base:base + L], groups, kinds, stages, mbs, latency,
+                                     f_end, b_end, free)
         evals += 1
         new2 = 0.0
-        if c2 != c:
-            new2 = simulate_component(F[c2 * L:(c2 + 1) * L], B[c2 * L:(c2 + 1) * L], groups, kinds, stages, mbs,
-                                      latency, f_end, b_end, free)
+        if c2 != c and new < current:  # else rejected whatever the other component's span
+            if flat:
+                new2 = simulate_flat(Ff, Bf, w * P * M, kinds, src, dep, lat, prev, end)
+            else:
+                new2 = simulate_component(F[c2 * L:(c2 + 1) * L], B[c2 * L:(c2 + 1) * L], groups, kinds, stages,
+                                          mbs, latency, f_end, b_end, free)
             evals += 1
         better = max(new, new2) < current
         tries[pick] += 1

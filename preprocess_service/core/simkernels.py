@@ -244,8 +244,10 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     evals, fails, kept = 0, 0, 0
     if n_kinds == 0:
         return kept, evals
+    # the slowest and fastest components change only when a move is kept: found again only then
+    slowest, fastest = int(np.argmax(spans)), int(np.argmin(spans))
     while evals < max_evals and fails < patience:
-        c = int(np.argmax(spans))
+        c = slowest
         current = spans[c] * (1.0 - 1e-12)
         base = c * L
         r = base + np.random.randint(L)
@@ -278,7 +280,7 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
                 _add_sequence(B, r, j, sb, x, y)
         else:
             if C > 1 and np.random.random() < 0.5:
-                c2 = int(np.argmin(spans))
+                c2 = fastest
                 w = c2 * L + np.random.randint(L)
             else:
                 w = np.random.randint(D - 1)
@@ -346,4 +348,5 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             plan[r, i, a], plan[w, j, b] = plan[w, j, b], plan[r, i, a]
             if c2 != c:
                 spans[c2] = new2
+        slowest, fastest = int(np.argmax(spans)), int(np.argmin(spans))
     return kept, evals

@@ -14,6 +14,8 @@ import numba as nb
 import numpy as np
 
 ORDER_SWAP, ORDER_SHIFT, INSIDE, ACROSS = 0, 1, 2, 3
+PAIR_DRAWS = 8
+"""Random sequence pairs a swap between ranks picks from (local_search)."""
 
 
 @nb.njit(cache=True, nogil=True)
@@ -206,7 +208,7 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     Every step takes the slowest component (ranks coupled by shared stages; one rank when nothing is
     shared) and one random member rank, draws one random move: swap two of its microbatches in the
     order, move one to another position, swap two of its sequences between microbatches, or swap one
-    of its sequences with another rank's (half of the time a rank of the fastest component), and
+    of its sequences with another rank's (three times in four a rank of the fastest component), and
     runs the exact simulation of every component the move touches. A move is kept when the slowest
     of them ends strictly earlier than the current iteration (first improvement). Stops after
     ``max_evals`` simulations or ``patience`` failed moves in a row (a local optimum, with high
@@ -279,7 +281,7 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
                 _add_sequence(B, r, i, sb, y, x)
                 _add_sequence(B, r, j, sb, x, y)
         else:
-            if C > 1 and np.random.random() < 0.5:
+            if C > 1 and np.random.random() < 0.75:
                 c2 = fastest
                 w = c2 * L + np.random.randint(L)
             else:
@@ -289,14 +291,17 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             if w == r:
                 fails += 1
                 continue
-            # the heavier of two of r's sequences for the lighter of two of w's (in total work):
-            # half of all random swaps would only make the slowest rank heavier
-            i, a, j, b = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
-            i2, a2, j2, b2 = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
-            if total[plan[r, i2, a2]] > total[plan[r, i, a]]:
-                i, a = i2, a2
-            if total[plan[w, j2, b2]] < total[plan[w, j, b]]:
-                j, b = j2, b2
+            # of PAIR_DRAWS random pairs (one of r's sequences, one of w's), the one whose difference
+            # in total work is closest to half the two components' gap, r's the heavier: random
+            # swaps would mostly make the slowest rank heavier, or move too much or too little
+            target = 0.5 * (spans[c] - spans[c2]) if c2 != c else 0.0
+            i, a, j, b, miss = 0, 0, 0, 0, np.inf
+            for _ in range(PAIR_DRAWS):
+                i2, a2, j2, b2 = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
+                diff = total[plan[r, i2, a2]] - total[plan[w, j2, b2]]
+                off = abs(diff - target) if diff > 0 else np.inf
+                if off < miss or (miss == np.inf and _ == 0):
+                    i, a, j, b, miss = i2, a2, j2, b2, off
             x, y = plan[r, i, a], plan[w, j, b]
             _save(F, B, r, i, i, saved, 0)
             _save(F, B, w, j, j, saved, 2)

@@ -126,7 +126,7 @@ SEARCH_OPS = 6_000_000
 """Default search budget per 1024 sequences of the batch (at least this much for smaller ones), in
 simulated ops (2 P M per rank and candidate move, a few ns each): about 15 ms per 1024 sequences on
 one core whatever the batch's shape, the service's planning budget."""
-EVAL_OVERHEAD_OPS = 64
+EVAL_OVERHEAD_OPS = 160
 """What drawing and applying one candidate move costs besides its simulation, in simulated ops."""
 
 

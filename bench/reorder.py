@@ -1,13 +1,17 @@
 """Reordering algorithms side by side on LAION-like cost instances, judged by the exact 1F1B simulator.
 
-    python bench/reorder.py [--seeds 2] [--quick] [--deep] [--json FILE] [--plot FILE.png]
+    python bench/reorder.py [--seeds 2] [--quick] [--deep] [--search-s 20] [--jobs N] [--json FILE] [--plot FILE.png]
 
 For every configuration (D ranks in {8, 32, 128}, M microbatches in {8, 32}, P stages in {4, 8},
-S sequences per microbatch in {1, 2, 4}) and seed it prints each algorithm's iteration time as a
-ratio to the batch lower bound (1.000 = provably optimal), and planning time per global batch.
+S sequences per microbatch in {1, 2, 4}) and seed it prints each planner's gap to a reference: a
+local search with the exact simulator, ``--search-s`` seconds per instance (default 20; wall time,
+in ``--jobs`` processes, from the best plan of all planners: see search_reference), and overall each
+planner's mean and max gap, ratio to the batch lower bound, and warm CPU time per 1024-sequence
+batch (one thread; JIT excluded: the kernels are warmed first), and the JIT's cost apart: the first
+call in a fresh process, compiling into an empty numba cache and loading from it.
 ``--json FILE`` writes every instance and plan in the disttrain-reorder-* JSON forms; ``--plot``
 draws one rank's 1F1B timeline under ``paper`` and ``ours`` and the per-rank makespan spread;
-``--deep`` adds ``ours-deep`` (search to a local optimum, seconds per instance).
+``--deep`` adds ``ours-deep`` (100 times ours' budget).
 
 Instance generator (assumptions; all times are forward seconds per packed 8192-token sequence):
 * images per sequence: 25% text-only; else 1 + NegativeBinomial(2, 0.25) (mean 7, long tail), at
@@ -30,18 +34,30 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from disttrain_api.config import JobConfig, field_defaults
 from disttrain_api.layout import StageModel
-from preprocess_service.core.reorder.instance import Instance, evaluate, plan_instance
+from preprocess_service.core import simkernels
+from preprocess_service.core.reorder import warm_up
+from preprocess_service.core.reorder.instance import PLANNERS, Instance, check_plan, evaluate, plan_instance
+from preprocess_service.core.simulate import _topological_order
 
 STAGE_MAPS = {4: ("enc", "bb/2", "bb/2", "gen"), 8: ("enc", *["bb/6"] * 6, "gen")}
+DEFAULT = field_defaults(JobConfig)["reorder_algorithm"]
+"""The service's planner (JobConfig's default), the one the bench times and checks against paper."""
 ALGORITHMS = ("random", "arrival", "paper", "lpt", "ours")
+"""Planners side by side; the default (DEFAULT) is added when not among them."""
 PLOT_CONFIG = (8, 8, 4, 2)  # D, M, P, S of the instance --plot draws (seed 0)
 
 
@@ -80,11 +96,11 @@ shared_by (one encoder replica per 4 backbone ranks, one generator replica per 8
 
 
 def coupled_table(seeds: int, dump: list | None) -> list[float]:
-    """Ratios to the bound under the coupled objective, and ``ours`` planned as if ranks were
-    independent (``ours-indep``: what planning for the wrong objective costs)."""
-    names = ALGORITHMS + ("ours-indep",)
+    """Ratios to the bound under the coupled objective, and the default planner run as if ranks
+    were independent (``indep``: what planning for the wrong objective costs)."""
+    names = tuple(dict.fromkeys(ALGORITHMS + (DEFAULT,))) + ("indep",)
     print("\nshared replicas (enc shared by 4 ranks, gen by 8; coupled objective):")
-    print(f"{'D':>4} {'M':>3} {'P':>2} {'S':>2} {'B':>6} | " + " ".join(f"{a:>10}" for a in names) + " | ours ms")
+    print(f"{'D':>4} {'M':>3} {'P':>2} {'S':>2} {'B':>6} | " + " ".join(f"{a:>10}" for a in names) + f" | {DEFAULT} ms")
     ours_ratios = []
     for D, M, P, S, shared in COUPLED_CONFIGS:
         row, ms = {a: [] for a in names}, []
@@ -95,63 +111,153 @@ def coupled_table(seeds: int, dump: list | None) -> list[float]:
                                                                      p2p_latency=instance.model.p2p_latency),
                                    costs=instance.costs)
             for name in names:
-                result = plan_instance(independent if name == "ours-indep" else instance,
-                                       "ours" if name == "ours-indep" else name, seed)
-                row[name].append(evaluate(instance, np.array(result["plan"]))["ratio_to_bound"])
-                if name == "ours":
-                    ms.append(result["meta"]["time_s"] * 1000)
-                if dump is not None and name != "ours-indep":
-                    dump.append({"instance": instance.to_json(), "plan": result})
-        ours_ratios.extend(row["ours"])
+                plan, cpu = timed_plan(independent if name == "indep" else instance,
+                                       DEFAULT if name == "indep" else name, seed)
+                row[name].append(evaluate(instance, plan)["ratio_to_bound"])
+                if name == DEFAULT:
+                    ms.append(cpu * 1000)
+                if dump is not None and name != "indep":
+                    dump.append({"instance": instance.to_json(), "plan": {"plan": plan.tolist(), "meta": {
+                        "method": name, "time_s": cpu}}})
+        ours_ratios.extend(row[DEFAULT])
         print(f"{D:>4} {M:>3} {P:>2} {S:>2} {D * M * S:>6} | " + " ".join(f"{np.mean(row[a]):10.3f}" for a in names)
               + f" | {np.mean(ms):7.1f}", flush=True)
     return ours_ratios
+
+
+def search_reference(args: tuple) -> float:
+    """The reference a planner's gap is measured against: a time-boxed local search with the exact
+    simulator (bench only, so boxed by wall time, not ops). From the best plan of all planners:
+    the planner's local search (simkernels.local_search) to a local optimum, then iterated local
+    search until ``seconds`` are up: perturb the best plan by random sequence swaps between random
+    ranks (2% of the batch), search to a local optimum again, keep it when it is no slower.
+    Returns the best iteration time found (never above the start's)."""
+    D, M, P, S, seed, shared, start, seconds = args
+    instance = make_instance(D, M, P, S, seed, shared)
+    model = instance.model
+    seq_fwd, seq_bwd = (np.ascontiguousarray(a) for a in model.stage_times(instance.costs))
+    L, groups, latency = model.component, model.kernel_groups(), float(model.p2p_latency)
+    order = _topological_order(model.num_stages, M)
+
+    def times(plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return (np.ascontiguousarray(seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)),
+                np.ascontiguousarray(seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)))
+
+    def span(plan: np.ndarray) -> float:
+        return float(simkernels.component_spans(*times(plan), L, groups, *order, latency).max())
+
+    rng = np.random.default_rng([seed, 0x5EA])
+    best = np.ascontiguousarray(start, dtype=np.int64)
+    best_s = span(best)
+    patience = 4 * (M * M + 9 * (M * S) ** 2)
+    deadline = time.perf_counter() + seconds
+    plan = best.copy()
+    while time.perf_counter() < deadline:
+        simkernels.local_search(plan, seq_fwd, seq_bwd, *times(plan), L, groups, *order, latency,
+                                int(rng.integers(2**31 - 1)), 200_000, patience)
+        spent = span(plan)
+        if spent <= best_s:
+            best, best_s = plan.copy(), spent
+        flat = best.copy().reshape(D, M * S)
+        for _ in range(max(1, D * M * S // 50)):
+            a, b = rng.integers(D, size=2)
+            i, j = rng.integers(M * S, size=2)
+            flat[a, i], flat[b, j] = flat[b, j], flat[a, i]
+        plan = np.ascontiguousarray(flat.reshape(D, M, S))
+    return best_s
+
+
+def jit_seconds() -> dict:
+    """Seconds of the planner's first call in a fresh process (reorder.warm_up): compiling the numba
+    kernels into an empty cache, and loading them from the on-disk cache (what a service does)."""
+    code = ("import time; t = time.perf_counter(); from preprocess_service.core import reorder; "
+            "reorder.warm_up(); print(time.perf_counter() - t)")
+    root = Path(__file__).resolve().parent.parent
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for name, env in (("compile", {"NUMBA_CACHE_DIR": cache}), ("cached", {"NUMBA_CACHE_DIR": cache})):
+            run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                                 env=os.environ | env, check=True)
+            out[name] = float(run.stdout.split()[-1])
+    return out
+
+
+def timed_plan(instance: Instance, name: str, seed: int) -> tuple[np.ndarray, float]:
+    """A planner's plan and its CPU seconds (one thread: figures for one core on a shared machine)."""
+    start = time.thread_time()
+    plan = PLANNERS[name](instance, np.random.default_rng(seed))
+    return check_plan(instance, plan), time.thread_time() - start
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="D in {8, 32} only")
-    parser.add_argument("--deep", action="store_true",
-                        help="also run ours-deep (search to a local optimum; seconds per instance)")
+    parser.add_argument("--deep", action="store_true", help="also run ours-deep (100 times ours' budget)")
+    parser.add_argument("--search-s", type=float, default=20.0,
+                        help="seconds of the reference local search per instance (default 20; 0: no search, "
+                             "gaps to the best planner only)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for the reference search")
     parser.add_argument("--json", type=Path, help="write every instance and plan here")
     parser.add_argument("--plot", type=Path, help="draw a 1F1B timeline before/after and the rank spread (PNG)")
     args = parser.parse_args(argv)
-    algorithms = ALGORITHMS + (("ours-deep",) if args.deep else ())
+    algorithms = tuple(dict.fromkeys(ALGORITHMS + (DEFAULT,) + (("ours-deep",) if args.deep else ())))
     dims = list(itertools.product((8, 32) if args.quick else (8, 32, 128), (8, 32), (4, 8), (1, 2, 4)))
-    print(f"{'D':>4} {'M':>3} {'P':>2} {'S':>2} {'B':>6} | " + " ".join(f"{a:>9}" for a in algorithms)
-          + " | ours ms  (iteration time / lower bound, mean over seeds)")
-    ratios = {a: [] for a in algorithms}
-    not_worse, ms_1024, dump = 0, [], []
-    plan_instance(make_instance(8, 8, 4, 1, 0), "ours")  # loads (or compiles) the numba kernels first
+    jit = jit_seconds()
+    warm_up()
+    rows, dump = [], []
     for D, M, P, S in dims:
-        row = {a: [] for a in algorithms}
-        ms = []
         for seed in range(args.seeds):
             instance = make_instance(D, M, P, S, seed)
+            row: dict = {"dims": (D, M, P, S), "seed": seed, "s": {}, "cpu_s": {}, "ratio": {}, "plans": {}}
             for name in algorithms:
-                result = plan_instance(instance, name, seed)
-                row[name].append(evaluate(instance, np.array(result["plan"]))["ratio_to_bound"])
-                if name == "ours":
-                    ms.append(result["meta"]["time_s"] * 1000)
+                plan, cpu = timed_plan(instance, name, seed)
+                figures = evaluate(instance, plan)
+                row["s"][name], row["ratio"][name], row["cpu_s"][name] = figures["iteration_s"], \
+                    figures["ratio_to_bound"], cpu
+                row["plans"][name] = plan
                 if args.json:
-                    dump.append({"instance": instance.to_json(), "plan": result})
-            not_worse += row["ours"][-1] <= row["paper"][-1] + 1e-12
-        for name in algorithms:
-            ratios[name].extend(row[name])
-        if D * M * S == 1024:
-            ms_1024.extend(ms)
+                    dump.append({"instance": instance.to_json(), "plan": {"plan": plan.tolist(), "meta": {
+                        "method": name, "time_s": cpu}}})
+            rows.append(row)
+    searched = [min(r["plans"].items(), key=lambda kv: r["s"][kv[0]])[1] for r in rows]
+    if args.search_s > 0:
+        tasks = [(*r["dims"], r["seed"], (1, 1, 1), start, args.search_s) for r, start in zip(rows, searched)]
+        print(f"reference: {args.search_s:g} s local search per instance, {len(tasks)} instances on {args.jobs} "
+              f"processes ...", flush=True)
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            reference = pool.map(search_reference, tasks)
+    else:
+        reference = [min(r["s"].values()) for r in rows]
+    for r, ref in zip(rows, reference):
+        best = min(ref, *r["s"].values())
+        r["gap"] = {a: r["s"][a] / best - 1 for a in algorithms}
+    what = f"a {args.search_s:g}-second local search" if args.search_s > 0 else "the best planner (no search)"
+    print(f"\ngap to {what} per instance (%, mean over seeds), and {DEFAULT}'s CPU ms per batch:")
+    print(f"{'D':>4} {'M':>3} {'P':>2} {'S':>2} {'B':>6} | " + " ".join(f"{a:>9}" for a in algorithms)
+          + f" | {DEFAULT} ms")
+    for dims_ in dims:
+        sel = [r for r in rows if r["dims"] == dims_]
+        D, M, P, S = dims_
         print(f"{D:>4} {M:>3} {P:>2} {S:>2} {D * M * S:>6} | "
-              + " ".join(f"{np.mean(row[a]):9.3f}" for a in algorithms) + f" | {np.mean(ms):7.1f}", flush=True)
-    total = len(dims) * args.seeds
-    print("mean ratio to the lower bound: " + ", ".join(f"{a} {np.mean(ratios[a]):.4f}" for a in algorithms))
-    print("max ratio to the lower bound:  " + ", ".join(f"{a} {np.max(ratios[a]):.3f}" for a in algorithms))
-    print(f"ours <= paper on {not_worse} of {total} instances")
-    if ms_1024:
-        print(f"ours, planning a 1024-sequence batch (one core): {np.mean(ms_1024):.1f} ms mean, "
-              f"{np.max(ms_1024):.1f} ms max")
+              + " ".join(f"{100 * np.mean([r['gap'][a] for r in sel]):9.2f}" for a in algorithms)
+              + f" | {1000 * np.mean([r['cpu_s'][DEFAULT] for r in sel]):7.1f}")
+    print(f"\n{len(rows)} instances (D in {sorted({r['dims'][0] for r in rows})}, S in {{1, 2, 4}}); "
+          f"gap to {what}:")
+    for a in algorithms:
+        gaps = [r["gap"][a] for r in rows]
+        b1024 = [r["cpu_s"][a] for r in rows if np.prod(r["dims"][:2]) * r["dims"][3] == 1024]
+        per_1024 = [r["cpu_s"][a] * 1024 / (r["dims"][0] * r["dims"][1] * r["dims"][3]) for r in rows]
+        print(f"  {a:>9}: gap mean {100 * np.mean(gaps):6.2f}%, max {100 * np.max(gaps):6.2f}%; ratio to bound "
+              f"mean {np.mean([r['ratio'][a] for r in rows]):.4f}; warm CPU ms per 1024-sequence batch "
+              f"{1000 * np.mean(b1024):6.1f} mean, {1000 * np.max(b1024):6.1f} max "
+              f"(all batches, per 1024 sequences: {1000 * np.mean(per_1024):6.1f})")
+    not_worse = sum(r["s"][DEFAULT] <= r["s"]["paper"] * (1 + 1e-12) for r in rows)
+    print(f"{DEFAULT} <= paper on {not_worse} of {len(rows)} instances")
+    print(f"JIT of the planner's kernels (first call in a fresh process): {jit['compile']:.2f} s compiling, "
+          f"{jit['cached']:.2f} s loading numba's on-disk cache (the service does this at start)")
     coupled = coupled_table(args.seeds, dump if args.json else None)
-    print(f"shared replicas: ours mean ratio {np.mean(coupled):.3f}, max {np.max(coupled):.3f}")
+    print(f"shared replicas: {DEFAULT} mean ratio {np.mean(coupled):.3f}, max {np.max(coupled):.3f}")
     if args.json:
         args.json.write_text(json.dumps(dump))
         print(f"wrote {len(dump)} instance/plan pairs to {args.json}")

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from disttrain_api.config import JobConfig, field_defaults
 from disttrain_api.layout import StageModel
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, check_plan, evaluate, plan_instance
 
@@ -62,6 +63,8 @@ def test_cli_plans_and_evaluates(tmp_path):
     run = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "plan", str(path), "--algorithm",
                           "paper", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout)
+    assert figures["planning_s"] >= 0 and figures["jit_s"] >= 0  # planning time reported apart from the JIT
     plan = json.loads(out.read_text())
     assert sorted(np.array(plan["plan"]).ravel().tolist()) == list(range(48))
     judged = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "evaluate", str(path), str(out)],
@@ -106,3 +109,57 @@ def test_ours_plans_for_coupled_ranks(shared_by):
                 "iteration_s"] + 1e-12
         unaware = np.array(plan_instance(independent, "ours", seed)["plan"])
         assert mine["iteration_s"] <= evaluate(coupled, unaware)["iteration_s"] + 1e-12
+
+
+DEFAULT = field_defaults(JobConfig)["reorder_algorithm"]
+
+
+def _random_instance(seed):
+    """A random shape, stage map, sharing and cost mix: what 'never worse than paper' must hold on."""
+    rng = np.random.default_rng([seed, 0xBAD])
+    D, M, S = (int(x) for x in rng.choice([1, 2, 4, 8], 3))
+    stage_map = [("enc", "bb", "gen"), ("enc", "bb/2", "bb/2", "gen"), ("bb",), ("enc", *["bb/3"] * 3, "gen")][
+        seed % 4]
+    shared = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 4)][int(rng.integers(4))] if D % 4 == 0 else (1, 1, 1)
+    B = D * M * S
+    costs = np.column_stack([rng.lognormal(-2, 1.2, B) * (rng.random(B) < 0.8), rng.uniform(0.2, 1.0, B),
+                             rng.choice([0.0, 0.3, 1.5], B, p=[0.7, 0.2, 0.1])])
+    model = StageModel(stage_map=stage_map, bwd_factor=tuple(rng.uniform(0.0, 2.5, 3)),
+                       p2p_latency=float(rng.choice([0.0, 1e-3])), shared_by=shared)
+    return Instance(D=D, M=M, S=S, model=model, costs=costs)
+
+
+def test_the_default_planner_is_never_worse_than_paper_and_deterministic():
+    for seed in range(40):
+        inst = _random_instance(seed)
+        mine = plan_instance(inst, DEFAULT, seed)["plan"]
+        assert mine == plan_instance(inst, DEFAULT, seed)["plan"], "a plan is a function of instance and seed"
+        paper = evaluate(inst, np.array(plan_instance(inst, "paper", seed)["plan"]))["iteration_s"]
+        assert evaluate(inst, np.array(mine))["iteration_s"] <= paper * (1 + 1e-12), (seed, inst.D, inst.M, inst.S)
+
+
+def test_warm_up_compiles_every_kernel_signature_planning_uses():
+    """reorder.warm_up() at a service's start must leave nothing for a job's first step to compile:
+    planning (independent, split and coupled ranks) and evaluating add no numba signature after it."""
+    from preprocess_service.core import reorder, simkernels
+
+    reorder.warm_up()
+    kernels = [simkernels.local_search, simkernels.component_spans]
+    before = [list(k.signatures) for k in kernels]
+    assert all(before), "warm_up compiled (or loaded) the search and the simulator"
+    for seed in range(8):
+        inst = _random_instance(seed)
+        evaluate(inst, np.array(plan_instance(inst, DEFAULT, seed)["plan"]))
+    assert [list(k.signatures) for k in kernels] == before
+
+
+def test_every_cli_and_bench_plans_with_the_service_default():
+    import importlib.util
+
+    from preprocess_service.service import reorder_cli
+
+    assert reorder_cli.build_parser().parse_args(["plan", "i.json", "-o", "o.json"]).algorithm == DEFAULT
+    spec = importlib.util.spec_from_file_location("bench_reorder", REPO / "bench" / "reorder.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.DEFAULT == DEFAULT and DEFAULT in PLANNERS

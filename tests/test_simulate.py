@@ -235,3 +235,24 @@ def test_batch_bound_holds_for_coupled_plans(shared_by):
     # the shared stage's term is the one that binds here: above every per-rank term
     independent = StageModel(stage_map=model.stage_map, p2p_latency=model.p2p_latency)
     assert bound > batch_lower_bound(seq, independent, D=D, M=M, S=S) or shared_by == (1, 1, 2)
+
+
+@pytest.mark.parametrize("groups", [(1, 1, 1, 1), (1, -2, 1, -3), (-2, 1, 1, 1)])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_flat_kernel_equals_the_component_kernel(groups, M):
+    """The planner's search simulates independent ranks with simkernels.simulate_flat: it must
+    give exactly what component_spans (checked against the reference simulator) gives."""
+    from preprocess_service.core import simkernels
+    from preprocess_service.core.simulate import _topological_order
+
+    rng = np.random.default_rng(M)
+    P, D = len(groups), 3
+    F, B = rng.random((D, P, M)), rng.random((D, P, M))
+    order = _topological_order(P, M)
+    g = np.array(groups, dtype=np.int64)
+    want = simkernels.component_spans(F, B, 1, g, *order, 1e-3)
+    src, dep, lat, prev = simkernels.flat_schedule(g, *order, P, M, 1e-3)
+    end = np.empty(len(order[0]))
+    got = [simkernels.simulate_flat(F.reshape(-1), B.reshape(-1), r * P * M, order[0], src, dep, lat, prev, end)
+           for r in range(D)]
+    assert np.array_equal(got, want)

@@ -14,6 +14,8 @@ import numba as nb
 import numpy as np
 
 ORDER_SWAP, ORDER_SHIFT, INSIDE, ACROSS = 0, 1, 2, 3
+PAIR_DRAWS = 8
+"""Random sequence pairs a swap between ranks picks from (local_search)."""
 
 
 @nb.njit(cache=True, nogil=True)
@@ -81,6 +83,53 @@ def simulate_component(F, B, groups, kinds, stages, mbs, latency, f_end, b_end, 
                 free[r, s, j] = end
             if end > span:
                 span = end
+    return span
+
+
+@nb.njit(cache=True, nogil=True)
+def flat_schedule(groups, kinds, stages, mbs, P, M, latency):
+    """The op order of one independent rank (no shared stage: every groups[s] is 1 or -k) as flat
+    arrays for simulate_flat: for op k, the flat index s * M + m of its duration, the op whose
+    output it waits for (-1: none) and that wait's latency, and the previous op of the same
+    replica (-1: none)."""
+    n = kinds.shape[0]
+    pos = np.empty((2, P, M), dtype=np.int64)
+    for k in range(n):
+        pos[kinds[k], stages[k], mbs[k]] = k
+    src, dep, prev = np.empty(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+    lat = np.zeros(n)
+    last = np.full((P, max(1, -groups.min())), -1, dtype=np.int64)
+    for k in range(n):
+        s, m = stages[k], mbs[k]
+        src[k] = s * M + m
+        if kinds[k] == 0:
+            if s > 0:
+                dep[k], lat[k] = pos[0, s - 1, m], latency
+        elif s == P - 1:
+            dep[k] = pos[0, s, m]
+        else:
+            dep[k], lat[k] = pos[1, s + 1, m], latency
+        j = m % -groups[s] if groups[s] < 0 else 0
+        prev[k] = last[s, j]
+        last[s, j] = k
+    return src, dep, lat, prev
+
+
+@nb.njit(cache=True, nogil=True)
+def simulate_flat(F, B, base, kinds, src, dep, lat, prev, end):
+    """Makespan of one independent rank whose stage times are F, B flat (float[D * P * M], the rank's
+    from ``base``), by the flat_schedule arrays; end float[num_ops] is scratch. Equal to
+    simulate_component for that rank, about twice as fast: two array lookups per op."""
+    span = 0.0
+    for k in range(kinds.shape[0]):
+        t = end[dep[k]] + lat[k] if dep[k] >= 0 else 0.0
+        p = prev[k]
+        if p >= 0 and end[p] > t:
+            t = end[p]
+        t += F[base + src[k]] if kinds[k] == 0 else B[base + src[k]]
+        end[k] = t
+        if t > span:
+            span = t
     return span
 
 
@@ -159,7 +208,7 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     Every step takes the slowest component (ranks coupled by shared stages; one rank when nothing is
     shared) and one random member rank, draws one random move: swap two of its microbatches in the
     order, move one to another position, swap two of its sequences between microbatches, or swap one
-    of its sequences with another rank's (half of the time a rank of the fastest component), and
+    of its sequences with another rank's (three times in four a rank of the fastest component), and
     runs the exact simulation of every component the move touches. A move is kept when the slowest
     of them ends strictly earlier than the current iteration (first improvement). Stops after
     ``max_evals`` simulations or ``patience`` failed moves in a row (a local optimum, with high
@@ -170,6 +219,9 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     np.random.seed(seed)
     f_end, b_end, free = np.empty((L, P, M)), np.empty((L, P, M)), np.empty((L, P, max(1, -groups.min())))
     spans = np.empty(C)
+    flat = L == 1  # independent ranks: the flat kernel
+    src, dep, lat, prev = flat_schedule(groups, kinds, stages, mbs, P, M, latency)
+    Ff, Bf, end = F.reshape(-1), B.reshape(-1), np.empty(kinds.shape[0])
     for c in range(C):
         spans[c] = simulate_component(F[c * L:(c + 1) * L], B[c * L:(c + 1) * L], groups, kinds, stages, mbs,
                                       latency, f_end, b_end, free)
@@ -194,8 +246,10 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
     evals, fails, kept = 0, 0, 0
     if n_kinds == 0:
         return kept, evals
+    # the slowest and fastest components change only when a move is kept: found again only then
+    slowest, fastest = int(np.argmax(spans)), int(np.argmin(spans))
     while evals < max_evals and fails < patience:
-        c = int(np.argmax(spans))
+        c = slowest
         current = spans[c] * (1.0 - 1e-12)
         base = c * L
         r = base + np.random.randint(L)
@@ -227,8 +281,8 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
                 _add_sequence(B, r, i, sb, y, x)
                 _add_sequence(B, r, j, sb, x, y)
         else:
-            if C > 1 and np.random.random() < 0.5:
-                c2 = int(np.argmin(spans))
+            if C > 1 and np.random.random() < 0.75:
+                c2 = fastest
                 w = c2 * L + np.random.randint(L)
             else:
                 w = np.random.randint(D - 1)
@@ -237,14 +291,17 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             if w == r:
                 fails += 1
                 continue
-            # the heavier of two of r's sequences for the lighter of two of w's (in total work):
-            # half of all random swaps would only make the slowest rank heavier
-            i, a, j, b = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
-            i2, a2, j2, b2 = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
-            if total[plan[r, i2, a2]] > total[plan[r, i, a]]:
-                i, a = i2, a2
-            if total[plan[w, j2, b2]] < total[plan[w, j, b]]:
-                j, b = j2, b2
+            # of PAIR_DRAWS random pairs (one of r's sequences, one of w's), the one whose difference
+            # in total work is closest to half the two components' gap, r's the heavier: random
+            # swaps would mostly make the slowest rank heavier, or move too much or too little
+            target = 0.5 * (spans[c] - spans[c2]) if c2 != c else 0.0
+            i, a, j, b, miss = 0, 0, 0, 0, np.inf
+            for _ in range(PAIR_DRAWS):
+                i2, a2, j2, b2 = np.random.randint(M), np.random.randint(S), np.random.randint(M), np.random.randint(S)
+                diff = total[plan[r, i2, a2]] - total[plan[w, j2, b2]]
+                off = abs(diff - target) if diff > 0 else np.inf
+                if off < miss or (miss == np.inf and _ == 0):
+                    i, a, j, b, miss = i2, a2, j2, b2, off
             x, y = plan[r, i, a], plan[w, j, b]
             _save(F, B, r, i, i, saved, 0)
             _save(F, B, w, j, j, saved, 2)
@@ -252,13 +309,19 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             _add_sequence(B, r, i, sb, y, x)
             _add_sequence(F, w, j, sf, x, y)
             _add_sequence(B, w, j, sb, x, y)
-        new = simulate_component(F[base:base + L], B[base:base + L], groups, kinds, stages, mbs, latency,
-                                 f_end, b_end, free)
+        if flat:
+            new = simulate_flat(Ff, Bf, r * P * M, kinds, src, dep, lat, prev, end)
+        else:
+            new = simulate_component(F[base:base + L], B[base:base + L], groups, kinds, stages, mbs, latency,
+                                     f_end, b_end, free)
         evals += 1
         new2 = 0.0
-        if c2 != c:
-            new2 = simulate_component(F[c2 * L:(c2 + 1) * L], B[c2 * L:(c2 + 1) * L], groups, kinds, stages, mbs,
-                                      latency, f_end, b_end, free)
+        if c2 != c and new < current:  # else rejected whatever the other component's span
+            if flat:
+                new2 = simulate_flat(Ff, Bf, w * P * M, kinds, src, dep, lat, prev, end)
+            else:
+                new2 = simulate_component(F[c2 * L:(c2 + 1) * L], B[c2 * L:(c2 + 1) * L], groups, kinds, stages,
+                                          mbs, latency, f_end, b_end, free)
             evals += 1
         better = max(new, new2) < current
         tries[pick] += 1
@@ -290,4 +353,5 @@ def local_search(plan, sf, sb, F, B, L, groups, kinds, stages, mbs, latency, see
             plan[r, i, a], plan[w, j, b] = plan[w, j, b], plan[r, i, a]
             if c2 != c:
                 spans[c2] = new2
+        slowest, fastest = int(np.argmax(spans)), int(np.argmin(spans))
     return kept, evals

@@ -139,3 +139,13 @@ def imbalance(costs: np.ndarray, plan: np.ndarray) -> float:
     loads = costs[plan].sum(axis=(1, 2))
     mean = loads.mean()
     return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def warm_up() -> None:
+    """Compiles the planners' numba kernels, or loads them from numba's on-disk cache (seconds the
+    first time per installation, well under one after), by planning two tiny batches with every
+    signature the planners use, so that a process plans its first real batch at full speed. Call it
+    when a service or CLI starts, not on a job's first step."""
+    from preprocess_service.core.reorder import ours  # imported late: ours imports this package
+
+    ours.warm_up()

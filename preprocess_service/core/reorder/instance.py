@@ -120,7 +120,7 @@ PLANNERS: dict[str, BatchPlanner] = {
     "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, ops=_deep_ops(instance),
                                                          patience=200_000),
 }
-"""Whole-batch planners by name. ``ours`` searches for a fixed budget of simulated ops (about 30 ms
+"""Whole-batch planners by name. ``ours`` searches for a fixed budget of simulated ops (about 15 ms
 per 1024 sequences on one core, the service default); ``ours-deep`` for 100 times as long (offline)."""
 
 

@@ -13,17 +13,23 @@ so a sequence is a vector of loads, one per term, and the makespan is close to t
 2. Microbatches: each rank's sequences are dealt the same way into M microbatches of S (by stage
    times), so the stage times of its microbatches come out even.
 3. Order: cheapest fill first, cheapest drain last, the rest by the paper's organ pipe.
-   Steps 1-3 are one starting plan; the scalar ``lpt`` + ``paper`` plan is the other; the search
-   starts from whichever the simulator says is faster, so ours is never worse than ``lpt``.
+   Steps 1-3 are one starting plan; the scalar ``lpt`` + ``paper`` plan and ``paper``'s own plan are
+   the others; the search starts from whichever the simulator says is fastest and only ever keeps
+   improvements, so ours is never worse than ``lpt`` or ``paper``.
 4. Local search with the exact simulator in the loop (simkernels.local_search, compiled): always on
    the slowest component (one rank; or the ranks coupled by a shared encoder/generator replica),
    draw a random move of one of its ranks (swap two microbatches in the order, move one to another
    position, swap two of its sequences between microbatches, or swap one of its sequences with
    another rank's, often one of the fastest component), simulate every component it touches
-   exactly (a few microseconds), and keep it when the iteration gets shorter. The objective is the
-   one the trainer has (simulate.py): the slowest rank's makespan when ranks meet only at the
-   all-reduce, the slowest coupled component's when replicas are shared. The budget is a fixed
-   number of simulated ops (about 30 ms on one core), so the plan is deterministic.
+   exactly (about a microsecond for an independent rank: simkernels.simulate_flat), and keep it
+   when the iteration gets shorter. The objective is the one the trainer has (simulate.py): the
+   slowest rank's makespan when ranks meet only at the all-reduce, the slowest coupled
+   component's when replicas are shared.
+5. When the search reaches a local optimum before its budget is spent (small batches), it restarts
+   from the best plan with a few random swaps between ranks (iterated local search), until the
+   budget is spent or RESTARTS_WITHOUT_GAIN restarts in a row found nothing better.
+   The budget is a fixed number of simulated ops (about 15 ms per 1024 sequences on one core), and
+   every random draw comes from the rng, so the plan is a function of the instance and the seed.
 """
 
 from __future__ import annotations
@@ -50,8 +56,12 @@ def _load_terms(seq_fwd: np.ndarray, seq_bwd: np.ndarray, S: int) -> tuple[np.nd
         terms.append(work[s] + last - np.minimum(last, cap))
         offsets.append(around[s])
     loads = np.stack(terms, axis=1)
-    _, keep = np.unique(np.round(np.vstack([loads, offsets]), 12), axis=1, return_index=True)
-    keep = np.sort(keep)
+    # first of each set of equal columns (np.unique(axis=1) does this too, but ten times slower)
+    columns = np.round(np.vstack([loads, offsets]), 12) + 0.0  # + 0.0: -0.0 and 0.0 alike
+    first: dict[bytes, int] = {}
+    for k in range(columns.shape[1]):
+        first.setdefault(columns[:, k].tobytes(), k)
+    keep = np.array(sorted(first.values()))
     return loads[:, keep], np.asarray(offsets)[keep]
 
 
@@ -76,20 +86,23 @@ def _deal_rounds(loads: np.ndarray, offsets: np.ndarray, items: np.ndarray, bins
     return out
 
 
-def _initial_order(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
-    """fwd, bwd float[P, M] of one rank -> a permutation of its M microbatches."""
-    M = fwd.shape[1]
-    total = (fwd + bwd).sum(axis=0)
-    order = list(reorder.inter_paper(total[None, :], None)[0])
-    if M > 2:
-        fill = fwd[:-1].sum(axis=0) if fwd.shape[0] > 1 else fwd.sum(axis=0)
-        drain = bwd[:-1].sum(axis=0) if bwd.shape[0] > 1 else bwd.sum(axis=0)
-        first = int(np.argmin(fill))
-        rest = [m for m in order if m != first]
-        last = min(rest, key=lambda m: drain[m])
-        middle = [m for m in rest if m != last]
-        order = [first, *middle, last]
-    return np.array(order)
+def _initial_orders(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """fwd, bwd float[D, P, M] of each rank's microbatches -> int[D, M]: each rank's order, the
+    paper's organ pipe by total time, then the cheapest fill first and the cheapest drain last."""
+    D, P, M = fwd.shape
+    rows = np.arange(D)[:, None]
+    ascending = np.argsort((fwd + bwd).sum(axis=1), axis=1, kind="stable")
+    if M <= 2:
+        return ascending
+    rest = ascending[:, 2:]
+    order = np.concatenate([ascending[:, :1], rest[:, 0::2], rest[:, 1::2][:, ::-1], ascending[:, 1:2]], axis=1)
+    fill = fwd[:, :-1].sum(axis=1) if P > 1 else fwd.sum(axis=1)
+    drain = bwd[:, :-1].sum(axis=1) if P > 1 else bwd.sum(axis=1)
+    first = np.argmin(fill, axis=1)[:, None]
+    rest = order[order != first].reshape(D, M - 1)
+    last = rest[rows[:, 0], np.argmin(drain[rows, rest], axis=1)][:, None]
+    middle = rest[rest != last].reshape(D, M - 2)
+    return np.concatenate([first, middle, last], axis=1)
 
 
 def _vector_start(seq_fwd: np.ndarray, seq_bwd: np.ndarray, D: int, M: int, S: int) -> np.ndarray:
@@ -97,23 +110,23 @@ def _vector_start(seq_fwd: np.ndarray, seq_bwd: np.ndarray, D: int, M: int, S: i
     ranks = _deal_rounds(loads, offsets, np.arange(D * M * S)[None], D)[0]  # [D, M*S]
     stage_work = (seq_fwd + seq_bwd).T
     plan = _deal_rounds(stage_work, np.zeros(stage_work.shape[1]), ranks, M)  # [D, M, S]
-    for rank in range(D):
-        fwd, bwd = seq_fwd[:, plan[rank]].sum(axis=-1), seq_bwd[:, plan[rank]].sum(axis=-1)
-        plan[rank] = plan[rank][_initial_order(fwd, bwd)]
-    return plan
+    fwd = seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)  # [D, P, M]
+    bwd = seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)
+    return np.take_along_axis(plan, _initial_orders(fwd, bwd)[:, :, None], axis=1)
 
 
-def _scalar_start(instance) -> np.ndarray:
+def _scalar_start(instance, intra: str) -> np.ndarray:
+    """The plan of the scalar planner ``intra`` + ``paper`` (instance.PLANNERS' "lpt" or "paper")."""
     # lpt and paper never draw from rng (plan_batch's rng is typed for every algorithm, "random" included)
-    return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra="lpt",
+    return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra=intra,
                               inter="paper", rng=None)  # type: ignore[arg-type]
 
 
 SEARCH_OPS = 6_000_000
 """Default search budget per 1024 sequences of the batch (at least this much for smaller ones), in
-simulated ops (2 P M per rank and candidate move, a few ns each): about 30 ms per 1024 sequences on
+simulated ops (2 P M per rank and candidate move, a few ns each): about 15 ms per 1024 sequences on
 one core whatever the batch's shape, the service's planning budget."""
-EVAL_OVERHEAD_OPS = 64
+EVAL_OVERHEAD_OPS = 160
 """What drawing and applying one candidate move costs besides its simulation, in simulated ops."""
 
 
@@ -137,7 +150,8 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
         return (np.ascontiguousarray(seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)),
                 np.ascontiguousarray(seq_bwd[:, plan].sum(axis=-1).transpose(1, 0, 2)))
 
-    starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance)]
+    starts = [_vector_start(seq_fwd, seq_bwd, D, M, S), _scalar_start(instance, "lpt"),
+              _scalar_start(instance, "paper")]
     latency = float(model.p2p_latency)
     spans = [simkernels.component_spans(*times(p), L, groups, *order, latency).max() for p in starts]
     plan = np.ascontiguousarray(starts[int(np.argmin(spans))], dtype=np.int64)
@@ -145,10 +159,37 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
     if patience is None:  # a few times the slowest rank's neighbourhood (with 8 partner ranks)
         patience = 4 * (M * M + (M * S) ** 2 + 8 * (M * S) ** 2)
     max_evals = int(ops // (2 * P * M * L + EVAL_OVERHEAD_OPS))
-    seed = int(rng.integers(0, 2**31 - 1))
-    simkernels.local_search(plan, seq_fwd, seq_bwd, F, B, L, groups, *order, latency, seed, max_evals,
-                            int(patience))
-    return plan
+    best, best_span, spent, stale = plan, float(min(spans)), 0, 0
+    while True:
+        seed = int(rng.integers(0, 2**31 - 1))
+        spent += simkernels.local_search(plan, seq_fwd, seq_bwd, F, B, L, groups, *order, latency, seed,
+                                         max_evals - spent, int(patience))[1]
+        span = float(simkernels.component_spans(F, B, L, groups, *order, latency).max())
+        stale += 1
+        if span < best_span:
+            best, best_span, stale = plan, span, 0
+        if spent >= max_evals or D < 2 or stale > RESTARTS_WITHOUT_GAIN:
+            return best
+        # a local optimum within the budget (small batches): iterated local search, restarting
+        # from the best plan with a few random sequence swaps between ranks
+        plan = _perturb(best, rng)
+        F, B = times(plan)
+
+
+def _perturb(plan: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A copy of ``plan`` with 1 in PERTURB_EVERY of its sequences swapped with a random rank's."""
+    D, M, S = plan.shape
+    flat = plan.reshape(D, M * S).copy()
+    n = max(1, D * M * S // PERTURB_EVERY)
+    ranks, slots = rng.integers(D, size=(n, 2)), rng.integers(M * S, size=(n, 2))
+    for (a, b), (i, j) in zip(ranks.tolist(), slots.tolist()):
+        flat[a, i], flat[b, j] = flat[b, j], flat[a, i]
+    return np.ascontiguousarray(flat.reshape(D, M, S))
+
+
+PERTURB_EVERY = 50
+RESTARTS_WITHOUT_GAIN = 8
+"""The search ends early once this many restarts in a row found nothing better (tiny batches)."""
 
 
 def warm_up() -> None:

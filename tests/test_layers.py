@@ -27,6 +27,20 @@ def test_importing_the_client_loads_no_service_module_or_heavy_dependency():
     assert "disttrain_api.channel" in modules and "disttrain_api.config" in modules  # it does load the API
 
 
+def test_the_server_process_loads_no_torch_until_it_decodes():
+    """The service plans from headers: torch (~1 CPU-second, ~200 MiB per process) is for the
+    decoders alone, so the server, the run CLI and the planner's process do not import it."""
+    code = ("import json, sys\n"
+            "import preprocess_service.service.server, preprocess_service.service.cli\n"
+            "import preprocess_service.service.runner, preprocess_service.adapters.samples\n"
+            "print(json.dumps(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True)
+    modules = set(json.loads(out.stdout))
+    assert not {"torch", "torchaudio", "webdataset"} & modules, sorted({"torch", "torchaudio", "webdataset"} & modules)
+    assert "preprocess_service.adapters.imaging" in modules and "preprocess_service.adapters.audio" in modules
+
+
 def test_the_api_names_exactly_the_registered_planners():
     from disttrain_api.config import PLANNER_NAMES
     from preprocess_service.core.reorder.instance import PLANNERS

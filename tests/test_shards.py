@@ -17,6 +17,21 @@ def test_brace_patterns_expand_like_webdataset(tmp_path):
     assert urls == [f"{tmp_path}/00000.tar", f"{tmp_path}/00001.tar"]
 
 
+@pytest.mark.parametrize("name", [
+    "00001.jpg", "a/b/00001.JPG", "x.tar.gz", "dir.v2/key.1.jpg", "key.", ".hidden", "noext", "a/.b.c",
+    "k.__key__", "päth/ke y.json", "a/b/", "./k.txt", "k..txt", "a/b.c/d", ""])
+def test_member_names_split_like_webdataset(name):
+    from webdataset.tariterators import base_plus_ext
+
+    from preprocess_service.adapters.tarstream import split_name
+
+    key, suffix = base_plus_ext(name)
+    expected = (None, None) if key is None or suffix.startswith("__") else (key, suffix.lower())
+    if name.startswith("__") or "/__" in name:
+        expected = (None, None)
+    assert split_name(name) == expected
+
+
 def test_missing_local_shard_is_a_config_error_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="nope.tar' does not exist"):
         shards.expand_shards([str(tmp_path / "nope.tar")])

@@ -12,12 +12,15 @@ from __future__ import annotations
 import functools
 import io
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile
-import torch
 
 from disttrain_api.config import AudioConfig
+
+if TYPE_CHECKING:
+    import torch
 
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg")
 LOG_FLOOR = 1e-10
@@ -61,6 +64,8 @@ def header_seconds(data: bytes, target_rate: int = 16000) -> float:
 
 def decode_waveform(data: bytes, config: AudioConfig) -> torch.Tensor:
     """float32 [samples] mono at config.sample_rate, cut to config.max_seconds."""
+    import torch  # here, not at the top: the planner reads audio headers and never decodes
+
     with soundfile.SoundFile(io.BytesIO(data)) as f:
         rate = f.samplerate
         check_header(rate, f.channels, config.sample_rate)
@@ -76,6 +81,8 @@ def decode_waveform(data: bytes, config: AudioConfig) -> torch.Tensor:
 
 def log_mel(wave: torch.Tensor, config: AudioConfig, num_frames: int) -> np.ndarray:
     """float16 [num_frames, n_mels] natural-log mel power of a mono waveform."""
+    import torch
+
     mel = _mel_transform(config)(wave)  # [n_mels, frames]
     frames = torch.log(mel.clamp_min(LOG_FLOOR)).T
     out = np.full((num_frames, config.n_mels), np.log(LOG_FLOOR), dtype=np.float16)

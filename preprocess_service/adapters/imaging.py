@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import simplejpeg
-import torch
 from PIL import Image
 
 from disttrain_api.config import ImageConfig
@@ -156,6 +155,8 @@ def resize(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
     to match Pillow's filter and runs ~4x faster than Pillow 13 here); a no-op at the same size."""
     if pixels.shape[:2] == tuple(size_hw):
         return pixels
+    import torch  # here, not at the top: the planner reads image headers and never decodes
+
     source = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).unsqueeze(0)
     out = torch.nn.functional.interpolate(source, size=tuple(size_hw), mode="bicubic", antialias=True)
     # The kernel writes NCHW; torch's channels-last copy is ~2.5x faster than numpy's strided one.

@@ -27,8 +27,6 @@ import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from webdataset.tariterators import base_plus_ext
-
 from disttrain_api.errors import SampleError
 from preprocess_service.core.sample import NEXT_OFFSET
 
@@ -36,6 +34,11 @@ MAX_HEADER_BLOCK_BYTES = 1 << 20
 """Largest pax extended header or GNU long name this reader accepts (tarfile would read any size)."""
 MAX_KEY_CHARS = 1024
 _META = re.compile(r"__[^/]*__($|/)")
+_BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+"""webdataset.tariterators.base_plus_ext's split (the part before the base name's first dot, the
+rest). Matched here, not imported: importing any webdataset module imports torch (webdataset's
+package imports its torch loaders), ~1 CPU-second and ~200 MiB in a server that needs neither;
+tests/test_shards.py checks the two agree."""
 
 ProblemSink = Callable[[SampleError], None]
 
@@ -100,10 +103,10 @@ def split_name(name: str) -> tuple[str | None, str | None]:
     must not overwrite its key or shard)."""
     if _META.match(name):
         return None, None
-    key, suffix = base_plus_ext(name)
-    if key is None or suffix is None or suffix.startswith("__"):
+    match = _BASE_PLUS_EXT.match(name)
+    if match is None or match.group(2).startswith("__"):
         return None, None
-    return key, suffix.lower()
+    return match.group(1), match.group(2).lower()
 
 
 def _printable_key(key: str) -> str:

@@ -227,18 +227,22 @@ class JobInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., global_batch_sequences: _Optional[int] = ..., num_steps: _Optional[int] = ..., shard_urls: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("job_id", "dp_rank", "start_step", "start_microbatch", "max_steps")
+    __slots__ = ("job_id", "dp_rank", "start_step", "start_microbatch", "max_steps", "shm_probe", "shm_probe_token")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     START_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     dp_rank: int
     start_step: int
     start_microbatch: int
     max_steps: int
-    def __init__(self, job_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    shm_probe: str
+    shm_probe_token: bytes
+    def __init__(self, job_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., max_steps: _Optional[int] = ..., shm_probe: _Optional[str] = ..., shm_probe_token: _Optional[bytes] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -277,7 +281,7 @@ class SkippedSample(_message.Message):
     def __init__(self, key: _Optional[str] = ..., shard: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Microbatch(_message.Message):
-    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch", "sample_datasets")
+    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch", "sample_datasets", "shm_name", "shm_nbytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,8 @@ class Microbatch(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_DATASETS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_NBYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     dp_rank: int
@@ -300,7 +306,9 @@ class Microbatch(_message.Message):
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
     epoch: int
     sample_datasets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ..., sample_datasets: _Optional[_Iterable[int]] = ...) -> None: ...
+    shm_name: str
+    shm_nbytes: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ..., sample_datasets: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_nbytes: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("job_id", "dp_rank", "next_step")

@@ -60,6 +60,9 @@ def derive_labels(tokens: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
 # field 6 holding its header fields and then its data, joined with one copy. The result is an
 # ordinary serialized Microbatch; any protobuf library parses it.
 
+MAX_SHARED_BYTES = 4 << 30
+"""Largest shared-memory microbatch a client maps (Microbatch.shm_nbytes)."""
+
 _LEN, _VARINT = 2, 0
 _TENSORS_FIELD, _DATA_FIELD = 6, 4
 
@@ -111,11 +114,17 @@ def _fields(buf, start: int, end: int):
 
 def encode_microbatch(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> bytes:
     """Serialized Microbatch: ``header`` (no tensors) plus ``arrays`` as tensors, in one copy."""
+    return b"".join(encoded_parts(header, arrays))
+
+
+def encoded_parts(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> list:
+    """The serialized Microbatch as bytes-like pieces whose concatenation is the message (the
+    tensors' data as views of ``arrays``, not copied): to join, or to write where it goes."""
     if not np.little_endian:  # the raw memory would be big endian: let protobuf build it
         message = pb.Microbatch()
         message.CopyFrom(header)
         message.tensors.extend(to_tensor(n, a) for n, a in arrays.items())
-        return message.SerializeToString()
+        return [message.SerializeToString()]
     parts = [header.SerializeToString()]
     for name, array in arrays.items():
         dtype = _TO_PROTO.get(array.dtype)
@@ -126,11 +135,12 @@ def encode_microbatch(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> b
         data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(data.nbytes)
         parts += [_varint(_TENSORS_FIELD << 3 | _LEN), _varint(len(meta) + len(data_key) + data.nbytes),
                   meta, data_key, data]
-    return b"".join(parts)
+    return parts
 
 
-def decode_microbatch(raw: bytes) -> tuple[pb.Microbatch, dict[str, np.ndarray]]:
-    """(the message without tensors, name -> read-only array viewing ``raw``): nothing copied."""
+def decode_microbatch(raw) -> tuple[pb.Microbatch, dict[str, np.ndarray]]:
+    """(the message without tensors, name -> array viewing ``raw``): nothing copied. ``raw`` is
+    bytes (the arrays are read-only) or a writable buffer such as an mmap (they are writable)."""
     header_parts, arrays = [], {}
     for number, wire_type, key_start, start, end, _ in _fields(raw, 0, len(raw)):
         if number == _TENSORS_FIELD and wire_type == _LEN:

@@ -180,3 +180,33 @@ def test_streams_are_served_in_turn_and_decode_the_same_bytes(layout):
         assert finished == ["deep0", "a", "b", "deep1", "deep2"]  # first come, first served: deep0..2, a, b
     finally:
         pool.close()
+
+
+def test_work_submitted_while_workers_start_waits_for_them(layout, expected):
+    """wait=False returns while the workers start (the server sets itself up meanwhile); work
+    submitted at once is decoded when they are ready, byte for byte."""
+    pool = DecodePool(2, wait=False)
+    try:
+        future = pool.submit(layout)
+        decoded = future.result(timeout=120)
+        np.testing.assert_array_equal(decoded.buffer, expected)
+        decoded.release()
+        pool.wait_ready(60)
+        assert len(pool.worker_pids()) == 2
+    finally:
+        pool.close()
+
+
+def test_workers_that_cannot_start_fail_the_pool_instead_of_hanging(layout):
+    """Every worker is killed for not being ready within start_timeout_s: after three in a row
+    the pool reports it cannot start, and waiting work fails with that error, not a hang."""
+    with pytest.raises(RuntimeError, match="cannot start"):
+        DecodePool(1, start_timeout_s=0.001)
+    pool = DecodePool(1, start_timeout_s=0.001, wait=False)
+    try:
+        with pytest.raises(RuntimeError, match="cannot start"):  # refused, or failed once it is known
+            pool.submit(layout).result(timeout=60)
+        with pytest.raises(RuntimeError, match="cannot start"):
+            pool.submit(layout)
+    finally:
+        pool.close()

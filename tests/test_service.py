@@ -54,13 +54,13 @@ def _config(dataset, **overrides) -> JobConfig:
     return JobConfig(**fields)
 
 
-def _consume_all(address, config, ranks=None):
+def _consume_all(address, config, ranks=None, shared_memory=True):
     """Each rank in its own thread, like trainer workers; returns {rank: [Microbatch, ...]}."""
     out, errors = {}, []
 
     def body(rank):
         try:
-            with DataClient(address, config, rank, prefetch=2) as client:
+            with DataClient(address, config, rank, prefetch=2, shared_memory=shared_memory) as client:
                 out[rank] = list(client)
         except Exception as exc:  # surfaced below
             errors.append(exc)
@@ -192,16 +192,17 @@ def test_state_from_another_topology_is_refused(dataset, service):
 def test_microbatches_above_grpc_default_4mib(dataset, service):
     address, _ = service
     config = _config(dataset, dp_size=1, seq_len=8192, seqs_per_microbatch=2)
-    [mbs] = _consume_all(address, config).values()
+    [mbs] = _consume_all(address, config, shared_memory=False).values()  # in the gRPC message
     assert max(mb.nbytes for mb in mbs) > 8 * 2**20
 
 
-def test_slow_client_keeps_server_memory_bounded(tmp_path, service):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_slow_client_keeps_server_memory_bounded(tmp_path, service, shared_memory):
     address, servicer = service
     write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=250)
     config = JobConfig(shards=(str(tmp_path),), dp_size=1, seq_len=2048, num_microbatches=2)
     ahead_mb, ahead_bytes, sizes, total = [], [], [], 0
-    with DataClient(address, config, 0, prefetch=1) as client:
+    with DataClient(address, config, 0, prefetch=1, shared_memory=shared_memory) as client:
         for count, mb in enumerate(client, start=1):
             time.sleep(0.1)
             total += mb.nbytes

@@ -6,7 +6,9 @@
     ckpt["data"] = client.state_dict()   # a few numbers; load_state_dict() resumes at that point
 
 A background thread reads the gRPC stream into a bounded queue (``prefetch`` microbatches), so
-decoding on the server and the copy to torch overlap with training. If the stream breaks with a
+decoding on the server and the copy to torch overlap with training. On the service's own host the
+microbatches come in shared memory instead (``shared_memory``, on by default where /dev/shm
+exists): the tensors are views of it, with nothing copied and no payload through gRPC. If the stream breaks with a
 transient error (the replica died, restarted, or a newer stream took the rank over) the thread
 reconnects, to the next of the given addresses, and continues at the first microbatch it does
 not have: with several replicas on one Redis every replica streams the same committed plan.
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
 import queue
+import re
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +48,8 @@ STATE_VERSION = 1
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.ABORTED}
 _END = object()
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"dtmb_[0-9a-f]{8}_[0-9a-f]{24}")
 
 
 @dataclass(slots=True)
@@ -103,11 +110,14 @@ def to_microbatch(raw: bytes) -> Microbatch:
     return _to_microbatch(*wire.decode_microbatch(raw))
 
 
-def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], pin: bool = False) -> Microbatch:
+def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], owned: bool = False,
+                   pin: bool = False) -> Microbatch:
+    """``owned``: the arrays are writable views of memory only this microbatch uses (a shared-memory
+    microbatch's mapping), so the tensors view them instead of copying."""
     missing = [name for name in _RECEIVED if name not in arrays]
     if missing:
         raise ValueError(f"the microbatch lacks the tensors {missing} (is the service older than this client?)")
-    tensors = {name: _own(a, pin) for name, a in arrays.items()}
+    tensors = {name: torch.from_numpy(a) if owned and not pin else _own(a, pin) for name, a in arrays.items()}
     labels = wire.derive_labels(arrays["tokens"], arrays["loss_mask"])
     return Microbatch(
         step=message.step, epoch=message.epoch, microbatch_index=message.microbatch_index,
@@ -138,6 +148,51 @@ def _own(array: np.ndarray, pin: bool) -> torch.Tensor:
     out = torch.empty(array.shape, dtype=torch.from_numpy(array[:0].copy()).dtype, pin_memory=True)
     out.numpy()[...] = array
     return out
+
+
+def _from_shared_memory(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray], bool]:
+    """A shared-memory microbatch (Microbatch.shm_name): mapped, unlinked (it is ours now), parsed;
+    the arrays are writable views of the mapping, which lives as long as they do."""
+    name, nbytes = header.shm_name, header.shm_nbytes
+    if not _SHM_NAME.fullmatch(name) or not 0 < nbytes <= wire.MAX_SHARED_BYTES:
+        raise ValueError(f"the service named an invalid shared-memory microbatch {name!r} ({nbytes} bytes)")
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        os.unlink(path)
+        if os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"shared-memory microbatch {name} holds fewer than its {nbytes} bytes")
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    message, arrays = wire.decode_microbatch(memoryview(mapping))
+    return message, arrays, True
+
+
+def _make_probe() -> tuple[str, bytes, str | None]:
+    """(name, token, path) of a new probe object proving this process shares the server's
+    /dev/shm (StreamRequest.shm_probe); ("", b"", None) where there is none."""
+    if not os.path.isdir(SHM_DIR):
+        return "", b"", None
+    name, token = f"dtprobe_{secrets.token_hex(16)}", secrets.token_bytes(32)
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, token)
+        finally:
+            os.close(fd)
+    except OSError:
+        return "", b"", None
+    return name, token, path
+
+
+def _drop_probe(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -262,7 +317,7 @@ class DataClient:
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
                  connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0,
                  credentials: Credentials | None = None, keepalive_s: float = 15.0, call_timeout_s: float = 20.0,
-                 message_timeout_s: float = 900.0, pin_memory: bool = False):
+                 message_timeout_s: float = 900.0, pin_memory: bool = False, shared_memory: bool = True):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
@@ -279,6 +334,10 @@ class DataClient:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.call_timeout_s = call_timeout_s
         """Deadline of every unary call; past it the call is retried on the next address."""
+        self.shared_memory = shared_memory
+        """Offer same-host delivery; the service uses it when it is on this host (shmdelivery.py)."""
+        self.num_shared_memory = 0
+        """Microbatches received in shared memory."""
         self.message_timeout_s = message_timeout_s
         """A stream that delivers nothing for this long (a live but stuck replica) is cancelled and
         resumed elsewhere; a stopped or unreachable one is found sooner, by keepalive pings."""
@@ -292,6 +351,8 @@ class DataClient:
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._call = None
+        self._probe: str | None = None
+        """Path of this stream's shared-memory probe until the server has read it."""
         self._stream_link: _Link | None = None
         self.credentials = credentials if credentials is not None else Credentials.from_env()
         self._control = _Link(self.addresses, credentials=self.credentials, options=self._options)  # unary calls
@@ -407,9 +468,20 @@ class DataClient:
             self._stream_link.connect(self.connect_timeout_s, cancelled=self._stop.is_set)
             while not self._stop.is_set():
                 try:
+                    lost = False
                     for raw in self._open_stream(position):
                         self._last_progress = time.monotonic()
                         message = wire.decode_microbatch(raw)  # (header, array views of raw)
+                        if message[0].shm_name:
+                            try:
+                                message = _from_shared_memory(message[0])
+                            except FileNotFoundError:  # freed under us (the server's stream ended, or
+                                lost = True            # someone cleaned /dev/shm): resume right here
+                                break
+                            self.num_shared_memory += 1
+                        if self._probe is not None:  # the server has read it
+                            _drop_probe(self._probe)
+                            self._probe = None
                         position = (message[0].step, message[0].microbatch_index + 1)
                         if failing_since is not None:
                             self.resumed_at.append(time.monotonic())
@@ -417,9 +489,19 @@ class DataClient:
                         if not self._put(_to_microbatch(*message, pin=True) if self.pin_memory else message):
                             return
                         self._last_progress = time.monotonic()  # a slow consumer is not a stuck server
+                    _drop_probe(self._probe)
+                    if lost:
+                        self._call.cancel()  # its later microbatches are resent from ``position``
+                        log.info("a shared-memory microbatch of %s was gone; resuming at %s", self.address, position)
+                        failing_since = failing_since or time.monotonic()
+                        if time.monotonic() - failing_since > self.reconnect_timeout_s:
+                            raise ServiceUnavailableError(f"stream from {self.address!r} kept losing microbatches")
+                        self.num_reconnects += 1
+                        continue
                     self._put(_END)
                     return
                 except grpc.RpcError as exc:
+                    _drop_probe(self._probe)
                     log.info("stream from %s failed: %s %s", self.address, exc.code().name, exc.details())
                     if self._stop.is_set():
                         return
@@ -464,8 +546,11 @@ class DataClient:
         """The stream as serialized messages: parsed by wire.decode_microbatch without protobuf's copies."""
         self._last_progress = time.monotonic()
         step, index = position
+        _drop_probe(self._probe)
+        name, token, self._probe = _make_probe() if self.shared_memory else ("", b"", None)
         self._call = self._stream_link.stream(pb.StreamRequest(
-            job_id=self.job_id, dp_rank=self.dp_rank, start_step=step, start_microbatch=index))
+            job_id=self.job_id, dp_rank=self.dp_rank, start_step=step, start_microbatch=index, shm_probe=name,
+            shm_probe_token=token))
         return self._call
 
     def _put(self, item) -> bool:
@@ -484,6 +569,7 @@ class DataClient:
             self._call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        _drop_probe(self._probe)
         if self._stream_link is not None:
             self._stream_link.close()
         with self._control_lock:

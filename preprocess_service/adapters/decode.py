@@ -2,7 +2,11 @@
 
 Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
 
-- ``DecodePool`` (the service default): one worker process per core. Encoded bytes go into a
+- ``DecodePool`` (the service default): one worker process per core, forked from a fork server
+  that imported torch and the decoders once (so a worker starts in milliseconds and shares those
+  pages with its siblings, where spawning each would import torch again: ~1 CPU-second and
+  ~200 MiB per worker). Workers start in the background; work waits for a ready one, and
+  ``wait_ready()`` blocks until all are up. Encoded bytes go into a
   shared-memory arena beside the microbatch's output slots; a task (one document) is a few
   numbers through a pipe, and the worker writes its arrays straight into their slots, so nothing
   large is pickled and the output does not depend on which worker finishes first. Each worker
@@ -39,6 +43,20 @@ from preprocess_service.core.assemble import Layout, MediaItem
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
+PRELOAD = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image",
+           "preprocess_service.adapters.imaging", "preprocess_service.adapters.audio",
+           "preprocess_service.adapters.decode")
+"""What the fork server imports before it forks workers: imports only, nothing that starts a
+thread pool (a fork would copy it half-made); each worker warms its decoders itself."""
+MAX_START_FAILURES = 3
+"""Workers that exit (or time out) one after another before ever reporting ready: the pool is
+broken (an installation problem) and fails its work instead of restarting them forever."""
+
+
+def _fork_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the fork server starts (once per process)
+    return ctx
 
 
 def decode_item(kind: str, data: bytes, params: tuple) -> np.ndarray:
@@ -242,6 +260,9 @@ class _Worker:
     slot: int
     process: mp.Process
     conn: connection.Connection
+    started: float
+    """time.monotonic() at launch: one not ready ``start_timeout_s`` later is killed."""
+    ready: bool = False
     in_flight: dict[int, _Task] = field(default_factory=dict)
 
 
@@ -249,7 +270,9 @@ class DecodePool:
     """``num_workers`` decode processes (default: one per core available to this process)."""
 
     def __init__(self, num_workers: int | None = None, *, max_in_flight: int = 2, start_timeout_s: float = 120.0,
-                 budget: MemoryBudget = UNLIMITED):
+                 budget: MemoryBudget = UNLIMITED, wait: bool = True):
+        """``wait``: return once every worker is ready (RuntimeError if they cannot start);
+        False: return at once while they start (``wait_ready()`` waits)."""
         self.budget = budget
         """Every arena is charged to it from creation to destruction (/dev/shm holds it meanwhile)."""
         budget.reclaimable = self._idle_bytes
@@ -257,8 +280,13 @@ class DecodePool:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.max_in_flight = max_in_flight
-        self._ctx = mp.get_context("spawn")  # no forked copies of gRPC threads or locks
+        self.start_timeout_s = start_timeout_s
+        # The fork server is a fresh interpreter: no forked copies of this process's gRPC threads or locks.
+        self._ctx = _fork_context()
         self._lock = threading.Lock()
+        self._ready_changed = threading.Condition(self._lock)
+        self._start_failures = 0
+        self._broken: str | None = None
         self._pending: FairQueue[_Task] = FairQueue()
         self._task_ids = itertools.count()
         self._free_arenas: list[shared_memory.SharedMemory] = []
@@ -267,10 +295,14 @@ class DecodePool:
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         self._workers = [self._start_worker(slot) for slot in range(self.num_workers)]
-        for worker in self._workers:
-            self._await_ready(worker, start_timeout_s)
         self._thread = threading.Thread(target=self._dispatch_loop, name="decode-dispatch", daemon=True)
         self._thread.start()
+        if wait:
+            try:
+                self.wait_ready(MAX_START_FAILURES * (start_timeout_s + 10))  # slow starters are killed
+            except BaseException:
+                self.close()
+                raise
 
     # --- workers ------------------------------------------------------------------------------
     def _start_worker(self, slot: int) -> _Worker:
@@ -278,17 +310,18 @@ class DecodePool:
         process = self._ctx.Process(target=_worker_main, args=(child, slot), name=f"decode-{slot}", daemon=True)
         process.start()
         child.close()
-        return _Worker(slot, process, parent)
+        return _Worker(slot, process, parent, time.monotonic())
 
-    @staticmethod
-    def _await_ready(worker: _Worker, timeout_s: float) -> None:
-        if not worker.conn.poll(timeout_s):
-            raise RuntimeError(f"decode worker {worker.slot} did not start within {timeout_s:g} s")
-        try:
-            worker.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"decode worker {worker.slot} exited while starting "
-                               f"(exit code {worker.process.exitcode})") from None
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Blocks until every worker is ready; RuntimeError if the pool is broken (workers keep
+        exiting while they start) or ``timeout_s`` passes first."""
+        with self._ready_changed:
+            done = self._ready_changed.wait_for(
+                lambda: self._broken is not None or self._closed or all(w.ready for w in self._workers), timeout_s)
+            if self._broken is not None:
+                raise RuntimeError(self._broken)
+            if not done:
+                raise RuntimeError(f"decode workers did not start within {timeout_s:g} s")
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -384,9 +417,12 @@ class DecodePool:
             self._finish(batch)
             return future
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the decode pool is closed")
-            self._pending.push(stop if stop is not None else object(), tasks)
+            refused = self._broken or ("the decode pool is closed" if self._closed else None)
+            if refused is None:
+                self._pending.push(stop if stop is not None else object(), tasks)
+        if refused is not None:
+            self._release(arena)
+            raise RuntimeError(refused)
         os.write(self._wake_w, b"x")
         return future
 
@@ -401,9 +437,12 @@ class DecodePool:
                 if self._closed:
                     return
                 self._send_pending()
-                waits = {w.conn: w for w in self._workers}
-                deaths = {w.process.sentinel: w for w in self._workers}
-            ready = connection.wait([self._wake_r, *waits, *deaths])
+                live = self._workers if self._broken is None else []  # a broken pool waits for close()
+                waits = {w.conn: w for w in live}
+                deaths = {w.process.sentinel: w for w in live}
+                starting = [w.started + self.start_timeout_s for w in live if not w.ready]
+            timeout = max(0.0, min(starting) - time.monotonic()) + 0.01 if starting else None
+            ready = connection.wait([self._wake_r, *waits, *deaths], timeout)
             for obj in ready:
                 if obj == self._wake_r:
                     os.read(self._wake_r, 4096)
@@ -411,12 +450,23 @@ class DecodePool:
                     self._receive(waits[obj])
                 else:
                     self._replace(deaths[obj])
+            self._kill_slow_starters()
+
+    def _kill_slow_starters(self) -> None:
+        """A worker not ready start_timeout_s after launch is killed; its death is a start failure."""
+        now = time.monotonic()
+        with self._lock:
+            slow = [w for w in self._workers if not w.ready and now - w.started > self.start_timeout_s]
+        for worker in slow:
+            log.warning("decode worker %d (pid %s) did not start within %g s; killed", worker.slot,
+                        worker.process.pid, self.start_timeout_s)
+            worker.process.kill()
 
     def _send_pending(self) -> None:
         """Hands waiting tasks to workers with room (caller holds the lock). Messages are a few
         hundred bytes, far below the pipe's buffer, so send never blocks on a busy worker."""
         for worker in sorted(self._workers, key=lambda w: len(w.in_flight)):
-            while self._pending and len(worker.in_flight) < self.max_in_flight:
+            while worker.ready and self._pending and len(worker.in_flight) < self.max_in_flight:
                 order, task = self._pending.pop()
                 task.order = order
                 task.attempts += 1
@@ -428,9 +478,16 @@ class DecodePool:
 
     def _receive(self, worker: _Worker) -> None:
         try:
-            task_id, error = worker.conn.recv()
+            message = worker.conn.recv()
         except (EOFError, OSError):
             return  # the sentinel reports the death
+        if message[0] == "ready":
+            with self._lock:
+                worker.ready = True
+                self._start_failures = 0
+                self._ready_changed.notify_all()
+            return
+        task_id, error = message
         with self._lock:
             task = worker.in_flight.pop(task_id, None)
         if task is not None:
@@ -453,9 +510,13 @@ class DecodePool:
             try:
                 if not worker.conn.poll():
                     break
-                task_id, error = worker.conn.recv()
+                message = worker.conn.recv()
             except (EOFError, OSError):
                 break
+            if message[0] == "ready":
+                worker.ready = True
+                continue
+            task_id, error = message
             task = worker.in_flight.pop(task_id, None)
             if task is not None:
                 self._complete(task, error)
@@ -468,10 +529,12 @@ class DecodePool:
             lost = list(worker.in_flight.values())
             worker.in_flight.clear()
             self._counters["worker_restarts"] += 1
+        if not worker.ready:
+            self._start_failed(worker, exitcode)
+            return
         log.warning("decode worker %d (pid %d) died with exit code %s; %d document(s) in flight",
                     worker.slot, worker.process.pid, exitcode, len(lost))
-        successor = self._start_worker(worker.slot)
-        self._await_ready(successor, 120.0)
+        successor = self._start_worker(worker.slot)  # ready in the background; work waits for it
         retry = []
         for task in lost:
             if task.attempts >= 2:
@@ -483,6 +546,25 @@ class DecodePool:
             for task in retry:
                 self._pending.requeue(task.order, task)
             self._workers[worker.slot] = successor
+
+    def _start_failed(self, worker: _Worker, exitcode) -> None:
+        """A worker exited before it was ready: start another, or after MAX_START_FAILURES in a
+        row give up and fail every waiting microbatch (a pool that cannot start must not hang)."""
+        with self._lock:
+            self._start_failures += 1
+            if self._start_failures < MAX_START_FAILURES:
+                self._workers[worker.slot] = self._start_worker(worker.slot)
+                return
+            self._broken = (f"decode workers cannot start: {self._start_failures} exited one after another "
+                            f"before they were ready (last exit code {exitcode}; the server log has their errors)")
+            waiting = [task for _, task in self._pending.drain()]
+            waiting += [t for w in self._workers for t in w.in_flight.values()]
+            self._ready_changed.notify_all()
+        log.error("%s", self._broken)
+        for batch in {id(t.batch): t.batch for t in waiting}.values():
+            if not batch.future.done():
+                batch.future.set_exception(RuntimeError(self._broken))
+                self._release(batch.arena)
 
     def close(self) -> None:
         """Stops the workers and frees every arena."""

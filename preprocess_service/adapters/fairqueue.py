@@ -65,6 +65,12 @@ class FairQueue(Generic[T]):
         """Puts back an item taken by ``pop`` (a retry) at its old place: ahead of later work."""
         heapq.heappush(self._heap, (order, item))
 
+    def drain(self) -> list[tuple[Order, T]]:
+        """Takes every queued item out, in order (the queue is empty afterwards)."""
+        items = sorted(self._heap, key=lambda entry: entry[0])
+        self._heap.clear()
+        return items
+
     def _forget_idle(self) -> None:
         """Drops the entries of streams with nothing queued past the next round, so a server that
         saw many streams keeps no state for those gone (at most one more than the items queued).

@@ -33,9 +33,9 @@ from disttrain_api.errors import (
     ServiceUnavailableError,
 )
 from disttrain_api.spec import config_from_spec, spec_from_config
-from preprocess_service.adapters import metrics, procmem, sources
+from preprocess_service.adapters import metrics, procmem, shmdelivery, sources
 from preprocess_service.adapters.budget import MemoryBudget, default_budget_bytes
-from preprocess_service.adapters.decode import DecodePool, InlineDecoder
+from preprocess_service.adapters.decode import MAX_START_FAILURES, DecodePool, InlineDecoder
 from preprocess_service.adapters.remote import FetchPolicy
 from preprocess_service.adapters.shardcache import DEFAULT_CACHE_BYTES, ShardCache
 from preprocess_service.adapters.shards import ShardReader
@@ -110,6 +110,9 @@ class Limits:
     embedded in a process that holds other things)."""
     stream_stall_timeout_s: float = 300.0
     """A stream whose client takes no message for this long is cancelled (its memory freed)."""
+    shm_delivery: bool = True
+    """Hand microbatches to clients on this host in shared memory (shmdelivery.py) when they
+    prove they share /dev/shm; False: always in the gRPC message."""
     shard_cache_bytes: int = DEFAULT_CACHE_BYTES
     """Bytes of remote shards kept on local disk (shardcache.py); 0: none (each read streams)."""
     shard_cache_dir: str | None = None
@@ -359,7 +362,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                           f"({job.num_steps() - 1})")
         yield from MicrobatchStream(job, request, stop, decoder=self.decoder, budget=self.budget,
                                     prefetch=self.prefetch, watchdog=self.watchdog, lag=self.lag,
-                                    count=self._count).serve(context)
+                                    count=self._count, shm_delivery=self.limits.shm_delivery).serve(context)
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
@@ -431,9 +434,10 @@ def _guard_memory(budget: MemoryBudget, decoder, interval_s: float, stop: thread
     threading.Thread(target=sample, daemon=True, name="memory-guard").start()
 
 
-def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None):
+def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None, *, wait: bool = True):
     """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
-    on threads in this process for 0; its buffers are charged to ``budget``."""
+    on threads in this process for 0; its buffers are charged to ``budget``. ``wait=False``
+    returns while the pool's workers start (DecodePool.wait_ready)."""
     from preprocess_service.adapters.budget import UNLIMITED
 
     budget = budget or UNLIMITED
@@ -441,7 +445,7 @@ def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = Non
         import os
 
         return InlineDecoder(num_threads=len(os.sched_getaffinity(0)), budget=budget)
-    return DecodePool(decode_workers, budget=budget)
+    return DecodePool(decode_workers, budget=budget, wait=wait)
 
 
 def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
@@ -464,10 +468,24 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
 
     ``tls`` serves TLS (mutual TLS with a client CA), ``auth_tokens`` requires one of them as a
     bearer token on every call but health checks, ``limits`` bounds what one client may ask."""
-    from preprocess_service.core.reorder import ours
-
     budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
     metrics.watch_budget(budget)
+    decoder = create_decoder(decode_workers, budget, wait=False)  # its workers start while the rest is set up
+    shmdelivery.sweep_orphans()  # same-host microbatches a killed server left in /dev/shm
+    try:
+        return _serve(decoder, budget, address, max_workers=max_workers, prefetch=prefetch, redis_url=redis_url,
+                      replica_id=replica_id, job_options=job_options, tls=tls, auth_tokens=auth_tokens,
+                      limits=limits, state_dir=state_dir)
+    except BaseException:
+        decoder.close()
+        raise
+
+
+def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, prefetch: int, redis_url: str | None,
+           replica_id: str | None, job_options: dict | None, tls: TlsFiles | None, auth_tokens: tuple[str, ...],
+           limits: Limits, state_dir: str | None):
+    from preprocess_service.core.reorder import ours
+
     jobs = JobRegistry(budget, state_dir=state_dir)
     reader = limits.shard_reader()
     if redis_url:
@@ -484,13 +502,13 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
         ours.warm_up()
     wire.tune_malloc()
     wire.limit_malloc_arenas()
-    decoder = create_decoder(decode_workers, budget)
+    if isinstance(decoder, DecodePool):  # its idle memory is part of the baseline below
+        decoder.wait_ready(MAX_START_FAILURES * (decoder.start_timeout_s + 10))
     reaper_stop = threading.Event()
     if limits.memory_sample_s > 0:
         try:
             _guard_memory(budget, decoder, limits.memory_sample_s, reaper_stop)
         except ConfigError:
-            decoder.close()
             jobs.close()
             raise
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -71,6 +71,8 @@ class ServiceSettings:
                                          "0: no limit", 16)
     stream_stall_timeout_s: float = _doc("seconds a stream's client may take no message before the stream is "
                                          "cancelled and its memory freed", 300.0)
+    shm_delivery: bool = _doc("hand microbatches to clients on this host in shared memory (/dev/shm) when they "
+                              "prove they share it (false: always in the gRPC message)", True)
     shutdown_grace_s: float = _doc("seconds SIGTERM lets open calls finish before the process exits anyway", 10.0)
     job_idle_ttl_s: float = _doc("seconds a job may go without a stream or call before it is closed and "
                                  "freed", 1800.0)

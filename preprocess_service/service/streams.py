@@ -3,7 +3,9 @@
 queue; the gRPC handler's thread takes them from it. A slow client holds at most ``prefetch``
 prepared microbatches of server memory; a cancelled or disconnected client stops the producer at
 once. Messages are serialized by wire.encode_microbatch straight from the decode buffer (one copy),
-charged to the memory budget before they exist and released when gRPC has taken them."""
+charged to the memory budget before they exist and released when gRPC has taken them. A client on
+this host that proves it shares /dev/shm gets each microbatch in shared memory instead
+(shmdelivery.py): the same one copy, no gRPC payload, and no copy on its side."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from disttrain_api.errors import (
 )
 from preprocess_service.adapters import metrics
 from preprocess_service.adapters.budget import MemoryBudget, call_once
+from preprocess_service.adapters.shmdelivery import SegmentLedger, same_host
 from preprocess_service.service.job import Job
 from preprocess_service.service.security import StallWatchdog
 
@@ -77,6 +80,8 @@ class _Prepared:
 
     data: bytes
     release: Callable[[], None]
+    nbytes: int
+    """The microbatch's serialized size (len(data), or its shared-memory object's)."""
 
 
 def _drain(items: queue.Queue) -> None:
@@ -98,14 +103,23 @@ class MicrobatchStream:
     """Serves ``request`` (a StreamRequest) of ``job`` until the end, a failure, or ``stop``."""
 
     def __init__(self, job: Job, request, stop: threading.Event, *, decoder, budget: MemoryBudget, prefetch: int,
-                 watchdog: StallWatchdog, lag: metrics.StreamLag, count: Callable[..., None]):
+                 watchdog: StallWatchdog, lag: metrics.StreamLag, count: Callable[..., None],
+                 shm_delivery: bool = True):
         self.job, self.request, self.stop = job, request, stop
         self.decoder, self.budget, self.prefetch = decoder, budget, prefetch
         self.watchdog, self.lag, self._count = watchdog, lag, count
+        self.shm_delivery = shm_delivery
+        self.ledger: SegmentLedger | None = None
+        """Set when this stream delivers in shared memory (decided in serve, from the call's peer)."""
 
     def serve(self, context):
         """Yields the serialized messages; aborts ``context`` with the status of a failure."""
         job, request, stop = self.job, self.request, self.stop
+        if self.shm_delivery and same_host(context.peer(), request.shm_probe, request.shm_probe_token):
+            # prepared ones in the queue, the one gRPC holds, and one in the client's hands
+            self.ledger = SegmentLedger(self.budget, window=self.prefetch + 2,
+                                        stall_timeout_s=self.watchdog.timeout_s)
+            context.add_callback(self.ledger.close)  # however the call ends (a killed client too)
         items: queue.Queue = queue.Queue(maxsize=self.prefetch)
         producer = threading.Thread(target=self._produce, args=(job, request, items, stop),
                                     name=f"stream-{job.job_id}-r{request.dp_rank}", daemon=True)
@@ -122,8 +136,12 @@ class MicrobatchStream:
                         return
                     continue
                 if item is _END:
+                    if self.ledger is not None:  # its last objects are still on their way to the client
+                        self.ledger.wait_taken(lambda: stop.is_set() or not context.is_active())
                     return
                 if isinstance(item, BaseException):
+                    if self.ledger is not None:  # what was sent before the failure still reaches the client
+                        self.ledger.wait_taken(lambda: stop.is_set() or not context.is_active())
                     code = _status_of(item)
                     if code == grpc.StatusCode.INTERNAL:
                         log.error("stream failed", exc_info=item)
@@ -139,11 +157,13 @@ class MicrobatchStream:
                         previous.release()
                     previous = item
                 self.watchdog.sent(id(stop))
-                self._count(sent_microbatches=1, sent_bytes=len(item.data))
+                self._count(sent_microbatches=1, sent_bytes=item.nbytes)
         finally:
             stop.set()
             if previous is not None:
                 previous.release()
+            if self.ledger is not None:
+                self.ledger.close()
             self.watchdog.sent(id(stop))
             self._count(active_streams=-1)
             metrics.ACTIVE_STREAMS.dec()
@@ -206,7 +226,7 @@ class MicrobatchStream:
             prepared.release()
             return False
         metrics.QUEUE_DEPTH.labels("send").inc()
-        metrics.microbatch_sent(arrays, len(prepared.data))
+        metrics.microbatch_sent(arrays, prepared.nbytes)
         if index == 0:
             metrics.step_planned(job.job_id, plan)
         if last:
@@ -231,18 +251,24 @@ class MicrobatchStream:
     def _prepare(self, job: Job, plan, rank: int, index: int, arrays, stop: threading.Event) -> _Prepared:
         """The serialized message, charged to the memory budget before it exists (its tensors) and
         as it is (the header); the charge goes back when gRPC has taken it."""
+        if self.ledger is not None:  # charged by the ledger until the client has taken it
+            name, nbytes = self.ledger.write(self._message(job, plan, rank, index, arrays), stop)
+            job.note_message_bytes(nbytes)
+            return _Prepared(pb.Microbatch(shm_name=name, shm_nbytes=nbytes).SerializeToString(), lambda: None,
+                             nbytes)
         self.budget.reserve(arrays.nbytes, what="a prepared microbatch", stop=stop)
         try:
-            message = self._message(job, plan, rank, index, arrays)
+            message = b"".join(self._message(job, plan, rank, index, arrays))
             extra = len(message) - arrays.nbytes
             self.budget.reserve(extra, what="a prepared microbatch", stop=stop)
         except BaseException:
             self.budget.release(arrays.nbytes)
             raise
         job.note_message_bytes(len(message))
-        return _Prepared(message, call_once(lambda: self.budget.release(len(message))))
+        return _Prepared(message, call_once(lambda: self.budget.release(len(message))), len(message))
 
-    def _message(self, job: Job, plan, rank: int, index: int, arrays) -> bytes:
+    def _message(self, job: Job, plan, rank: int, index: int, arrays) -> list:
+        """The serialized Microbatch as pieces (wire.encoded_parts): views of the arrays, not copies."""
         self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
         header = pb.Microbatch(
             job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
@@ -253,4 +279,4 @@ class MicrobatchStream:
                             for s in plan.microbatch(rank, index)],
             skipped=[pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind) for r in arrays.skipped],
         )
-        return wire.encode_microbatch(header, arrays.arrays)
+        return wire.encoded_parts(header, arrays.arrays)

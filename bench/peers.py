@@ -104,6 +104,8 @@ class TreeSampler:
 
     def __init__(self):
         self.seen: dict[tuple[int, int], float] = {}
+        self.names: dict[tuple[int, int], str] = {}
+        self.pss: dict[tuple[int, int], float] = {}
         self.peak_pss_mib = 0.0
         self.lock = threading.Lock()
 
@@ -111,12 +113,32 @@ class TreeSampler:
         """Updates the figures; returns the CPU seconds seen so far."""
         with self.lock:
             pids = descendants()
+            total = 0.0
             for pid in pids:
                 key, cpu = _proc_cpu(pid)
                 self.seen[key] = max(cpu, self.seen.get(key, 0.0))
+                if key not in self.names:
+                    self.names[key] = _role(pid)
+                if memory:
+                    pss = _pss_mib(pid)
+                    self.pss[key] = max(pss, self.pss.get(key, 0.0))
+                    total += pss
             if memory:
-                self.peak_pss_mib = max(self.peak_pss_mib, sum(_pss_mib(p) for p in pids))
+                self.peak_pss_mib = max(self.peak_pss_mib, total)
             return sum(self.seen.values())
+
+
+def _role(pid: int) -> str:
+    """What a process is, from its command line (for the per-process breakdown)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+    for marker, role in (("forkserver", "fork server / decode worker"), ("resource_tracker", "resource tracker"),
+                         ("spawn_main", "spawned child"), ("peers_systems.py", "main")):
+        if marker in cmd:
+            return role
+    return cmd[:60]
 
 
 def _pss_mib(pid: int) -> float:
@@ -175,6 +197,9 @@ def measure(system: str, urls: list[str], workdir: Path) -> dict:
     got = json.loads(result.read_text())
     n = got["samples"]
     steady_s = got["t_last"] - got["t_first"]
+    processes = sorted(([tree.names.get(k, "?"), round(c, 2), round(tree.pss.get(k, 0.0))]
+                        for k, c in tree.seen.items()), key=lambda p: -p[1])
+    print(f"    per process (role, CPU s, peak PSS MiB): {processes}", flush=True)
     return {"samples": n, "startup_s": got["t_first"] - start, "samples_per_s": (n - 1) / steady_s,
             "cpu_s": cpu, "cpu_per_sample": cpu / n, "steady_cpu_per_sample": (cpu - first["cpu"]) / (n - 1),
             "peak_pss_mib": peak_pss, "wall_s": time.time() - start}

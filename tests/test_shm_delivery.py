@@ -81,6 +81,15 @@ def test_an_operator_can_turn_it_off(shards):
     assert mbs and count == 0
 
 
+def _raw_stream(channel, shards, seq_len: int, probe: str, token: bytes):
+    """A job of ``shards`` opened and rank 0 streamed by a bare gRPC call offering ``probe``."""
+    stub = pb_grpc.PreprocessStub(channel)
+    config = JobConfig(shards=(str(shards),), seq_len=seq_len, dp_size=1, num_microbatches=2)
+    info = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
+    return stub.StreamMicrobatches(pb.StreamRequest(job_id=info.job_id, dp_rank=0, shm_probe=probe,
+                                                    shm_probe_token=token), timeout=60)
+
+
 def _probe(content: bytes, name: str | None = None) -> str:
     name = name or f"dtprobe_{secrets.token_hex(16)}"
     with open(os.path.join(SHM_DIR, name), "wb") as f:
@@ -111,11 +120,7 @@ def test_a_probe_the_server_cannot_verify_gets_the_bytes_in_the_message(shards, 
     server, address, _ = _serve()
     try:
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            stub = pb_grpc.PreprocessStub(channel)
-            config = JobConfig(shards=(str(shards),), seq_len=2048, dp_size=1, num_microbatches=2)
-            info = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
-            call = stub.StreamMicrobatches(pb.StreamRequest(job_id=info.job_id, dp_rank=0, shm_probe=name,
-                                                            shm_probe_token=token), timeout=60)
+            call = _raw_stream(channel, shards, 2048, name, token)
             first = next(call)
             call.cancel()
     finally:
@@ -135,11 +140,7 @@ def test_a_client_that_takes_nothing_holds_at_most_the_window_and_its_objects_go
     names: list[str] = []
     try:
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            stub = pb_grpc.PreprocessStub(channel)
-            config = JobConfig(shards=(str(shards),), seq_len=1024, dp_size=1, num_microbatches=2)
-            info = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
-            call = stub.StreamMicrobatches(pb.StreamRequest(job_id=info.job_id, dp_rank=0, shm_probe=probe,
-                                                            shm_probe_token=token), timeout=60)
+            call = _raw_stream(channel, shards, 1024, probe, token)
 
             def read():
                 try:

@@ -16,7 +16,9 @@ Rows (each a fresh process tree; CPU is that whole tree's, children included: th
 subreaper, so every process that ran is reaped here, and the larger of RUSAGE_CHILDREN and the sum
 of every process's CPU as last sampled (every 0.2 s) counts; see TreeSampler):
   floor       one bare process, our decode path, no delivery: samples per CPU-second.
-  disttrain   embedded service (default decode workers) + 2 client ranks (DataClient).
+  disttrain   embedded service (default decode workers) + 2 client ranks (DataClient), forked from
+              one trainer process that imported the client (torch) once and started with the
+              service, as a DataLoader's workers fork from its trainer.
   dl-ours     torch DataLoader(num_workers=2) + webdataset, our decoder in the workers.
   dl-pillow   the same with the user's Pillow decode + resize.
   tf-service  tf.data service: dispatcher + worker in one process, consumer in another

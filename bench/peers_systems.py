@@ -60,6 +60,24 @@ def run_floor(urls: list[str]) -> dict:
 
 
 # --- disttrain: embedded service + 2 client ranks -------------------------------------------------
+def _trainers(dp_size: int, job, results) -> None:
+    """The trainer side: imports the client (and with it torch) once, then forks the ranks, as a
+    DataLoader's workers fork from its trainer process (a trainer imports torch whatever feeds it).
+    It starts with the service, as a deployment's trainers and service do, and the ranks connect
+    once the job is open."""
+    import multiprocessing as mp
+
+    import trainer  # noqa: F401
+
+    address, job_id = job.recv()
+    ctx = mp.get_context("fork")  # no gRPC channel exists in this process yet: forking is safe
+    procs = [ctx.Process(target=_rank, args=(address, job_id, r, results)) for r in range(dp_size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+
+
 def _rank(address: str, job_id: str, rank: int, results) -> None:
     from trainer import DataClient
 
@@ -73,6 +91,11 @@ def _rank(address: str, job_id: str, rank: int, results) -> None:
 def run_disttrain(urls: list[str], dp_size: int = 2) -> dict:
     import multiprocessing as mp
 
+    ctx = mp.get_context("spawn")
+    results, (job_recv, job_send) = ctx.Queue(), ctx.Pipe(duplex=False)
+    launcher = ctx.Process(target=_trainers, args=(dp_size, job_recv, results))
+    launcher.start()
+
     import grpc
 
     from disttrain_api.config import JobConfig
@@ -85,15 +108,12 @@ def run_disttrain(urls: list[str], dp_size: int = 2) -> dict:
     try:
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             info = pb_grpc.PreprocessStub(channel).OpenJob(pb.OpenJobRequest(spec=spec_from_config(config)), timeout=60)
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(address, info.job_id, r, results)) for r in range(dp_size)]
-        for proc in procs:
-            proc.start()
-        ranks = [results.get(timeout=600) for _ in procs]
-        for proc in procs:
-            proc.join()
+        job_send.send((address, info.job_id))
+        ranks = [results.get(timeout=600) for _ in range(dp_size)]
+        launcher.join(timeout=60)
     finally:
+        if launcher.is_alive():
+            launcher.kill()
         server.stop(grace=1).wait()
     return {"samples": sum(r["samples"] for r in ranks), "bytes": sum(r["bytes"] for r in ranks),
             "t_first": min(r["t_first"] for r in ranks), "t_last": max(r["t_last"] for r in ranks)}

@@ -210,3 +210,59 @@ def test_workers_that_cannot_start_fail_the_pool_instead_of_hanging(layout):
             pool.submit(layout)
     finally:
         pool.close()
+
+
+def test_constructing_the_pool_never_waits_for_the_fork_server(layout, expected, monkeypatch):
+    """The first worker's start waits while the fork server imports torch and the decoders (about a
+    CPU-second): that happens on the pool's thread, so a server sets itself up meanwhile. Here the
+    starts are held until released: the constructor returns anyway, and work submitted then is
+    decoded once they are let go."""
+    release = threading.Event()
+    original = DecodePool._start_worker
+
+    def held(self, slot):
+        assert release.wait(60)
+        return original(self, slot)
+
+    monkeypatch.setattr(DecodePool, "_start_worker", held)
+    made = []
+    constructor = threading.Thread(target=lambda: made.append(DecodePool(2, wait=False)), daemon=True)
+    constructor.start()
+    constructor.join(30)
+    assert made, "DecodePool(wait=False) waited for its workers to start"
+    pool = made[0]
+    try:
+        assert pool.worker_pids() == [] and pool.idle_memory() is None
+        future = pool.submit(layout)
+        release.set()
+        decoded = future.result(timeout=120)
+        np.testing.assert_array_equal(decoded.buffer, expected)
+        decoded.release()
+        pool.wait_ready(60)
+        assert len(pool.worker_pids()) == 2
+        assert pool.idle_memory() > 0  # measured as each reported ready, for the memory budget
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_a_pool_closed_while_its_workers_start_leaves_no_process(monkeypatch):
+    release = threading.Event()
+    original = DecodePool._start_worker
+    started = []
+
+    def held(self, slot):
+        assert release.wait(60)
+        worker = original(self, slot)
+        started.append(worker.process)
+        return worker
+
+    monkeypatch.setattr(DecodePool, "_start_worker", held)
+    pool = DecodePool(2, wait=False)
+    closer = threading.Thread(target=pool.close, daemon=True)
+    closer.start()
+    time.sleep(0.1)  # close() is waiting for the dispatch thread, which is starting a worker
+    release.set()
+    closer.join(60)
+    pool._thread.join(60)
+    assert started and all(not p.is_alive() for p in started)

@@ -50,3 +50,66 @@ def test_acknowledgements_report_the_slowest_rank(tmp_path):
     assert job.acknowledge(1, 3) == 0
     assert job.acknowledge(2, 4) == 3
     assert job.acknowledge(1, 2) == 3  # never goes back
+
+
+def _plan_ahead_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("plan-ahead:")]
+
+
+def test_opening_a_job_plans_its_first_step_before_any_stream_asks(tmp_path):
+    """A job's ranks usually start with the service (importing torch takes them a second): the
+    first step is read and planned meanwhile, so their first microbatches need only decoding."""
+    import time
+
+    from preprocess_service.service.job import JobRegistry
+
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=8)
+    registry = JobRegistry()
+    job = registry.open(JobConfig(shards=(str(tmp_path),), seq_len=512, dp_size=2, num_microbatches=2))
+    deadline = time.monotonic() + 60
+    while job.num_held_plans() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.num_held_plans() == 1  # step 0, planned with no stream open; nothing further
+    assert registry.open(job.config) is job  # opening it again joins it and plans nothing more
+    for thread in _plan_ahead_threads():
+        thread.join(60)
+    assert job.num_held_plans() == 1
+    registry.close()
+
+
+def test_a_job_closed_while_it_plans_ahead_keeps_no_bytes_charged(tmp_path):
+    from preprocess_service.adapters.budget import MemoryBudget
+    from preprocess_service.service.job import JobRegistry
+
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=8)
+    budget = MemoryBudget(1 << 30)
+    registry = JobRegistry(budget)
+    for seed in range(5):  # closed at different moments of its first step's planning
+        job = registry.open(JobConfig(shards=(str(tmp_path),), seq_len=512, dp_size=2, num_microbatches=2,
+                                      seed=seed))
+        registry.close_job(job.job_id)
+        for thread in _plan_ahead_threads():
+            thread.join(60)
+        assert job.num_held_plans() == 0
+        assert job._media_held == 0 and budget.used == 0, seed
+
+
+def test_a_microbatch_handed_to_the_decoder_holds_no_encoded_bytes_and_is_rebuilt_the_same(tmp_path):
+    """The decoder copied them: the plan drops them at once (a service holds only what is planned
+    and not yet decoding), and a stream that asks for the microbatch again gets it re-read, equal."""
+    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20)
+    job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2))
+    plan = job.step_plan(0)
+    held = job._media_held
+    assert held > 0
+    first = job.microbatch(plan, 0, 0, DECODER)
+    started = [doc for seq in plan.microbatch(0, 0) for doc in seq.documents]
+    others = [doc for seq in plan.microbatch(1, 0) for doc in seq.documents if doc.images]
+    assert started and all(doc.media_bytes is None for doc in started)
+    assert others and all(doc.media_bytes is not None for doc in others)
+    assert 0 < job._media_held < held
+    again = job.microbatch(plan, 0, 0, DECODER)
+    for name in first.arrays:
+        np.testing.assert_array_equal(again.arrays[name], first.arrays[name], err_msg=name)

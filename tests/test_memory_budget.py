@@ -268,3 +268,31 @@ def test_kept_media_is_charged_and_dropped_when_it_does_not_fit(shards):
     assert 0 < tight.peak <= tight.total
     job.close()
     assert tight.used == 0
+
+
+def test_the_decode_workers_join_the_baseline_once_up_and_a_budget_they_overfill_stops_serving():
+    """The server serves at once and its decode workers start in the background; once they are up,
+    their idle memory joins the budget's baseline. A budget with room for the server alone but not
+    for its workers too is reported (health NOT_SERVING), not silently overcommitted."""
+    import os
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=2)
+    try:
+        assert server.wait_warm(180)
+        workers = servicer.decoder.idle_memory()
+        assert workers > 0
+        assert servicer.decoder.budget.baseline >= workers
+    finally:
+        server.stop(grace=0).wait()
+    own = pss_bytes([os.getpid()])
+    too_small = int((own + workers // 3) * 4 / 3)  # the server fits, the server with its workers does not
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=2, limits=Limits(memory_budget_bytes=too_small))
+    try:
+        assert server.wait_warm(180)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(grace=0).wait()

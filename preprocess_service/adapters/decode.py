@@ -37,6 +37,7 @@ from multiprocessing import connection, shared_memory
 
 import numpy as np
 
+from preprocess_service.adapters import procmem
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.adapters.fairqueue import FairQueue, Order
 from preprocess_service.core.assemble import Layout, MediaItem
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
 PRELOAD = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image",
            "preprocess_service.adapters.imaging", "preprocess_service.adapters.audio",
-           "preprocess_service.adapters.decode")
+           "preprocess_service.adapters.decode", "preprocess_service.adapters.forkfreeze")
 """What the fork server imports before it forks workers: imports only, nothing that starts a
 thread pool (a fork would copy it half-made); each worker warms its decoders itself."""
 MAX_START_FAILURES = 3
@@ -263,6 +264,8 @@ class _Worker:
     started: float
     """time.monotonic() at launch: one not ready ``start_timeout_s`` later is killed."""
     ready: bool = False
+    idle_bytes: int | None = None
+    """Its proportional set size when it reported ready, before any work (None: not measured)."""
     in_flight: dict[int, _Task] = field(default_factory=dict)
 
 
@@ -294,7 +297,8 @@ class DecodePool:
         self._counters = collections.Counter()
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
-        self._workers = [self._start_worker(slot) for slot in range(self.num_workers)]
+        self._workers: list[_Worker] = []
+        """By slot; filled by the dispatch thread as the workers start (_start_all)."""
         self._thread = threading.Thread(target=self._dispatch_loop, name="decode-dispatch", daemon=True)
         self._thread.start()
         if wait:
@@ -305,6 +309,27 @@ class DecodePool:
                 raise
 
     # --- workers ------------------------------------------------------------------------------
+    def _start_all(self) -> bool:
+        """Starts the workers, on the dispatch thread: the first start waits while the fork server
+        imports torch and the decoders (about a CPU-second), which must not hold up the caller.
+        False if the pool was closed meanwhile or cannot start."""
+        for slot in range(self.num_workers):
+            try:
+                worker = self._start_worker(slot)
+            except Exception as exc:  # e.g. the fork server cannot start
+                self._break(f"decode workers cannot start: {type(exc).__name__}: {exc}")
+                return False
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._workers.append(worker)
+            if closed:
+                worker.process.kill()
+                worker.process.join(timeout=5)
+                worker.conn.close()
+                return False
+        return True
+
     def _start_worker(self, slot: int) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_worker_main, args=(child, slot), name=f"decode-{slot}", daemon=True)
@@ -317,11 +342,19 @@ class DecodePool:
         exiting while they start) or ``timeout_s`` passes first."""
         with self._ready_changed:
             done = self._ready_changed.wait_for(
-                lambda: self._broken is not None or self._closed or all(w.ready for w in self._workers), timeout_s)
+                lambda: self._broken is not None or self._closed or (
+                    len(self._workers) == self.num_workers and all(w.ready for w in self._workers)), timeout_s)
             if self._broken is not None:
                 raise RuntimeError(self._broken)
             if not done:
                 raise RuntimeError(f"decode workers did not start within {timeout_s:g} s")
+
+    def idle_memory(self) -> int | None:
+        """The workers' memory when each reported ready, idle (what the memory budget's baseline
+        counts for them); None until every worker has been measured or where /proc cannot be read."""
+        with self._lock:
+            sizes = [w.idle_bytes for w in self._workers]
+        return None if len(sizes) < self.num_workers or None in sizes else sum(sizes)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -432,6 +465,8 @@ class DecodePool:
 
     # --- the dispatcher thread ----------------------------------------------------------------
     def _dispatch_loop(self) -> None:
+        if not self._start_all() and self._broken is None:
+            return  # closed while starting
         while True:
             with self._lock:
                 if self._closed:
@@ -482,8 +517,10 @@ class DecodePool:
         except (EOFError, OSError):
             return  # the sentinel reports the death
         if message[0] == "ready":
+            idle = procmem.pss_bytes([worker.process.pid])  # before any work is dispatched to it
             with self._lock:
                 worker.ready = True
+                worker.idle_bytes = idle
                 self._start_failures = 0
                 self._ready_changed.notify_all()
             return
@@ -555,8 +592,13 @@ class DecodePool:
             if self._start_failures < MAX_START_FAILURES:
                 self._workers[worker.slot] = self._start_worker(worker.slot)
                 return
-            self._broken = (f"decode workers cannot start: {self._start_failures} exited one after another "
-                            f"before they were ready (last exit code {exitcode}; the server log has their errors)")
+        self._break(f"decode workers cannot start: {self._start_failures} exited one after another before they "
+                    f"were ready (last exit code {exitcode}; the server log has their errors)")
+
+    def _break(self, reason: str) -> None:
+        """The pool cannot work: every waiting microbatch fails with ``reason``, and so do later submits."""
+        with self._lock:
+            self._broken = reason
             waiting = [task for _, task in self._pending.drain()]
             waiting += [t for w in self._workers for t in w.in_flight.values()]
             self._ready_changed.notify_all()

@@ -130,9 +130,10 @@ REPORT_WAIT_S = 30.0
 
 
 class Job:
-    """Plans on demand (the first stream that needs step k plans it) and keeps the plans no rank
-    has acknowledged yet; the encoded image bytes of a step are dropped once every rank has been
-    sent it, and re-read from the shard if a resumed stream needs that step again."""
+    """Plans on demand (the first stream that needs step k plans it; opening plans the first step
+    ahead) and keeps the plans no rank has acknowledged yet; a document's encoded media bytes are
+    dropped once its microbatch was handed to the decoder (or every rank was sent its step), and
+    re-read from the shard if a resumed stream needs them again."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *, retain_steps: int = 4,
                  reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[list[str]] | None = None,
@@ -176,6 +177,9 @@ class Job:
         (a rank that lags far behind, or never connects, cannot make the service hold the dataset)."""
         self._acked: dict[int, int] = {}
         self._plan_lock = threading.Lock()
+        self._planned = threading.Condition(self._lock)
+        """Notified when a step was planned, planning ended or failed, or the planning lock was let go:
+        a stream waiting for another stream's planning wakes at once, not at its next poll."""
         self.owner = ""
         """Identity (security.client_identity) of the client that opened the job."""
         self.clients: set[str] = set()
@@ -206,7 +210,10 @@ class Job:
                                         f"{self._first_held} or later, so no rank may resume before it")
                 if step < self._next_step or self._planning_done:
                     return self._plans.get(step)
-            if not self._plan_lock.acquire(timeout=0.2):
+            if not self._plan_lock.acquire(blocking=False):
+                with self._lock:  # woken when the planner plans a step or lets the lock go
+                    if step >= self._next_step and not self._planning_done and self._failure is None:
+                        self._planned.wait(0.2)
                 if stop is not None and stop.is_set():
                     raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
                 continue
@@ -214,6 +221,20 @@ class Job:
                 self._plan_next()
             finally:
                 self._plan_lock.release()
+                with self._lock:
+                    self._planned.notify_all()
+
+    def plan_ahead(self) -> None:
+        """Plans the first step a stream will ask for on a background thread, so the job's first
+        microbatches need only their decoding when its ranks connect (their start-up, e.g. importing
+        torch, overlaps the shard reads). A failure is kept for the streams, as when they plan."""
+        def plan() -> None:
+            try:
+                self.step_plan(self._first_held)
+            except Exception as exc:  # recorded in _failure (or the job was closed): streams report it
+                log.debug("job %s: planning ahead stopped: %s", self.job_id, exc)
+
+        threading.Thread(target=plan, daemon=True, name=f"plan-ahead:{self.job_id[:12]}").start()
 
     def _plan_next(self) -> None:
         """Plans one more step (caller holds the planning lock)."""
@@ -232,6 +253,10 @@ class Job:
                     RuntimeError(f"planning job {self.job_id} failed: {type(exc).__name__}: {exc}")
             raise
         with self._lock:
+            if self.closed.is_set():  # closed while this step was read: close() released every charge
+                for doc in plan.documents() if plan is not None else ():
+                    doc.media_bytes = None
+                return
             if plan is None:
                 self._planning_done = True
                 return
@@ -333,6 +358,11 @@ class Job:
         for seq in sequences:  # copies of the plan's documents: the decoder has taken their bytes already
             for doc in seq.documents:
                 doc.media_bytes = None
+        with self._lock:  # and so has it the plan's: a stream that needs them again re-reads them
+            for seq in plan.microbatch(rank, index):
+                for doc in seq.documents:
+                    if getattr(doc, "media_bytes", None) is not None:  # SharedJob's plans hold references only
+                        self._drop_media(doc)
         return PendingMicrobatch(sequences, layout, future, skipped)
 
     def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None]]:
@@ -472,9 +502,12 @@ class Job:
     def _keep_media(self, doc) -> bool:
         """Called by the planner for every parsed document: may it keep its encoded bytes?"""
         nbytes = _media_nbytes(doc)
-        if not self.budget.try_cache(nbytes):
+        if self.closed.is_set() or not self.budget.try_cache(nbytes):
             return False
         with self._lock:
+            if self.closed.is_set():  # close() released what was held; this charge would leak
+                self.budget.release_cache(nbytes)
+                return False
             self._media_held += nbytes
         return True
 
@@ -611,6 +644,8 @@ class JobRegistry:
         self.state_dir = Path(state_dir) if state_dir else None
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.plan_ahead = True
+        """A job opened here plans its first step at once (Job.plan_ahead); False: at its first stream."""
 
     def open(self, config: JobConfig, *, shard_urls: list[list[str]] | None = None,
              reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
@@ -623,9 +658,14 @@ class JobRegistry:
         if job is None:
             job = self._new_job(config, reader, shard_urls)
             job.owner = client
+            created = job
+        else:
+            created = None
         with self._lock:
             job = self._jobs.setdefault(job_id, job)
             job.clients.add(client)
+        if job is created and self.plan_ahead:
+            job.plan_ahead()
         job.touch()
         return job
 

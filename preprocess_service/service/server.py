@@ -74,7 +74,9 @@ class Limits:
     max_request_bytes: int = 4 << 20
     """Largest request message; requests are job specs and timing reports, never data."""
     warm_up: bool = True
-    """Compile the planner's kernels before serving (False: start faster; the first plan pays it)."""
+    """Load the planner's compiled kernels at start, in the background (False: the first plan pays it)."""
+    plan_ahead: bool = True
+    """Plan a job's first step when it is opened (job.Job.plan_ahead); False: at its first stream."""
     max_streams_per_client: int = 64
     """Concurrent microbatch streams per client (its token, else its address); 0: no limit."""
     max_open_jobs: int = 64
@@ -408,30 +410,83 @@ def _housekeeping(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -
             log.info("job expired after %g s without a stream or call; freed", idle_ttl_s, extra={"job": job_id})
 
 
-def _guard_memory(budget: MemoryBudget, decoder, interval_s: float, stop: threading.Event) -> None:
-    """Records the idle service's resident memory as the budget's baseline (ConfigError if the
-    budget leaves too little above it), then feeds the budget a sample every ``interval_s``
-    (procmem.py) on a daemon thread until ``stop``. A no-op where /proc cannot be read."""
+def _own_baseline(budget: MemoryBudget) -> int | None:
+    """Records this idle process's memory as the budget's baseline (ConfigError if the budget leaves
+    too little above it) and returns it; None (a warning) where /proc cannot be read. The decode
+    workers are added once they are up (_warm_up)."""
     import os
 
-    def pids() -> list[int]:
-        return [os.getpid(), *(decoder.worker_pids() if hasattr(decoder, "worker_pids") else ())]
-
-    measure = procmem.Calibrated(pids)
-    idle = measure()
-    if idle is None:
+    own = procmem.pss_bytes([os.getpid()])
+    if own is None:
         log.warning("cannot read this platform's process memory: the memory budget counts its charges only")
-        return
-    budget.set_baseline(idle)
+        return None
+    budget.set_baseline(own)
     budget.on_pressure = wire.trim_malloc
+    return own
 
-    def sample() -> None:
-        while not stop.wait(interval_s):
-            resident = measure()
-            if resident is not None:
-                budget.observe(resident)
 
-    threading.Thread(target=sample, daemon=True, name="memory-guard").start()
+def _warm_up(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health_servicer, jobs: JobRegistry,
+             warmed: threading.Event, stop: threading.Event) -> None:
+    """After the server started, on a daemon thread: loads the planner's compiled kernels, waits for
+    the decode workers, adds their idle memory to the budget's baseline (a budget that leaves too
+    little then is logged and the server reports NOT_SERVING), then feeds the budget a memory
+    sample every ``limits.memory_sample_s`` (procmem.py) until ``stop``. Requests are served
+    meanwhile: a job's first step is planned and decoded as the kernels and workers come up.
+    ``warmed`` is set once that is done, or has failed."""
+    try:
+        own = _warm(decoder, budget, limits, own, health_servicer, jobs)
+    finally:
+        warmed.set()
+    _sample_memory(decoder, budget, limits, own, stop)
+
+
+def _warm(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health_servicer,
+          jobs: JobRegistry) -> int | None:
+    """The background start-up; returns the server process's idle memory (the kernels included
+    when it could be measured before any job was opened)."""
+    import os
+
+    from preprocess_service.core.reorder import ours
+
+    started = time.monotonic()
+    if limits.warm_up:
+        ours.warm_up()
+        if own is not None and jobs.num_open() == 0:  # else its data would count as idle
+            own = max(own, procmem.pss_bytes([os.getpid()]) or 0)
+    if isinstance(decoder, DecodePool):
+        try:
+            decoder.wait_ready(MAX_START_FAILURES * (decoder.start_timeout_s + 10))
+        except RuntimeError as exc:  # its waiting work fails with the same error
+            log.error("decode workers cannot start: %s", exc)
+            _not_serving(health_servicer)
+            return own
+    log.info("warm in %.2f s: planner kernels loaded, decode workers up", time.monotonic() - started)
+    workers = decoder.idle_memory() if isinstance(decoder, DecodePool) else 0
+    if own is not None and limits.memory_sample_s > 0:
+        try:
+            budget.set_baseline(own + (workers or 0))
+        except ConfigError as exc:
+            log.error("%s", exc)
+            _not_serving(health_servicer)
+    return own
+
+
+def _not_serving(health_servicer) -> None:
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def _sample_memory(decoder, budget: MemoryBudget, limits: Limits, own: int | None, stop: threading.Event) -> None:
+    import os
+
+    if own is None or limits.memory_sample_s <= 0:
+        return
+    measure = procmem.Calibrated(
+        lambda: [os.getpid(), *(decoder.worker_pids() if isinstance(decoder, DecodePool) else ())])
+    while not stop.wait(limits.memory_sample_s):
+        resident = measure()
+        if resident is not None:
+            budget.observe(resident)
 
 
 def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None, *, wait: bool = True):
@@ -453,10 +508,10 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
                   replica_id: str | None = None, job_options: dict | None = None, tls: TlsFiles | None = None,
                   auth_tokens: tuple[str, ...] = (), limits: Limits = Limits(), state_dir: str | None = None):
     """Builds and starts a server; returns (server, bound port, servicer). ``decode_workers``
-    defaults to one decode process per core (0: decode on threads in this process). The decode
-    workers and the planner's compiled kernels are loaded first, so health checks report SERVING
-    only once a step can be planned and decoded at full speed. ``server.stop()`` also stops the
-    decode workers.
+    defaults to one decode process per core (0: decode on threads in this process). It serves at
+    once: the decode workers start and the planner's compiled kernels load in the background
+    (``server.wait_warm()`` waits for both), while the first jobs are opened and planned; their
+    first decoding waits for a ready worker. ``server.stop()`` also stops the decode workers.
 
     With ``redis_url`` the server is one replica of a deployment: jobs, plans, leases and
     acknowledgements live in that Redis (shared_job.py), ``replica_id`` names this replica in
@@ -484,8 +539,6 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
 def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, prefetch: int, redis_url: str | None,
            replica_id: str | None, job_options: dict | None, tls: TlsFiles | None, auth_tokens: tuple[str, ...],
            limits: Limits, state_dir: str | None):
-    from preprocess_service.core.reorder import ours
-
     jobs = JobRegistry(budget, state_dir=state_dir)
     reader = limits.shard_reader()
     if redis_url:
@@ -498,16 +551,14 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
         store = RedisStore(redis_url)
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
                                  f"{os.getpid()}", reader=reader, budget=budget, **(job_options or {}))
-    if limits.warm_up:
-        ours.warm_up()
+    jobs.plan_ahead = limits.plan_ahead
     wire.tune_malloc()
     wire.limit_malloc_arenas()
-    if isinstance(decoder, DecodePool):  # its idle memory is part of the baseline below
-        decoder.wait_ready(MAX_START_FAILURES * (decoder.start_timeout_s + 10))
     reaper_stop = threading.Event()
+    own = None
     if limits.memory_sample_s > 0:
         try:
-            _guard_memory(budget, decoder, limits.memory_sample_s, reaper_stop)
+            own = _own_baseline(budget)
         except ConfigError:
             jobs.close()
             raise
@@ -531,7 +582,11 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
     if port == 0:
         raise ConfigError(f"cannot bind the service to {address!r}")
     server.start()
-    return Service(server, decoder=decoder, jobs=jobs, servicer=servicer, background_stop=reaper_stop), port, servicer
+    warmed = threading.Event()
+    threading.Thread(target=_warm_up, args=(decoder, budget, limits, own, health_servicer, jobs, warmed, reaper_stop),
+                     daemon=True, name="warm-up").start()
+    return (Service(server, decoder=decoder, jobs=jobs, servicer=servicer, background_stop=reaper_stop,
+                    warmed=warmed), port, servicer)
 
 
 class Service:
@@ -539,9 +594,16 @@ class Service:
     memory threads). ``stop()`` ends all of them; every other attribute is the gRPC server's."""
 
     def __init__(self, server: grpc.Server, *, decoder, jobs: JobRegistry, servicer: PreprocessServicer,
-                 background_stop: threading.Event):
+                 background_stop: threading.Event, warmed: threading.Event):
         self._server, self._decoder, self._jobs, self._servicer = server, decoder, jobs, servicer
         self._background_stop = background_stop
+        self._warmed = warmed
+
+    def wait_warm(self, timeout_s: float | None = None) -> bool:
+        """Waits until the start-up work in the background ended: the planner's kernels loaded, the
+        decode workers up and counted in the memory budget's baseline (or found unable to start:
+        then health reports NOT_SERVING). False on timeout."""
+        return self._warmed.wait(timeout_s)
 
     def stop(self, grace: float | None = None) -> threading.Event:
         """gRPC's stop, then the decode workers; the event is set once both are down."""

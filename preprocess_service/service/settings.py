@@ -53,8 +53,10 @@ class ServiceSettings:
     auth_tokens: tuple[str, ...] = _doc("bearer tokens a call may present; empty: no token needed", ())
     auth_tokens_file: str | None = _doc("file with one bearer token per line (a mounted Secret), added to auth_tokens")
     max_request_bytes: int = _doc("largest request message in bytes", 4 << 20)
-    warm_up: bool = _doc("compile the planner's kernels before reporting SERVING (false: start faster, the first "
-                         "plan pays the compilation)", True)
+    warm_up: bool = _doc("load the planner's compiled kernels at start, in the background while the server already "
+                         "serves (false: the first plan pays it)", True)
+    plan_ahead: bool = _doc("plan a job's first step when it is opened, before any stream asks (its ranks' start-up "
+                            "overlaps the shard reads; false: at the first stream)", True)
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
     memory_budget_bytes: int = _doc("bytes all streams and jobs may hold for data: decode buffers and shared "

@@ -133,6 +133,10 @@ class SharedJob(Job):
             return -1 if self._num_steps is None else self._num_steps
 
     # --- the planner thread -----------------------------------------------------------------
+    def plan_ahead(self) -> None:
+        """As Job.plan_ahead: the planner thread competes for the lease now, not at the first stream."""
+        self._ensure_planner()
+
     def _ensure_planner(self) -> None:
         with self._lock:
             if self._planner_thread is None or not self._planner_thread.is_alive():

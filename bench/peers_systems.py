@@ -61,8 +61,8 @@ def run_floor(urls: list[str]) -> dict:
 
 # --- disttrain: embedded service + 2 client ranks -------------------------------------------------
 def _trainers(dp_size: int, job, results) -> None:
-    """The trainer side: imports the client (and with it torch) once, then forks the ranks, as a
-    DataLoader's workers fork from its trainer process (a trainer imports torch whatever feeds it).
+    """The trainer side: imports the client (and with it torch) once, forks the other ranks and is
+    rank 0, as a DataLoader's workers fork from its trainer (a trainer imports torch whatever feeds it).
     It starts with the service, as a deployment's trainers and service do, and the ranks connect
     once the job is open."""
     import multiprocessing as mp
@@ -71,9 +71,10 @@ def _trainers(dp_size: int, job, results) -> None:
 
     address, job_id = job.recv()
     ctx = mp.get_context("fork")  # no gRPC channel exists in this process yet: forking is safe
-    procs = [ctx.Process(target=_rank, args=(address, job_id, r, results)) for r in range(dp_size)]
+    procs = [ctx.Process(target=_rank, args=(address, job_id, r, results)) for r in range(1, dp_size)]
     for proc in procs:
         proc.start()
+    _rank(address, job_id, 0, results)  # this process is rank 0, as a DataLoader's trainer consumes
     for proc in procs:
         proc.join()
 

@@ -207,6 +207,24 @@ def trim_malloc() -> int:
         return 0
 
 
+def free_heap_bytes() -> int | None:
+    """Bytes glibc's malloc holds free in its heaps (mallinfo2's fordblks, every arena), which
+    trim_malloc can give back to the system. None off glibc (or before 2.33)."""
+    import ctypes
+    import ctypes.util
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                         "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _Mallinfo2
+    return int(mallinfo2().fordblks)
+
+
 def limit_malloc_arenas(arenas: int = 2) -> bool:
     """Caps glibc's malloc arenas (M_ARENA_MAX). A server runs dozens of threads (streams, shard
     readers), and glibc gives each busy thread an arena of its own that keeps what it freed: the

@@ -296,3 +296,18 @@ def test_the_decode_workers_join_the_baseline_once_up_and_a_budget_they_overfill
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         server.stop(grace=0).wait()
+
+
+def test_free_heap_is_measured_so_the_server_trims_only_when_it_pays():
+    """The server's memory sampler gives the heap back (malloc_trim) only when glibc holds more than
+    TRIM_ABOVE_BYTES free: mallinfo2 must see memory freed in pieces, as the shard readers free it."""
+    from disttrain_api import wire
+
+    before = wire.free_heap_bytes()
+    if before is None:
+        pytest.skip("not glibc")
+    wire.tune_malloc()  # as the server: pieces below 32 MiB come from the heap
+    pieces = [bytes(200_000) for _ in range(400)]
+    del pieces[::2]  # every other one freed: fragments the heap cannot shrink over
+    assert wire.free_heap_bytes() - before >= 30 << 20
+    del pieces

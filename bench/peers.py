@@ -245,7 +245,10 @@ def goals(rows: dict) -> list[tuple[str, float, float, bool]]:
             med("disttrain", "steady_cpu_per_sample") / med("floor", "steady_cpu_per_sample"), 1.05, "le"),
            ("samples per CPU-s / DataLoader + our decoder (>= 0.95)", per_cpu("disttrain") / per_cpu("dl-ours"), 0.95,
             "ge"),
-           ("samples per CPU-s / DataLoader + Pillow (>= 1.5)", per_cpu("disttrain") / per_cpu("dl-pillow"), 1.5, "ge")]
+           ("samples per CPU-s / DataLoader + Pillow (>= 1.5)", per_cpu("disttrain") / per_cpu("dl-pillow"), 1.5, "ge"),
+           ("start-up s: launch to first sample (<= 2.0)", med("disttrain", "startup_s"), 2.0, "le"),
+           ("peak PSS / DataLoader + our decoder (<= 2.0)",
+            med("disttrain", "peak_pss_mib") / med("dl-ours", "peak_pss_mib"), 2.0, "le")]
     for peer in SYSTEMS:
         if peer not in ("floor", "disttrain") and "error" not in rows.get(peer, {"error": 1}):
             if not peer.startswith("dl-"):  # the DataLoader rows have their own goals above

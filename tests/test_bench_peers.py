@@ -38,6 +38,12 @@ def test_goals_compare_disttrain_with_the_floor_and_every_peer():
     assert abs(value - 0.02 / 0.0104) < 1e-9 and met
     assert goals["samples/s / ray (>= 1.0)"][1] is False
     assert not any("tf-service" in name for name in goals)  # a peer that did not run has no goal
+    assert goals["start-up s: launch to first sample (<= 2.0)"] == (1.0, True)
+    assert goals["peak PSS / DataLoader + our decoder (<= 2.0)"] == (1.0, True)
+    heavy = dict(rows, disttrain=peers.summarise([_run(0.0104, 120) | {"peak_pss_mib": 201.0, "startup_s": 2.5}]))
+    goals = {name: (value, met) for name, value, _, met in peers.goals(heavy)}
+    assert goals["start-up s: launch to first sample (<= 2.0)"] == (2.5, False)
+    assert goals["peak PSS / DataLoader + our decoder (<= 2.0)"] == (2.01, False)
 
 
 def test_setup_refuses_a_dry_run_that_brings_cuda_or_another_torch():

@@ -266,3 +266,20 @@ def test_a_pool_closed_while_its_workers_start_leaves_no_process(monkeypatch):
     closer.join(60)
     pool._thread.join(60)
     assert started and all(not p.is_alive() for p in started)
+
+
+def test_a_failing_dispatcher_fails_the_work_instead_of_hanging_it(layout, monkeypatch):
+    def broken(self, worker):
+        raise ValueError("a bug in the dispatcher")
+
+    monkeypatch.setattr(DecodePool, "_receive", broken)  # the first message (a worker's "ready") raises
+    pool = DecodePool(1, wait=False)
+    try:
+        with pytest.raises(RuntimeError, match="dispatcher failed: ValueError: a bug in the dispatcher"):
+            pool.submit(layout).result(timeout=120)  # failed once known, or refused if known already
+        with pytest.raises(RuntimeError, match="dispatcher failed"):
+            pool.submit(layout)
+        with pytest.raises(RuntimeError, match="dispatcher failed"):
+            pool.wait_ready(10)
+    finally:
+        pool.close()

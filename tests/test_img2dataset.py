@@ -343,3 +343,35 @@ def test_cache_is_bounded_by_bytes(tmp_path, rows, monkeypatch):
     read_manifest(first)
     assert len(loads) == 2, "the second manifest pushed the first out"
     assert img2dataset._cache_bytes <= size + size // 2
+
+
+def test_a_job_reads_its_first_manifests_after_its_first_microbatch_not_before(tmp_path):
+    """pyarrow's import and first read (~0.2 CPU-s) are kept out of a job's start-up: the manifests
+    of the shards its first step read are read once its first microbatch is decoded, and a report
+    asked for earlier reads them first, so it is never short of a failure."""
+    import time
+
+    from disttrain_api.config import JobConfig
+    from helpers import write_tiny_shards
+    from preprocess_service.adapters.decode import InlineDecoder
+    from preprocess_service.service.job import Job
+
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=6)
+    failed = [row(90 + i, status="failed_to_download", error=f"HTTP 404 number {i}") for i in range(3)]
+    write_parquet(tmp_path / "00000.parquet", [row(i) for i in range(6)] + failed)
+
+    def failures(job):
+        return sorted(r.key for r in job._skipped.values() if r.kind == "download_failed")
+
+    want = [f"00000{90 + i:04d}" for i in range(3)]
+    job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=1, num_microbatches=1, shard_shuffle=False))
+    plan = job.step_plan(0)
+    assert failures(job) == []  # deferred: nothing decoded yet
+    job.microbatch(plan, 0, 0, InlineDecoder())
+    deadline = time.monotonic() + 30
+    while failures(job) != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert failures(job) == want
+    early = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=1, num_microbatches=1, shard_shuffle=False))
+    early.step_plan(0)
+    assert sorted(r.key for r in early.report()["skipped"] if r.kind == "download_failed") == want

@@ -465,6 +465,13 @@ class DecodePool:
 
     # --- the dispatcher thread ----------------------------------------------------------------
     def _dispatch_loop(self) -> None:
+        try:
+            self._dispatch()
+        except Exception as exc:  # a bug: fail the waiting work and later submits, never leave them hanging
+            log.exception("decode dispatch failed")
+            self._break(f"the decode pool's dispatcher failed: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self) -> None:
         if not self._start_all() and self._broken is None:
             return  # closed while starting
         while True:

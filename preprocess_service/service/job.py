@@ -126,6 +126,8 @@ class PendingMicrobatch:
 
 STATE_VERSION = 1
 REPORT_WAIT_S = 30.0
+MANIFEST_DEFER_S = 10.0
+"""Longest a job defers reading its first shards' img2dataset manifests for its first microbatch."""
 """How long a timing report waits for a step being planned."""
 
 
@@ -192,6 +194,15 @@ class Job:
         self.num_sent_microbatches = 0
         self.num_planned_samples = 0
         self.on_acknowledged: Callable[[int], None] | None = None
+        self._first_out = threading.Event()
+        """Set when the job's first microbatch is decoded: img2dataset manifests wait for it."""
+        self._manifests = threading.Condition()
+        self._deferred_manifests: list[str] = []
+        self._manifests_reading = 0
+        self._manifests_deferred = True
+        """Until the first microbatch is out (or a report is asked for), a shard's img2dataset
+        manifest (its download failures) is read on a background thread afterwards: pyarrow's
+        import and first read cost ~0.2 CPU-s, which the start-up would otherwise wait for."""
         """Called (outside the job's lock) when the lowest acknowledged step moves (JobRegistry saves the state)."""
 
     # --- planning -------------------------------------------------------------------------
@@ -267,8 +278,38 @@ class Job:
             self._release_through(self._next_step - 1 - self.retain_steps)
 
     def _shard_started(self, url: str) -> None:
+        with self._manifests:
+            if self._manifests_deferred:
+                self._deferred_manifests.append(url)
+                if len(self._deferred_manifests) == 1 and self._manifests_reading == 0:
+                    threading.Thread(target=self._read_deferred_manifests, daemon=True,
+                                     name=f"manifests:{self.job_id[:12]}").start()
+                return
         for problem in download_failures(url):
             self._record_skip(problem)
+
+    def _read_deferred_manifests(self) -> None:
+        self._first_out.wait(MANIFEST_DEFER_S)
+        self.flush_manifests()
+
+    def flush_manifests(self, timeout_s: float = REPORT_WAIT_S) -> None:
+        """Reads the manifests deferred at start-up (and stops deferring); returns once they are in
+        the report, whoever reads them (or after ``timeout_s``)."""
+        while True:
+            with self._manifests:
+                self._manifests_deferred = False
+                if not self._deferred_manifests:
+                    self._manifests.wait_for(lambda: self._manifests_reading == 0, timeout_s)
+                    return
+                url = self._deferred_manifests.pop(0)
+                self._manifests_reading += 1
+            try:
+                for problem in download_failures(url):
+                    self._record_skip(problem)
+            finally:
+                with self._manifests:
+                    self._manifests_reading -= 1
+                    self._manifests.notify_all()
 
     @property
     def fingerprint(self) -> str:
@@ -377,6 +418,7 @@ class Job:
             decoded.release()
             layout, release = survivors, (lambda: None)
         arrays = finish(layout, buffer)
+        self._first_out.set()
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
         arrays.skipped.extend(pending.skipped)
         failed = [SkippedRecord(key, shards_of[key], f"decode failed: {reason}",
@@ -581,6 +623,7 @@ class Job:
             del self._snapshots[s]
 
     def report(self) -> dict:
+        self.flush_manifests()
         with self._lock:
             return {
                 "skipped": list(self._skipped.values()),

@@ -126,9 +126,9 @@ class PendingMicrobatch:
 
 STATE_VERSION = 1
 REPORT_WAIT_S = 30.0
+"""How long a timing report waits for a step being planned."""
 MANIFEST_DEFER_S = 10.0
 """Longest a job defers reading its first shards' img2dataset manifests for its first microbatch."""
-"""How long a timing report waits for a step being planned."""
 
 
 class Job:
@@ -194,6 +194,7 @@ class Job:
         self.num_sent_microbatches = 0
         self.num_planned_samples = 0
         self.on_acknowledged: Callable[[int], None] | None = None
+        """Called (outside the job's lock) when the lowest acknowledged step moves (JobRegistry saves the state)."""
         self._first_out = threading.Event()
         """Set when the job's first microbatch is decoded: img2dataset manifests wait for it."""
         self._manifests = threading.Condition()
@@ -203,7 +204,6 @@ class Job:
         """Until the first microbatch is out (or a report is asked for), a shard's img2dataset
         manifest (its download failures) is read on a background thread afterwards: pyarrow's
         import and first read cost ~0.2 CPU-s, which the start-up would otherwise wait for."""
-        """Called (outside the job's lock) when the lowest acknowledged step moves (JobRegistry saves the state)."""
 
     # --- planning -------------------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:

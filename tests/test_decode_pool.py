@@ -264,7 +264,7 @@ def test_a_pool_closed_while_its_workers_start_leaves_no_process(monkeypatch):
     time.sleep(0.1)  # close() is waiting for the dispatch thread, which is starting a worker
     release.set()
     closer.join(60)
-    pool._thread.join(60)
+    pool._starter.join(60)
     assert started and all(not p.is_alive() for p in started)
 
 
@@ -282,4 +282,26 @@ def test_a_failing_dispatcher_fails_the_work_instead_of_hanging_it(layout, monke
         with pytest.raises(RuntimeError, match="dispatcher failed"):
             pool.wait_ready(10)
     finally:
+        pool.close()
+
+
+def test_a_fork_server_that_never_starts_a_worker_fails_the_work_after_start_timeout(layout, monkeypatch):
+    """Forking a worker waits for the fork server; one that hangs (a broken installation) must not
+    leave the work waiting forever: after start_timeout_s the pool reports it cannot start."""
+    release = threading.Event()
+    original = DecodePool._start_worker
+
+    def hung(self, slot):
+        release.wait(120)
+        return original(self, slot)
+
+    monkeypatch.setattr(DecodePool, "_start_worker", hung)
+    pool = DecodePool(1, start_timeout_s=0.5, wait=False)
+    try:
+        with pytest.raises(RuntimeError, match="cannot start: 0 of 1 were started within start_timeout_s 0.5 s"):
+            pool.submit(layout).result(timeout=60)
+        with pytest.raises(RuntimeError, match="cannot start"):
+            pool.wait_ready(10)
+    finally:
+        release.set()
         pool.close()

@@ -298,7 +298,8 @@ class DecodePool:
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         self._workers: list[_Worker] = []
-        """By slot; filled by the dispatch thread as the workers start (_start_all)."""
+        """By slot; filled as the workers start (_start_all, on the starter thread)."""
+        self._starter = threading.Thread(target=self._start_all, name="decode-start", daemon=True)
         self._thread = threading.Thread(target=self._dispatch_loop, name="decode-dispatch", daemon=True)
         self._thread.start()
         if wait:
@@ -310,9 +311,10 @@ class DecodePool:
 
     # --- workers ------------------------------------------------------------------------------
     def _start_all(self) -> bool:
-        """Starts the workers, on the dispatch thread: the first start waits while the fork server
-        imports torch and the decoders (about a CPU-second), which must not hold up the caller.
-        False if the pool was closed meanwhile or cannot start."""
+        """Starts the workers, on a thread of their own: the first start waits while the fork server
+        imports torch and the decoders (about a CPU-second), which must hold up neither the caller
+        nor the dispatcher (it breaks the pool if this takes more than start_timeout_s). False if
+        the pool was closed meanwhile or cannot start."""
         for slot in range(self.num_workers):
             try:
                 worker = self._start_worker(slot)
@@ -323,6 +325,7 @@ class DecodePool:
                 closed = self._closed
                 if not closed:
                     self._workers.append(worker)
+                    os.write(self._wake_w, b"x")  # the dispatcher waits on its pipe (close() closes it later)
             if closed:
                 worker.process.kill()
                 worker.process.join(timeout=5)
@@ -472,8 +475,9 @@ class DecodePool:
             self._break(f"the decode pool's dispatcher failed: {type(exc).__name__}: {exc}")
 
     def _dispatch(self) -> None:
-        if not self._start_all() and self._broken is None:
-            return  # closed while starting
+        starter = self._starter
+        starter_deadline = time.monotonic() + self.start_timeout_s
+        starter.start()
         while True:
             with self._lock:
                 if self._closed:
@@ -483,6 +487,8 @@ class DecodePool:
                 waits = {w.conn: w for w in live}
                 deaths = {w.process.sentinel: w for w in live}
                 starting = [w.started + self.start_timeout_s for w in live if not w.ready]
+                if self._broken is None and starter.is_alive():  # a fork server that hangs must not hang the work
+                    starting.append(starter_deadline)
             timeout = max(0.0, min(starting) - time.monotonic()) + 0.01 if starting else None
             ready = connection.wait([self._wake_r, *waits, *deaths], timeout)
             for obj in ready:
@@ -493,6 +499,9 @@ class DecodePool:
                 else:
                     self._replace(deaths[obj])
             self._kill_slow_starters()
+            if self._broken is None and starter.is_alive() and time.monotonic() > starter_deadline:
+                self._break(f"decode workers cannot start: {len(self._workers)} of {self.num_workers} were started "
+                            f"within start_timeout_s {self.start_timeout_s:g} s (the fork server hangs?)")
 
     def _kill_slow_starters(self) -> None:
         """A worker not ready start_timeout_s after launch is killed; its death is a start failure."""
@@ -624,6 +633,8 @@ class DecodePool:
             workers = list(self._workers)
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        if self._starter.is_alive():
+            self._starter.join(timeout=5)  # a worker it starts now is killed there (the pool is closed)
         for worker in workers:
             try:
                 worker.conn.send(None)

@@ -310,17 +310,17 @@ class DecodePool:
                 raise
 
     # --- workers ------------------------------------------------------------------------------
-    def _start_all(self) -> bool:
+    def _start_all(self) -> None:
         """Starts the workers, on a thread of their own: the first start waits while the fork server
         imports torch and the decoders (about a CPU-second), which must hold up neither the caller
-        nor the dispatcher (it breaks the pool if this takes more than start_timeout_s). False if
-        the pool was closed meanwhile or cannot start."""
+        nor the dispatcher (it breaks the pool if this takes more than start_timeout_s). Stops early
+        if the pool cannot start or was closed."""
         for slot in range(self.num_workers):
             try:
                 worker = self._start_worker(slot)
             except Exception as exc:  # e.g. the fork server cannot start
                 self._break(f"decode workers cannot start: {type(exc).__name__}: {exc}")
-                return False
+                return
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -330,8 +330,7 @@ class DecodePool:
                 worker.process.kill()
                 worker.process.join(timeout=5)
                 worker.conn.close()
-                return False
-        return True
+                return
 
     def _start_worker(self, slot: int) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)

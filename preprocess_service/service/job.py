@@ -281,7 +281,7 @@ class Job:
         with self._manifests:
             if self._manifests_deferred:
                 self._deferred_manifests.append(url)
-                if len(self._deferred_manifests) == 1 and self._manifests_reading == 0:
+                if len(self._deferred_manifests) == 1:  # the first: one thread reads them all
                     threading.Thread(target=self._read_deferred_manifests, daemon=True,
                                      name=f"manifests:{self.job_id[:12]}").start()
                 return

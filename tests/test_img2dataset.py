@@ -200,6 +200,65 @@ def test_a_job_reports_each_failed_download_once_per_epoch_and_goes_on(tmp_path)
     assert all(r.shard.endswith("00000.tar") and "HTTP 404" in r.reason for r in reported)
 
 
+CLEAN_STATS = {"count": 6, "successes": 6, "failed_to_download": 0, "failed_to_resize": 0, "duration": 1.5,
+               "status_dict": {"success": 6}}
+
+
+@pytest.mark.parametrize("stats, declared", [
+    (CLEAN_STATS, True),
+    ({k: v for k, v in CLEAN_STATS.items() if k != "status_dict"}, True),
+    (CLEAN_STATS | {"failed_to_download": 1, "count": 7}, False),
+    (CLEAN_STATS | {"failed_to_resize": 2}, False),
+    (CLEAN_STATS | {"status_dict": {"success": 6, "failed_to_download": 3}}, False),
+    (CLEAN_STATS | {"count": 9}, False),  # rows neither succeeded nor counted as failed
+    ({"count": 6}, False),  # the fields are missing: not certain
+    (CLEAN_STATS | {"failed_to_download": "0"}, False),
+    (CLEAN_STATS | {"failed_to_download": -1, "count": 5}, False),
+    (CLEAN_STATS | {"status_dict": ["success"]}, False),
+    ([1, 2], False),
+    ("{not json", False),
+    ("[" * 100_000, False),  # past the size bound (and deeply nested)
+])
+def test_a_stats_file_declaring_no_failures_spares_reading_the_parquet(tmp_path, stats, declared):
+    import json
+
+    (tmp_path / "00000_stats.json").write_text(stats if isinstance(stats, str) else json.dumps(stats))
+    assert img2dataset.declares_no_failures(tmp_path / "00000.tar") is declared
+
+
+def test_a_stats_file_is_only_read_as_a_regular_file_in_the_shards_folder(tmp_path):
+    import json
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "00000_stats.json").write_text(json.dumps(CLEAN_STATS))
+    (tmp_path / "00000_stats.json").symlink_to(elsewhere / "00000_stats.json")
+    assert not img2dataset.declares_no_failures(tmp_path / "00000.tar")
+    os.mkfifo(tmp_path / "00001_stats.json")  # would block a reader that waited on it
+    assert not img2dataset.declares_no_failures(tmp_path / "00001.tar")
+    assert not img2dataset.declares_no_failures("http://host/00000.tar")
+    assert not img2dataset.declares_no_failures(tmp_path / "missing.tar")
+
+
+def test_a_job_reads_the_parquet_unless_the_stats_declare_no_failures(tmp_path, monkeypatch):
+    import json
+
+    from preprocess_service.service.job import download_failures
+
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=6)
+    failed = [row(90 + i, status="failed_to_download", error=f"HTTP 404 number {i}") for i in range(2)]
+    write_parquet(tmp_path / "00000.parquet", [row(i) for i in range(6)] + failed)
+    write_parquet(tmp_path / "00001.parquet", [row(i) for i in range(6)])
+    (tmp_path / "00000_stats.json").write_text(json.dumps(CLEAN_STATS | {"count": 8, "failed_to_download": 2}))
+    (tmp_path / "00001_stats.json").write_text(json.dumps(CLEAN_STATS))
+    loads = []
+    original = img2dataset.load
+    monkeypatch.setattr(img2dataset, "load", lambda *a, **k: loads.append(a[0]) or original(*a, **k))
+    assert sorted(e.key for e in download_failures(str(tmp_path / "00000.tar"))) == ["000000090", "000000091"]
+    assert download_failures(str(tmp_path / "00001.tar")) == []
+    assert [Path(p).name for p in loads] == ["00000.parquet"]
+
+
 # --- a parquet file is untrusted data: whatever is wrong with it, the shard is read without it ---
 
 @pytest.mark.parametrize("column, value", [

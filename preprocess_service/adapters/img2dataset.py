@@ -153,6 +153,46 @@ def parquet_of(tar_path: str | os.PathLike) -> Path | None:
     return Path(text[:-4] + ".parquet")
 
 
+MAX_STATS_BYTES = 64 << 10
+"""Larger NNNNN_stats.json files are not read (img2dataset writes a few hundred bytes)."""
+
+
+def declares_no_failures(tar_path: str | os.PathLike) -> bool:
+    """True when the ``X_stats.json`` img2dataset wrote beside a local ``X.tar`` says every row of
+    its parquet succeeded (count == successes, no failed_to_download or failed_to_resize, no other
+    status in status_dict): the parquet then holds no failure to report, and the service need not
+    read it (nor import pyarrow). False whenever that is not certain: no such file, a link out of
+    the shard's folder, not a regular file, larger than MAX_STATS_BYTES, not JSON, a field missing
+    or of the wrong type. The file is data: it is never trusted beyond skipping the report."""
+    import json
+
+    from preprocess_service.adapters.shards import ShardReadError, open_regular
+
+    path = parquet_of(tar_path)
+    if path is None:
+        return False
+    stats_path = path.with_name(path.name[:-len(".parquet")] + "_stats.json")
+    try:
+        with open_regular(_in_its_folder(stats_path)) as f:
+            raw = f.read(MAX_STATS_BYTES + 1)
+        if len(raw) > MAX_STATS_BYTES:
+            return False
+        stats = json.loads(raw)
+    except (OSError, ValueError, ManifestError, ShardReadError, RecursionError):
+        return False
+    if not isinstance(stats, dict):
+        return False
+    numbers = [stats.get(k) for k in ("count", "successes", "failed_to_download", "failed_to_resize")]
+    if not all(type(n) is int and n >= 0 for n in numbers):
+        return False
+    count, successes, failed_to_download, failed_to_resize = numbers
+    statuses = stats.get("status_dict", {SUCCESS: successes})
+    if not isinstance(statuses, dict) or any(type(n) is not int for n in statuses.values()):
+        return False
+    others = sum(n for status, n in statuses.items() if status != SUCCESS)
+    return count == successes and failed_to_download == failed_to_resize == others == 0
+
+
 _cache: OrderedDict[tuple[str, int, int], Manifest | None] = OrderedDict()
 _cache_bytes = 0
 _cache_lock = threading.Lock()

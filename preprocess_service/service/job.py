@@ -69,9 +69,12 @@ def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[list[
 def download_failures(url: str) -> list[SampleError]:
     """The rows img2dataset failed to download for a local shard (its parquet), as download_failed
     problems: reported once per shard and epoch, never in the tar, counted toward no tolerance.
-    A manifest that cannot be read is a warning, never the job's end."""
+    A manifest that cannot be read is a warning, never the job's end. A shard whose img2dataset
+    stats file declares no failure is not read for them (img2dataset.declares_no_failures)."""
     try:
-        manifest = img2dataset.read_manifest(url) if sources.parse(url).is_local else None
+        if not sources.parse(url).is_local or img2dataset.declares_no_failures(url):
+            return []
+        manifest = img2dataset.read_manifest(url)
         return img2dataset.failed_rows_as_errors(manifest, url) if manifest is not None else []
     except MemoryError:
         raise

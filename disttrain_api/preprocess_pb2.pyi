@@ -245,16 +245,18 @@ class StreamRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., max_steps: _Optional[int] = ..., shm_probe: _Optional[str] = ..., shm_probe_token: _Optional[bytes] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data")
+    __slots__ = ("name", "dtype", "shape", "data", "shm_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm_offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class SequenceCost(_message.Message):
     __slots__ = ("encoder_s", "backbone_s", "generator_s", "total_s")
@@ -281,7 +283,7 @@ class SkippedSample(_message.Message):
     def __init__(self, key: _Optional[str] = ..., shard: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Microbatch(_message.Message):
-    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch", "sample_datasets", "shm_name", "shm_nbytes")
+    __slots__ = ("job_id", "step", "dp_rank", "microbatch_index", "num_microbatches", "tensors", "sample_keys", "sequence_costs", "skipped", "epoch", "sample_datasets", "shm_name", "shm_nbytes", "shm_token")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class Microbatch(_message.Message):
     SAMPLE_DATASETS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     dp_rank: int
@@ -308,7 +311,8 @@ class Microbatch(_message.Message):
     sample_datasets: _containers.RepeatedScalarFieldContainer[int]
     shm_name: str
     shm_nbytes: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ..., sample_datasets: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_nbytes: _Optional[int] = ...) -> None: ...
+    shm_token: bytes
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_keys: _Optional[_Iterable[str]] = ..., sequence_costs: _Optional[_Iterable[_Union[SequenceCost, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., epoch: _Optional[int] = ..., sample_datasets: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., shm_nbytes: _Optional[int] = ..., shm_token: _Optional[bytes] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("job_id", "dp_rank", "next_step")

@@ -17,6 +17,22 @@ _TO_PROTO: dict[np.dtype, pb.DType] = {
 _FROM_PROTO: dict[int, np.dtype] = {code: dtype for dtype, code in _TO_PROTO.items()}
 
 
+def proto_dtype(dtype: np.dtype) -> int:
+    """The wire's code of ``dtype`` (ValueError for one it does not carry)."""
+    code = _TO_PROTO.get(np.dtype(dtype))
+    if code is None:
+        raise ValueError(f"dtype {dtype} is not carried by the wire (allowed: {sorted(str(d) for d in _TO_PROTO)})")
+    return code
+
+
+def dtype_of(code: int) -> np.dtype:
+    """The numpy dtype (little endian) of a wire dtype code (ValueError for an unknown one)."""
+    dtype = _FROM_PROTO.get(code)
+    if dtype is None:
+        raise ValueError(f"unknown dtype code {code}")
+    return dtype.newbyteorder("<")
+
+
 def to_tensor(name: str, array: np.ndarray) -> pb.Tensor:
     dtype = _TO_PROTO.get(array.dtype)
     if dtype is None:
@@ -64,7 +80,7 @@ MAX_SHARED_BYTES = 4 << 30
 """Largest shared-memory microbatch a client maps (Microbatch.shm_nbytes)."""
 
 _LEN, _VARINT = 2, 0
-_TENSORS_FIELD, _DATA_FIELD = 6, 4
+_TENSORS_FIELD, _DATA_FIELD, _SHM_OFFSET_FIELD = 6, 4, 5
 
 
 def _varint(value: int) -> bytes:
@@ -140,20 +156,25 @@ def encoded_parts(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> list:
 
 def decode_microbatch(raw) -> tuple[pb.Microbatch, dict[str, np.ndarray]]:
     """(the message without tensors, name -> array viewing ``raw``): nothing copied. ``raw`` is
-    bytes (the arrays are read-only) or a writable buffer such as an mmap (they are writable)."""
+    bytes (the arrays are read-only) or a writable buffer such as an mmap (they are writable).
+    Tensors whose bytes are in a lent shared-memory object (Tensor.shm_offset) stay in the
+    message (lent_views makes their arrays)."""
     header_parts, arrays = [], {}
     for number, wire_type, key_start, start, end, _ in _fields(raw, 0, len(raw)):
-        if number == _TENSORS_FIELD and wire_type == _LEN:
-            name, array = _tensor_view(raw, start, end)
-            arrays[name] = array
+        view = _tensor_view(raw, start, end) if number == _TENSORS_FIELD and wire_type == _LEN else None
+        if view is not None:
+            arrays[view[0]] = view[1]
         else:
             header_parts.append(raw[key_start:end])
     return pb.Microbatch.FromString(b"".join(header_parts)), arrays
 
 
-def _tensor_view(raw, start: int, end: int) -> tuple[str, np.ndarray]:
+def _tensor_view(raw, start: int, end: int) -> tuple[str, np.ndarray] | None:
+    """(name, array viewing raw) of the Tensor in raw[start:end]; None for a lent one (shm_offset)."""
     name, dtype_code, shape, data = "", 0, [], (start, start)
     for number, wire_type, _, value_start, value_end, value in _fields(raw, start, end):
+        if number == _SHM_OFFSET_FIELD:
+            return None
         if number == 1:
             name = bytes(raw[value_start:value_end]).decode("utf-8")
         elif number == 2:
@@ -176,6 +197,27 @@ def _tensor_view(raw, start: int, end: int) -> tuple[str, np.ndarray]:
         raise ValueError(f"tensor {name!r} holds {count} elements, shape {shape} needs {expected}")
     array = np.frombuffer(raw, dtype=dtype.newbyteorder("<"), count=count, offset=data[0])
     return name, array.reshape(shape)
+
+
+def lent_views(header: pb.Microbatch, buffer) -> dict[str, np.ndarray]:
+    """name -> array viewing ``buffer`` (uint8, a lent object's mapping: each array's base is it)
+    of each of header's tensors,
+    at its Tensor.shm_offset; ValueError naming the tensor when one does not lie within the
+    buffer, is misaligned for its dtype or repeats a name."""
+    size, arrays = len(buffer), {}
+    for tensor in header.tensors:
+        dtype = dtype_of(tensor.dtype)
+        if tensor.data or any(d < 0 for d in tensor.shape) or tensor.name in arrays:
+            raise ValueError(f"lent tensor {tensor.name!r} has data, a negative extent or a repeated name")
+        count = 1
+        for dim in tensor.shape:
+            count *= dim
+        offset, nbytes = tensor.shm_offset, count * dtype.itemsize
+        if offset % dtype.itemsize or offset + nbytes > size:
+            raise ValueError(f"lent tensor {tensor.name!r} ({nbytes} bytes at {offset}) does not lie aligned "
+                             f"within the {size}-byte object")
+        arrays[tensor.name] = buffer[offset:offset + nbytes].view(dtype).reshape(tuple(tensor.shape))
+    return arrays
 
 
 def tune_malloc() -> bool:

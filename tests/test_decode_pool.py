@@ -305,3 +305,99 @@ def test_a_fork_server_that_never_starts_a_worker_fails_the_work_after_start_tim
     finally:
         release.set()
         pool.close()
+
+
+def _small_layout(n: int = 3):
+    from helpers import jpeg_bytes
+
+    docs = [parse_document({"__key__": f"small{i}", "jpg": jpeg_bytes(160 + 8 * i, 120, seed=i), "txt": b"caption"},
+                           image_config=CFG, tokenizer=TOK, seq_len=1024) for i in range(n)]
+    return layout_microbatch([PackedSequence(seq_len=1024, documents=[d]) for d in docs], seq_len=1024,
+                             tokenizer=TOK, audio_config=AudioConfig())
+
+
+def test_a_lent_arena_is_reused_only_after_its_client_lets_go_and_is_uncharged_meanwhile():
+    """Decoded.lend: the arena holds every array (media where they were decoded, token arrays
+    copied into its spare room) at the offsets it names; the pool reuses it only once the client
+    has marked it taken and dropped its flock, with a new token; a taken arena leaves the budget."""
+    import fcntl
+
+    from disttrain_api import preprocess_pb2 as pb
+    from disttrain_api import wire
+    from preprocess_service.adapters.budget import MemoryBudget
+    from preprocess_service.adapters.shmdelivery import SHM_DIR
+    from preprocess_service.core.assemble import finish
+
+    small = _small_layout()
+    want = finish(small, InlineDecoder().submit(small).result().buffer).arrays
+    budget = MemoryBudget(1 << 30)
+    pool = DecodePool(1, budget=budget)
+    try:
+        decoded = pool.submit(small).result(timeout=120)
+        lent = decoded.lend(finish(small, decoded.buffer).arrays)
+        decoded.release()  # a no-op now: the arena is lent
+        assert lent is not None and pool.stats()["lent"] == 1
+        path = os.path.join(SHM_DIR, lent.name)
+        header = pb.Microbatch(tensors=[pb.Tensor(name=n, dtype=wire.proto_dtype(d), shape=s, shm_offset=o)
+                                        for n, d, s, o in lent.tensors])
+        with open(path, "rb") as f:
+            raw = np.frombuffer(f.read(lent.nbytes), dtype=np.uint8)
+        assert raw[:16].tobytes() == lent.token
+        got = wire.lent_views(header, raw)
+        assert set(got) == set(want) and all(np.array_equal(got[n], want[n]) for n in want)
+        charged = budget.used
+        fd = os.open(path, os.O_RDWR)  # take it as a client does
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.pwrite(fd, b"\x01", 16)
+        assert lent.taken()
+        again = pool.submit(small).result(timeout=120)  # the lent arena is held: another one serves
+        other = again.lend(finish(small, again.buffer).arrays)
+        assert other.name != lent.name and pool.stats()["lent"] == 2
+        assert budget.used == charged, "the new arena is charged, the taken one (same size) is the client's memory"
+        other.abandon()  # its stream ended before its client took it: back at once, token changed
+        assert pool.stats()["lent"] == 1
+        with open(os.path.join(SHM_DIR, other.name), "rb") as f:
+            assert f.read(16) != other.token
+        with open(path, "rb") as f:
+            assert f.read(16) == lent.token, "reused while its client held it"
+        os.close(fd)  # let go
+        pool.submit(small).result(timeout=120).release()  # any acquire takes it back
+        assert pool.stats()["lent"] == 0
+        with open(path, "rb") as f:
+            assert f.read(16) != lent.token
+    finally:
+        pool.close()
+    assert budget.used == 0
+
+
+def test_a_client_that_keeps_every_microbatch_gets_them_given_away_past_max_lent(monkeypatch):
+    """Lent arenas a client keeps (taken, locked) beyond MAX_LENT are unlinked and forgotten by the
+    pool, oldest first: the server holds no descriptor or mapping for them, the client's stay valid."""
+    import fcntl
+
+    from preprocess_service.adapters import decode
+    from preprocess_service.adapters.shmdelivery import SHM_DIR
+    from preprocess_service.core.assemble import finish
+
+    monkeypatch.setattr(decode, "MAX_LENT", 1)
+    small = _small_layout(1)
+    pool = DecodePool(1)
+    held = []
+    try:
+        for _ in range(3):
+            decoded = pool.submit(small).result(timeout=120)
+            lent = decoded.lend(finish(small, decoded.buffer).arrays)
+            fd = os.open(os.path.join(SHM_DIR, lent.name), os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.pwrite(fd, b"\x01", 16)
+            held.append((lent, fd))
+        pool.submit(small).result(timeout=120).release()  # the acquire looks at the lent ones
+        stats = pool.stats()
+        assert stats["arenas_given_away"] == 2 and stats["lent"] == 1
+        assert [os.path.exists(os.path.join(SHM_DIR, lent.name)) for lent, _ in held] == [False, False, True]
+        for lent, fd in held:  # each client's copy is intact, given away or not
+            assert os.pread(fd, 16, 0) == lent.token
+    finally:
+        for _, fd in held:
+            os.close(fd)
+        pool.close()

@@ -131,13 +131,23 @@ def test_a_probe_the_server_cannot_verify_gets_the_bytes_in_the_message(shards, 
     assert not first.shm_name and first.tensors
 
 
-def test_a_client_that_takes_nothing_holds_at_most_the_window_and_its_objects_go_with_the_stream(shards):
-    """A raw call with a valid probe that never opens its objects: the server stops at its window
-    (prefetch + 2) instead of running ahead, and unlinks them all when the call ends."""
+def _token(name: str) -> bytes:
+    with open(os.path.join(SHM_DIR, name), "rb") as f:
+        return f.read(16)
+
+
+def test_a_client_that_takes_nothing_holds_at_most_the_window_and_its_objects_are_reclaimed(shards):
+    """A raw call with a valid probe that never takes its lent objects: the server stops at its
+    window (prefetch + 2) instead of running ahead. Taking one the way the protocol says (shared
+    flock, token check, taken byte) lets it send one more; the service reuses that object only
+    after the lock is gone, and when the call ends the untaken ones get a new token (a message
+    still naming them is refused), and the server's stop removes them all."""
+    import fcntl
+
     token = secrets.token_bytes(32)
     probe = _probe(token)
     server, address, servicer = _serve()
-    names: list[str] = []
+    messages: list[pb.Microbatch] = []
     try:
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             call = _raw_stream(channel, shards, 1024, probe, token)
@@ -145,31 +155,81 @@ def test_a_client_that_takes_nothing_holds_at_most_the_window_and_its_objects_go
             def read():
                 try:
                     for message in call:
-                        names.append(message.shm_name)
+                        messages.append(message)
                 except grpc.RpcError:  # cancelled below
                     pass
 
             reader = threading.Thread(target=read, daemon=True)
             reader.start()
             time.sleep(3.0)
-            held = [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
-            assert names and all(names), names
-            assert len(names) <= servicer.prefetch + 2 and len(held) == len(names)
-            # open one as the client does: the server sends one more
-            header, arrays = wire.decode_microbatch(open(os.path.join(SHM_DIR, names[0]), "rb").read())
-            assert header.step == 0 and "tokens" in arrays
-            os.unlink(os.path.join(SHM_DIR, names[0]))
-            sent = len(names)
+            assert messages and all(m.shm_name and len(m.shm_token) == 16 for m in messages)
+            assert len(messages) <= servicer.prefetch + 2
+            assert all(_token(m.shm_name) == m.shm_token for m in messages)  # none reused meanwhile
+            first = messages[0]
+            assert first.tensors and all(not t.data for t in first.tensors)  # the bytes are in the object
+            # take the first as the client does: the server sends one more
+            fd = os.open(os.path.join(SHM_DIR, first.shm_name), os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            with open(os.path.join(SHM_DIR, first.shm_name), "r+b") as f:
+                data = bytearray(f.read(first.shm_nbytes))
+                f.seek(16)
+                f.write(b"\x01")
+            arrays = wire.lent_views(first, np.frombuffer(data, dtype=np.uint8))
+            assert arrays["tokens"].shape[1] == 1024 and arrays["pixels"].size > 0
+            sent = len(messages)
             deadline = time.monotonic() + 10
-            while len(names) == sent and time.monotonic() < deadline:
+            while len(messages) == sent and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert len(names) == sent + 1
+            assert len(messages) == sent + 1
+            time.sleep(0.5)
+            assert _token(first.shm_name) == first.shm_token, "reused while the client held its lock"
+            os.close(fd)  # let go: the service may reuse it from now on
             call.cancel()
             reader.join(timeout=10)
+        untaken = messages[1:]
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names):
+        while time.monotonic() < deadline and any(_token(m.shm_name) == m.shm_token for m in untaken):
             time.sleep(0.05)
-        assert not [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+        assert not [m.shm_name for m in untaken if _token(m.shm_name) == m.shm_token], "not invalidated"
+    finally:
+        server.stop(grace=0).wait()
+        os.unlink(os.path.join(SHM_DIR, probe))
+    assert not [m.shm_name for m in messages if os.path.exists(os.path.join(SHM_DIR, m.shm_name))]
+
+
+def test_a_lent_object_reused_before_the_client_took_it_is_lost_to_it_not_misread(shards):
+    """The client-side check: a message whose object now holds another token (the service took
+    it back) is refused as lost (the stream resumes at it), never read as that other microbatch."""
+    from trainer.client import _from_shared_memory
+
+    token = secrets.token_bytes(32)
+    probe = _probe(token)
+    server, address, _ = _serve()
+    try:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            call = _raw_stream(channel, shards, 1024, probe, token)
+            message = next(call)
+            stale = pb.Microbatch()
+            stale.CopyFrom(message)
+            stale.shm_token = bytes(16)
+            with pytest.raises(FileNotFoundError, match="reused"):
+                _from_shared_memory(wire.decode_microbatch(stale.SerializeToString())[0])
+            header, arrays, _ = _from_shared_memory(wire.decode_microbatch(message.SerializeToString())[0])
+            assert header.step == 0 and not header.tensors and arrays["tokens"].shape[1] == 1024
+            for bad in ({"shm_offset": 1 << 40}, {"shape": [1 << 20, 1 << 20]}):
+                broken = pb.Microbatch()
+                broken.CopyFrom(message)
+                tensor = broken.tensors[0]
+                for field, value in bad.items():
+                    if field == "shape":
+                        del tensor.shape[:]
+                        tensor.shape.extend(value)
+                    else:
+                        setattr(tensor, field, value)
+                with pytest.raises(ValueError, match="does not lie"):
+                    _from_shared_memory(wire.decode_microbatch(broken.SerializeToString())[0])
+            del arrays, header
+            call.cancel()
     finally:
         server.stop(grace=0).wait()
         os.unlink(os.path.join(SHM_DIR, probe))
@@ -202,39 +262,35 @@ def test_a_starting_server_sweeps_what_a_killed_server_left():
                 os.unlink(os.path.join(SHM_DIR, name))
 
 
-def test_an_object_removed_before_the_client_took_it_is_sent_again(shards):
-    """Someone cleans /dev/shm under a stream: the client resumes at the microbatch it lost, and
-    every sample still arrives exactly once, in order."""
-    server, address, _ = _serve()
-    stop, deleted = threading.Event(), []
+def test_an_object_removed_before_the_client_took_it_is_sent_again(shards, monkeypatch):
+    """Someone cleans /dev/shm under a stream (here: the objects of the 3rd and 4th messages, just
+    before the client opens them): the client resumes at the microbatch it lost, the server stops
+    lending an arena whose name is gone, and every sample still arrives exactly once, in order."""
+    from trainer import client as client_module
 
-    def vandal():
-        while not stop.is_set() and not deleted:
-            for name in os.listdir(SHM_DIR):
-                if name.startswith(f"dtmb_{os.getpid():08x}_"):
-                    try:
-                        os.unlink(os.path.join(SHM_DIR, name))
-                        deleted.append(name)
-                        break
-                    except FileNotFoundError:
-                        pass
-            time.sleep(0.005)
+    original, seen, deleted = client_module._from_shared_memory, [], []
 
-    thread = threading.Thread(target=vandal, daemon=True)
+    def vandal(header):
+        seen.append(header.shm_name)
+        if len(seen) in (3, 4):
+            os.unlink(os.path.join(SHM_DIR, header.shm_name))
+            deleted.append(header.shm_name)
+        return original(header)
+
+    monkeypatch.setattr(client_module, "_from_shared_memory", vandal)
+    server, address, servicer = _serve()
     try:
         config = JobConfig(shards=(str(shards),), seq_len=1024, dp_size=1, num_microbatches=2, seed=9)
         with DataClient(address, config, 0, prefetch=1) as client:
             keys, steps = [], []
             for mb in client:
-                if not thread.is_alive() and not deleted:
-                    thread.start()
                 time.sleep(0.05)  # a slow trainer: the server's objects wait for it
                 keys += mb.sample_keys
                 steps.append((mb.step, mb.microbatch_index))
             reconnects = client.num_reconnects
+        assert not set(deleted) & set(seen[4:]), "an arena whose name was removed was lent again"
     finally:
-        stop.set()
         server.stop(grace=0).wait()
-    assert deleted and reconnects >= 1
+    assert len(deleted) == 2 and reconnects >= 1
     assert len(keys) == len(set(keys)) == 60
     assert steps == sorted(steps)

@@ -20,6 +20,7 @@ several replicas: gRPC then picks a live one), a comma-separated list of them, o
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import mmap
 import os
@@ -28,6 +29,7 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -150,12 +152,19 @@ def _own(array: np.ndarray, pin: bool) -> torch.Tensor:
     return out
 
 
+_TOKEN_BYTES, _TAKEN_AT = 16, 16
+"""A lent object's token and taken byte (Microbatch.shm_token; the service's shmdelivery.py)."""
+
+
 def _from_shared_memory(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray], bool]:
     """A shared-memory microbatch (Microbatch.shm_name): mapped, unlinked (it is ours now), parsed;
-    the arrays are writable views of the mapping, which lives as long as they do."""
+    the arrays are writable views of the mapping, which lives as long as they do. A lent one
+    (shm_token) is mapped and locked, not unlinked (_borrow). FileNotFoundError: it is gone."""
     name, nbytes = header.shm_name, header.shm_nbytes
     if not _SHM_NAME.fullmatch(name) or not 0 < nbytes <= wire.MAX_SHARED_BYTES:
         raise ValueError(f"the service named an invalid shared-memory microbatch {name!r} ({nbytes} bytes)")
+    if header.shm_token:
+        return _borrow(header)
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
@@ -166,6 +175,38 @@ def _from_shared_memory(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str,
     finally:
         os.close(fd)
     message, arrays = wire.decode_microbatch(memoryview(mapping))
+    return message, arrays, True
+
+
+def _borrow(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray], bool]:
+    """A lent microbatch: the service's decode buffer, which it reuses once we let go. We hold a
+    shared flock on it for as long as any of its arrays lives (the descriptor closes with the
+    last of them), check its token (a reused one is gone: FileNotFoundError, as for an unlinked
+    one) and mark it taken."""
+    name, nbytes, token = header.shm_name, header.shm_nbytes, header.shm_token
+    if len(token) != _TOKEN_BYTES or nbytes < _TOKEN_BYTES + 1:
+        raise ValueError(f"the service lent {name!r} with a {len(token)}-byte token and {nbytes} bytes")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # the service is taking it back: it was abandoned
+            raise FileNotFoundError(f"lent microbatch {name} is being reused") from None
+        if os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"lent microbatch {name} holds fewer than its {nbytes} bytes")
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        root = np.frombuffer(mapping, dtype=np.uint8)
+        if root[:_TOKEN_BYTES].tobytes() != token:
+            raise FileNotFoundError(f"lent microbatch {name} was reused before it was taken")
+        arrays = wire.lent_views(header, root)
+        root[_TAKEN_AT] = 1
+    except BaseException:
+        os.close(fd)  # the lock goes with it (a mapping made here goes with its last view)
+        raise
+    weakref.finalize(root, os.close, fd)  # every array views root: the last one gone lets the service reuse it
+    message = pb.Microbatch()
+    message.CopyFrom(header)
+    message.ClearField("tensors")
     return message, arrays, True
 
 

@@ -23,6 +23,7 @@ Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
 from __future__ import annotations
 
 import collections
+import fcntl
 import importlib
 import itertools
 import logging
@@ -40,6 +41,7 @@ import numpy as np
 from preprocess_service.adapters import procmem
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.adapters.fairqueue import FairQueue, Order
+from preprocess_service.adapters.shmdelivery import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
 from preprocess_service.core.assemble import Layout, MediaItem
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,14 @@ PRELOAD = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image
 """What the fork server imports before it forks workers: imports only, nothing that starts a
 thread pool (a fork would copy it half-made); each worker warms its decoders itself."""
 MAX_START_FAILURES = 3
+MAX_ATTACHED = 64
+"""Arenas a worker keeps mapped (reused arenas then cost no page faults); the pool names those it drops."""
+RECLAIM_EVERY_S = 0.5
+"""How often the pool looks for lent arenas their clients let go of, besides at every new microbatch."""
+MAX_LENT = 256
+"""Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
+and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
+costs the server no file descriptors or mappings."""
 """Workers that exit (or time out) one after another before ever reporting ready: the pool is
 broken (an installation problem) and fails its work instead of restarting them forever."""
 
@@ -108,11 +118,12 @@ def warm_up_decoders() -> None:
         log.debug("decoder warm-up failed", exc_info=True)
 
 
-def _write(buffer, item: MediaItem, array: np.ndarray) -> None:
+def _write(buffer, item: MediaItem, array: np.ndarray, base: int = 0) -> None:
+    """Writes ``array`` into its slot of the output buffer that starts at byte ``base`` of ``buffer``."""
     if array.nbytes != item.nbytes:
         raise ValueError(f"{item.kind} {item.member} decoded to {array.shape} {array.dtype} "
                          f"({array.nbytes} bytes), its slot holds {item.nbytes}")
-    np.frombuffer(buffer, dtype=np.uint8, count=item.nbytes, offset=item.offset)[:] = \
+    np.frombuffer(buffer, dtype=np.uint8, count=item.nbytes, offset=base + item.offset)[:] = \
         np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
@@ -125,10 +136,35 @@ class Decoded:
     errors: dict[str, str]
     """Document key -> why it failed (its slots hold garbage)."""
     _release: Callable[[], None] = field(default=lambda: None, repr=False)
+    lend: Callable[[dict[str, np.ndarray]], Lent | None] | None = field(default=None, repr=False)
+    """Where the buffer is a shared-memory object a client on this host may map (DecodePool, no
+    document failed): lend(arrays) puts the arrays not already in it into its spare room and lends
+    it (see Lent); release() is then a no-op. None where it cannot be lent."""
 
     def release(self) -> None:
         """Hands the buffer back for reuse; views of it must not be used afterwards."""
         self._release()
+
+
+@dataclass(slots=True)
+class Lent:
+    """A decode arena lent to a same-host client instead of copied into a message for it
+    (shmdelivery.py, Microbatch.shm_token). The client maps the object ``name``, checks its first
+    TOKEN_BYTES equal ``token`` (else the arena was reused and the microbatch is lost to it), holds
+    a shared flock on it while its arrays live and sets byte TAKEN_AT once it has them. The pool
+    reuses the arena once it is taken and unlocked, or abandoned (its stream ended before the
+    client took it) and unlocked; a new token makes a stale message fail its check."""
+
+    name: str
+    token: bytes
+    nbytes: int
+    """Bytes the client maps: the end of the last tensor."""
+    tensors: list[tuple[str, np.dtype, tuple[int, ...], int]]
+    """(name, dtype, shape, byte offset in the object) of each array."""
+    taken: Callable[[], bool] = field(repr=False)
+    """True once the client has set the taken byte."""
+    abandon: Callable[[], None] = field(repr=False)
+    """The stream ended before the client took it: reuse it once nobody holds its lock."""
 
 
 def _missing(doc) -> str | None:
@@ -207,12 +243,16 @@ def _worker_main(conn, worker_id: int) -> None:
             return
         if message is None:
             return
+        if message[0] == "drop":  # arenas the parent destroyed or gave away: let their memory go
+            for name in message[1]:
+                _detach(arenas, name)
+            continue
         task_id, arena_name, items = message
         try:
             buffer = _attach(arenas, arena_name).buf
             for kind, in_offset, in_nbytes, params, slot in items:
                 data = bytes(buffer[in_offset:in_offset + in_nbytes])
-                _write(buffer, slot, decode_item(kind, data, params))
+                _write(buffer, slot, decode_item(kind, data, params), CONTROL_BYTES)
             conn.send((task_id, None))
         except (MemoryError, ImportError):
             raise
@@ -224,14 +264,19 @@ def _attach(arenas: collections.OrderedDict, name: str) -> shared_memory.SharedM
     shm = arenas.get(name)
     if shm is None:
         shm = arenas[name] = shared_memory.SharedMemory(name=name)
-        while len(arenas) > 16:  # arenas the parent dropped; their memory goes once we let go
-            _, old = arenas.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:
-                pass
+        while len(arenas) > MAX_ATTACHED:  # the parent tells us what it drops; this bounds the rest
+            _detach(arenas, next(iter(arenas)))
     arenas.move_to_end(name)
     return shm
+
+
+def _detach(arenas: collections.OrderedDict, name: str) -> None:
+    shm = arenas.pop(name, None)
+    if shm is not None:
+        try:
+            shm.close()
+        except BufferError:
+            pass
 
 
 @dataclass(slots=True)
@@ -243,6 +288,19 @@ class _Batch:
     remaining: int
     future: futures.Future
     errors: dict[str, str] = field(default_factory=dict)
+    spare: int = 0
+    """Bytes after the output buffer kept for lend() (the layout's token arrays)."""
+    lent: bool = False
+    """Its arena was lent: releasing the batch leaves it to _reclaim."""
+
+
+@dataclass(slots=True)
+class _LentArena:
+    arena: shared_memory.SharedMemory
+    lock_fd: int
+    abandoned: bool = False
+    charged: bool = True
+    """Still charged to the budget: a taken arena is the client's memory until it comes back."""
 
 
 @dataclass(slots=True)
@@ -294,6 +352,13 @@ class DecodePool:
         self._task_ids = itertools.count()
         self._free_arenas: list[shared_memory.SharedMemory] = []
         self._all_arenas: dict[str, shared_memory.SharedMemory] = {}
+        self._lock_fds: dict[str, int] = {}
+        """Arena name -> this process's descriptor for flock (the client's lock shows on it)."""
+        self._lent: collections.OrderedDict[str, _LentArena] = collections.OrderedDict()
+        self._to_drop: list[str] = []
+        self._reclaiming = threading.Lock()
+        """One _reclaim at a time (two could both lock an arena through the one descriptor)."""
+        """Arenas destroyed or given away that the workers still map (the dispatcher tells them)."""
         self._counters = collections.Counter()
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -370,28 +435,50 @@ class DecodePool:
     def stats(self) -> dict:
         with self._lock:
             return {"workers": self.num_workers, "pending": len(self._pending),
-                    "arenas": len(self._all_arenas), **self._counters}
+                    "arenas": len(self._all_arenas), "lent": len(self._lent), **self._counters}
 
     # --- arenas -------------------------------------------------------------------------------
     def _acquire(self, nbytes: int, stop: threading.Event | None = None) -> shared_memory.SharedMemory:
-        with self._lock:
-            fits = [a for a in self._free_arenas if a.size >= nbytes]
-            if fits:
+        self._reclaim()
+        while True:
+            with self._lock:
+                fits = [a for a in self._free_arenas if a.size >= nbytes]
+                if not fits:
+                    break
                 arena = min(fits, key=lambda a: a.size)
                 self._free_arenas.remove(arena)
+            if self._still_named(arena):
                 return arena
+            with self._lock:  # someone removed its name (cleaned /dev/shm): workers could not map it
+                self._all_arenas.pop(arena.name, None)
+            self._destroy_charged(arena)
         size = max(1 << 22, 1 << (max(nbytes, 1) - 1).bit_length())  # powers of two from 4 MiB: few sizes
         if not self.budget.try_reserve(size):
             self._drop_free_arenas()  # idle arenas give their share back first
             self.budget.reserve(size, what="a microbatch's shared-memory decode arena", stop=stop)
-        try:
-            arena = shared_memory.SharedMemory(create=True, size=size)
+        try:  # named as a delivered object: a client maps it when it is lent, the sweep finds it
+            arena = shared_memory.SharedMemory(name=object_name(), create=True, size=size)
         except BaseException:
             self.budget.release(size)
             raise
+        try:
+            lock_fd = os.open(os.path.join(SHM_DIR, arena.name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            lock_fd = -1  # no /dev/shm path (not Linux): never lent
         with self._lock:
             self._all_arenas[arena.name] = arena
+            self._lock_fds[arena.name] = lock_fd
         return arena
+
+    def _still_named(self, arena: shared_memory.SharedMemory) -> bool:
+        """Its name in /dev/shm still leads to it (one a cleaner removed cannot be mapped again)."""
+        lock_fd = self._lock_fds.get(arena.name, -1)
+        if lock_fd < 0:
+            return True  # not Linux: nothing to check
+        try:
+            return os.stat(os.path.join(SHM_DIR, arena.name)).st_ino == os.fstat(lock_fd).st_ino
+        except OSError:
+            return False
 
     def _idle_bytes(self) -> int:
         with self._lock:
@@ -405,21 +492,29 @@ class DecodePool:
         for arena in free:
             self._destroy_charged(arena)
 
-    def _destroy_charged(self, arena: shared_memory.SharedMemory) -> None:
+    def _destroy_charged(self, arena: shared_memory.SharedMemory, charged: bool = True) -> None:
         size = arena.size
+        with self._lock:
+            lock_fd = self._lock_fds.pop(arena.name, -1)
+            self._to_drop.append(arena.name)
+        if lock_fd >= 0:
+            os.close(lock_fd)
         _destroy(arena)
-        self.budget.release(size)
+        if charged:
+            self.budget.release(size)
+        os.write(self._wake_w, b"x")  # the dispatcher tells the workers
 
     def _release(self, arena: shared_memory.SharedMemory) -> None:
         with self._lock:
-            if self._closed:
+            if self._closed:  # close() frees it
                 return
             self._free_arenas.append(arena)
-            if len(self._free_arenas) > 2 * self.num_workers + 4:  # keep a few, give the rest back
-                smallest = min(self._free_arenas, key=lambda a: a.size)
-                self._free_arenas.remove(smallest)
-                del self._all_arenas[smallest.name]
-                self._destroy_charged(smallest)
+            if len(self._free_arenas) <= 2 * self.num_workers + 4:  # keep a few, give the rest back
+                return
+            smallest = min(self._free_arenas, key=lambda a: a.size)
+            self._free_arenas.remove(smallest)
+            del self._all_arenas[smallest.name]
+        self._destroy_charged(smallest)
 
     # --- submitting ---------------------------------------------------------------------------
     def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
@@ -430,10 +525,11 @@ class DecodePool:
         future: futures.Future = futures.Future()
         inputs = [(doc, items) for doc, items in layout.documents if items]
         in_nbytes = sum(len(doc.media_bytes[i.member]) for doc, items in inputs if not _missing(doc) for i in items)
-        arena = self._acquire(layout.nbytes + in_nbytes, stop)
-        batch = _Batch(arena, layout.nbytes, 0, future)
+        spare = sum(_aligned(a.nbytes) for a in layout.arrays.values())
+        arena = self._acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
+        batch = _Batch(arena, layout.nbytes, 0, future, spare=spare)
         view = arena.buf
-        cursor, tasks = layout.nbytes, []
+        cursor, tasks = CONTROL_BYTES + layout.nbytes + spare, []
         for doc, items in inputs:
             problem = _missing(doc)
             if problem:
@@ -462,8 +558,121 @@ class DecodePool:
         return future
 
     def _finish(self, batch: _Batch) -> None:
-        buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf)
-        batch.future.set_result(Decoded(buffer, batch.errors, call_once(lambda: self._release(batch.arena))))
+        buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf, offset=CONTROL_BYTES)
+        lendable = not batch.errors and self._lock_fds.get(batch.arena.name, -1) >= 0
+        batch.future.set_result(Decoded(buffer, batch.errors, call_once(lambda: self._release_batch(batch)),
+                                        lend=(lambda arrays: self._lend(batch, arrays)) if lendable else None))
+
+    def _release_batch(self, batch: _Batch) -> None:
+        with self._lock:
+            lent = batch.lent
+        if not lent:
+            self._release(batch.arena)
+
+    # --- lending arenas to same-host clients (Lent) ---------------------------------------------
+    def _lend(self, batch: _Batch, arrays: dict[str, np.ndarray]) -> Lent | None:
+        """Lends ``batch``'s arena with ``arrays`` (views of its output buffer, or copied into its
+        spare room); None (nothing lent) when an array neither is in it nor fits the spare room."""
+        arena = batch.arena
+        if not self._still_named(arena):  # the client could not open it; the copy goes elsewhere
+            return None
+        view = np.ndarray((arena.size,), dtype=np.uint8, buffer=arena.buf)
+        start = view.__array_interface__["data"][0]
+        cursor, end = CONTROL_BYTES + batch.nbytes, CONTROL_BYTES + batch.nbytes + batch.spare
+        tensors = []
+        for name, array in arrays.items():
+            address = array.__array_interface__["data"][0]
+            if array.flags.c_contiguous and start + CONTROL_BYTES <= address and \
+                    address + array.nbytes <= start + CONTROL_BYTES + batch.nbytes:
+                offset = address - start
+            else:
+                if cursor + array.nbytes > end:
+                    return None
+                offset = cursor
+                view[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                cursor += _aligned(array.nbytes)
+            tensors.append((name, array.dtype, tuple(array.shape), offset))
+        token = os.urandom(TOKEN_BYTES)
+        view[:TOKEN_BYTES] = np.frombuffer(token, dtype=np.uint8)
+        view[TAKEN_AT] = 0
+        del view
+        entry = _LentArena(arena, self._lock_fds[arena.name])
+        with self._lock:
+            if self._closed or batch.lent:
+                return None
+            batch.lent = True  # from here on _reclaim alone gives it back, whoever releases the batch
+            self._lent[arena.name] = entry
+            self._counters["arenas_lent"] += 1
+        nbytes = max((offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                      for _, dtype, shape, offset in tensors), default=CONTROL_BYTES)
+        return Lent(arena.name, token, nbytes, tensors, taken=lambda: self._taken(arena.name, entry),
+                    abandon=lambda: self._abandon(arena.name, entry))
+
+    def _taken(self, name: str, entry: _LentArena) -> bool:
+        """This lending is over for the stream: the client marked it taken, or the pool already
+        took the arena back (the mark is cleared then; the arena may be lent again meanwhile)."""
+        with self._lock:
+            if self._lent.get(name) is not entry:
+                return True
+            return entry.arena.buf[TAKEN_AT] != 0
+
+    def _abandon(self, name: str, entry: _LentArena) -> None:
+        with self._lock:
+            if self._lent.get(name) is not entry:  # already back (and maybe lent again: not that one)
+                return
+            entry.abandoned = True
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Takes back the lent arenas whose client is done (taken, or abandoned, and not locked):
+        a fresh token invalidates any message still naming them. A taken arena stops counting
+        toward the budget until it is back; past MAX_LENT taken ones, the oldest are given away."""
+        with self._reclaiming:
+            self._reclaim_locked()
+
+    def _reclaim_locked(self) -> None:
+        with self._lock:
+            if not self._lent or self._closed:
+                return
+            entries = list(self._lent.items())
+        back, uncharge, give = [], 0, []
+        for name, entry in entries:
+            taken = entry.arena.buf[TAKEN_AT] != 0
+            if not (taken or entry.abandoned):
+                continue  # sent, not yet taken: the stream's window bounds these
+            try:
+                fcntl.flock(entry.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # the client still has it
+                if taken and entry.charged:
+                    entry.charged = False
+                    uncharge += entry.arena.size
+                continue
+            try:
+                entry.arena.buf[:TOKEN_BYTES] = os.urandom(TOKEN_BYTES)
+                entry.arena.buf[TAKEN_AT] = 0
+            finally:
+                fcntl.flock(entry.lock_fd, fcntl.LOCK_UN)
+            back.append((name, entry))
+        with self._lock:
+            for name, _ in back:
+                self._lent.pop(name, None)
+            held = [(n, e) for n, e in self._lent.items() if not e.charged]
+            for name, entry in held[:max(0, len(held) - MAX_LENT)]:
+                del self._lent[name]
+                del self._all_arenas[name]
+                give.append(entry)
+            self._counters["arenas_given_away"] += len(give)
+        if uncharge:
+            self.budget.release(uncharge)
+        for name, entry in back:
+            if entry.charged or self.budget.try_reserve(entry.arena.size):
+                self._release(entry.arena)
+            else:  # no room for it in the budget now: let it go
+                with self._lock:
+                    self._all_arenas.pop(name, None)
+                self._destroy_charged(entry.arena, charged=False)
+        for entry in give:
+            self._destroy_charged(entry.arena, charged=False)
 
     # --- the dispatcher thread ----------------------------------------------------------------
     def _dispatch_loop(self) -> None:
@@ -477,6 +686,7 @@ class DecodePool:
         starter = self._starter
         starter_deadline = time.monotonic() + self.start_timeout_s
         starter.start()
+        last_reclaim = time.monotonic()
         while True:
             with self._lock:
                 if self._closed:
@@ -488,6 +698,8 @@ class DecodePool:
                 starting = [w.started + self.start_timeout_s for w in live if not w.ready]
                 if self._broken is None and starter.is_alive():  # a fork server that hangs must not hang the work
                     starting.append(starter_deadline)
+                if self._lent:  # clients let go of lent arenas without a word: look now and then
+                    starting.append(last_reclaim + RECLAIM_EVERY_S)
             timeout = max(0.0, min(starting) - time.monotonic()) + 0.01 if starting else None
             ready = connection.wait([self._wake_r, *waits, *deaths], timeout)
             for obj in ready:
@@ -498,6 +710,9 @@ class DecodePool:
                 else:
                     self._replace(deaths[obj])
             self._kill_slow_starters()
+            if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
+                self._reclaim()
+                last_reclaim = time.monotonic()
             if self._broken is None and starter.is_alive() and time.monotonic() > starter_deadline:
                 self._break(f"decode workers cannot start: {len(self._workers)} of {self.num_workers} were started "
                             f"within start_timeout_s {self.start_timeout_s:g} s (the fork server hangs?)")
@@ -515,6 +730,14 @@ class DecodePool:
     def _send_pending(self) -> None:
         """Hands waiting tasks to workers with room (caller holds the lock). Messages are a few
         hundred bytes, far below the pipe's buffer, so send never blocks on a busy worker."""
+        if self._to_drop:
+            drop, self._to_drop = self._to_drop, []
+            for worker in self._workers:
+                if worker.ready:  # one that is starting maps none yet
+                    try:
+                        worker.conn.send(("drop", drop))
+                    except (BrokenPipeError, OSError):
+                        pass
         for worker in sorted(self._workers, key=lambda w: len(w.in_flight)):
             while worker.ready and self._pending and len(worker.in_flight) < self.max_in_flight:
                 order, task = self._pending.pop()
@@ -643,11 +866,19 @@ class DecodePool:
             worker.process.join(timeout=5)
             if worker.process.is_alive():
                 worker.process.kill()
-        for arena in self._all_arenas.values():
-            self._destroy_charged(arena)
+        with self._reclaiming, self._lock:  # no _reclaim runs now, and none will (closed)
+            uncharged = {name for name, entry in self._lent.items() if not entry.charged}
+            self._lent.clear()
+            arenas = list(self._all_arenas.values())
+        for arena in arenas:
+            self._destroy_charged(arena, charged=arena.name not in uncharged)
         self._all_arenas.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // CONTROL_BYTES) * CONTROL_BYTES
 
 
 def _destroy(arena: shared_memory.SharedMemory) -> None:

@@ -13,7 +13,17 @@ the two share /dev/shm and the client's user may read what this server's user wr
 mode 0600). Anything else (another host, another container's /dev/shm, another user, an operator
 who turned ``shm_delivery`` off) gets the bytes in the message as before.
 
-Bounds: a stream has at most ``window`` objects the client has not unlinked yet; the producer
+Lent objects (Microbatch.shm_token; decode.Lent): the decode workers write a microbatch's media
+straight into a shared-memory arena of the decode pool, named like these objects, and the stream
+lends that arena to the client instead of copying it (the copy and the fresh pages cost about a
+sixth of the server's CPU in bench/peers.py). The client holds a shared flock on it while its
+arrays live and marks it taken; the pool reuses it once it is taken and unlocked, with a new
+token in its first bytes (a message naming it then fails the client's check: lost, resumed), and
+gives away (unlinks and forgets) the oldest beyond decode.MAX_LENT that a client keeps. Clients
+that share the server's user could open any of these objects anyway (/dev/shm is listable): the
+boundary is the user, as before.
+
+Bounds: a stream has at most ``window`` objects the client has not unlinked (or taken) yet; the producer
 waits for the client beyond that (the gRPC flow control that bounds large messages does not bound
 tiny ones), each object is charged to the memory budget until the client unlinks it, and when the
 stream ends every object it left is unlinked; a server that was killed leaves those in flight,
@@ -40,6 +50,15 @@ PROBE_NAME = re.compile(r"dtprobe_[0-9a-f]{16,64}")
 OBJECT_NAME = re.compile(r"dtmb_([0-9a-f]{8})_[0-9a-f]{24}")
 """A microbatch object: the creating server's pid, then random hex."""
 MAX_PROBE_BYTES = 64
+CONTROL_BYTES = 64
+"""A lent object's first bytes (decode.Lent): TOKEN_BYTES of token, then the taken byte."""
+TOKEN_BYTES = 16
+TAKEN_AT = 16
+
+
+def object_name() -> str:
+    """A new object name (OBJECT_NAME): this process's pid, then 24 random hex digits."""
+    return f"dtmb_{os.getpid():08x}_{secrets.token_hex(12)}"
 _LOOPBACK = re.compile(r"(ipv4:127\.|ipv6:\[::1\]|ipv6:\[::ffff:127\.|unix:)")
 
 
@@ -72,6 +91,8 @@ class SegmentLedger:
     def __init__(self, budget: MemoryBudget, window: int, stall_timeout_s: float):
         self.budget, self.window, self.stall_timeout_s = budget, max(1, window), stall_timeout_s
         self._open: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._lent: collections.OrderedDict[str, object] = collections.OrderedDict()
+        """Name -> decode.Lent of the lent objects the client has not taken yet."""
         self._lock = threading.Lock()
         self._closed = False
         self.num_created = 0
@@ -83,7 +104,7 @@ class SegmentLedger:
         nbytes = sum(memoryview(p).nbytes for p in parts)
         self._wait_for_room(stop)
         self.budget.reserve(nbytes, what="a microbatch in shared memory", stop=stop)
-        name = f"dtmb_{os.getpid():08x}_{secrets.token_hex(12)}"
+        name = object_name()
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -122,6 +143,23 @@ class SegmentLedger:
             raise ServiceUnavailableError("the stream ended")
         return name, nbytes
 
+    def lend(self, lent, stop: threading.Event) -> None:
+        """Counts ``lent`` (a decode.Lent, already in its arena) as handed out until the client
+        marks it taken; abandoned at once if the stream has ended (ServiceUnavailableError). The
+        caller has waited for room (wait_for_room)."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._lent[lent.name] = lent
+                self.num_created += 1
+        if closed:
+            lent.abandon()
+            raise ServiceUnavailableError("the stream ended")
+
+    def wait_for_room(self, stop: threading.Event) -> None:
+        """Waits while ``window`` objects are unread (ServiceUnavailableError as write says)."""
+        self._wait_for_room(stop)
+
     def _wait_for_room(self, stop: threading.Event) -> None:
         if not self._wait(self.window - 1, stop.is_set):
             if stop.is_set():
@@ -146,18 +184,24 @@ class SegmentLedger:
         return True
 
     def _prune(self) -> int:
-        """Forgets (and uncharges) the objects the client has unlinked; returns how many remain."""
+        """Forgets (and uncharges) the objects the client has unlinked, and the lent ones it has
+        taken; returns how many remain."""
         with self._lock:
             gone = [n for n in self._open if not os.path.exists(os.path.join(SHM_DIR, n))]
             for name in gone:
                 self.budget.release(self._open.pop(name))
-            return len(self._open)
+            for name in [n for n, lent in self._lent.items() if lent.taken()]:
+                del self._lent[name]
+            return len(self._open) + len(self._lent)
 
     def close(self) -> None:
         """Unlinks every object the client did not take (the stream ended or broke)."""
         with self._lock:
             self._closed = True
             left, self._open = self._open, collections.OrderedDict()
+            lent, self._lent = self._lent, collections.OrderedDict()
+        for item in lent.values():  # untaken: the pool reuses them (their token changes first)
+            item.abandon()
         for name, nbytes in left.items():
             try:
                 os.unlink(os.path.join(SHM_DIR, name))

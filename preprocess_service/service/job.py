@@ -409,17 +409,19 @@ class Job:
                         self._drop_media(doc)
         return PendingMicrobatch(sequences, layout, future, skipped)
 
-    def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None]]:
-        """Waits for the decode; returns the arrays (views of the decode buffer) and the function
-        that releases that buffer once the arrays are no longer needed. Documents that failed to
+    def finish_microbatch(self, pending: PendingMicrobatch) -> tuple[MicrobatchArrays, Callable[[], None],
+                                                                      Callable | None]:
+        """Waits for the decode; returns the arrays (views of the decode buffer), the function
+        that releases that buffer once the arrays are no longer needed, and the decoder's lend
+        (Decoded.lend: None where the buffer cannot be lent to a client). Documents that failed to
         decode are left out, reported in ``arrays.skipped`` and recorded in the job's report."""
         decoded: Decoded = pending.future.result()
-        layout, buffer, release = pending.layout, decoded.buffer, decoded.release
+        layout, buffer, release, lend = pending.layout, decoded.buffer, decoded.release, decoded.lend
         if decoded.errors:
             survivors = self._layout(pending.sequences, skip=frozenset(decoded.errors))
             buffer = compact(layout, buffer, survivors)
             decoded.release()
-            layout, release = survivors, (lambda: None)
+            layout, release, lend = survivors, (lambda: None), None
         arrays = finish(layout, buffer)
         self._first_out.set()
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
@@ -433,14 +435,14 @@ class Job:
                 self._skipped.setdefault(record.record_id, record)
         if failed:
             self._share_skips(failed)
-        return arrays, release
+        return arrays, release, lend
 
     def _share_skips(self, records: list[SkippedRecord]) -> None:
         """Where other replicas must see skips found while serving (SharedJob: Redis); here, nowhere."""
 
     def microbatch(self, plan: StepPlan, rank: int, index: int, decoder) -> MicrobatchArrays:
         """One microbatch decoded and copied out of the decode buffer (for tests and tools)."""
-        arrays, release = self.finish_microbatch(self.start_microbatch(plan, rank, index, decoder))
+        arrays, release, _ = self.finish_microbatch(self.start_microbatch(plan, rank, index, decoder))
         arrays.arrays = {name: np.array(a) for name, a in arrays.arrays.items()}
         release()
         return arrays

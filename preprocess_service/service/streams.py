@@ -4,8 +4,10 @@ queue; the gRPC handler's thread takes them from it. A slow client holds at most
 prepared microbatches of server memory; a cancelled or disconnected client stops the producer at
 once. Messages are serialized by wire.encode_microbatch straight from the decode buffer (one copy),
 charged to the memory budget before they exist and released when gRPC has taken them. A client on
-this host that proves it shares /dev/shm gets each microbatch in shared memory instead
-(shmdelivery.py): the same one copy, no gRPC payload, and no copy on its side."""
+this host that proves it shares /dev/shm is lent the decode buffer itself instead (shmdelivery.py,
+decode.Lent): no copy at all, a gRPC message of a few kilobytes, and no copy on its side (a
+microbatch whose buffer cannot be lent, e.g. one with a failed document, is copied into a
+shared-memory object of its own)."""
 
 from __future__ import annotations
 
@@ -217,11 +219,11 @@ class MicrobatchStream:
     def _emit(self, job: Job, request, lease, entry, items: queue.Queue, stop: threading.Event) -> bool:
         plan, index, last, pending = entry
         metrics.QUEUE_DEPTH.labels("decode").dec()
-        arrays, release = job.finish_microbatch(pending)
+        arrays, release, lend = job.finish_microbatch(pending)
         try:
-            prepared = self._prepare(job, plan, request.dp_rank, index, arrays, stop)
+            prepared = self._prepare(job, plan, request.dp_rank, index, arrays, stop, lend)
         finally:
-            release()
+            release()  # a no-op once lent
         if stop.is_set() or not self._put(items, prepared, stop):
             prepared.release()
             return False
@@ -248,9 +250,24 @@ class MicrobatchStream:
                 continue
         return False
 
-    def _prepare(self, job: Job, plan, rank: int, index: int, arrays, stop: threading.Event) -> _Prepared:
+    def _prepare(self, job: Job, plan, rank: int, index: int, arrays, stop: threading.Event,
+                 lend=None) -> _Prepared:
         """The serialized message, charged to the memory budget before it exists (its tensors) and
-        as it is (the header); the charge goes back when gRPC has taken it."""
+        as it is (the header); the charge goes back when gRPC has taken it. A same-host client
+        is lent the decode buffer itself where the decoder can (no copy: Microbatch.shm_token),
+        else gets a copy in a shared-memory object of its own."""
+        if self.ledger is not None and lend is not None:
+            self.ledger.wait_for_room(stop)
+            lent = lend(arrays.arrays)
+            if lent is not None:
+                self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
+                header = self._header(job, plan, rank, index, arrays)
+                header.shm_name, header.shm_nbytes, header.shm_token = lent.name, lent.nbytes, lent.token
+                header.tensors.extend(pb.Tensor(name=name, dtype=wire.proto_dtype(dtype), shape=shape,
+                                                shm_offset=offset) for name, dtype, shape, offset in lent.tensors)
+                self.ledger.lend(lent, stop)
+                job.note_message_bytes(lent.nbytes)
+                return _Prepared(header.SerializeToString(), lambda: None, lent.nbytes)
         if self.ledger is not None:  # charged by the ledger until the client has taken it
             name, nbytes = self.ledger.write(self._message(job, plan, rank, index, arrays), stop)
             job.note_message_bytes(nbytes)
@@ -270,7 +287,12 @@ class MicrobatchStream:
     def _message(self, job: Job, plan, rank: int, index: int, arrays) -> list:
         """The serialized Microbatch as pieces (wire.encoded_parts): views of the arrays, not copies."""
         self._count(prepared_microbatches=1, prepared_bytes=arrays.nbytes)
-        header = pb.Microbatch(
+        return wire.encoded_parts(self._header(job, plan, rank, index, arrays), arrays.arrays)
+
+    @staticmethod
+    def _header(job: Job, plan, rank: int, index: int, arrays) -> pb.Microbatch:
+        """The Microbatch without its tensors."""
+        return pb.Microbatch(
             job_id=job.job_id, step=plan.step, epoch=plan.epoch, dp_rank=rank, microbatch_index=index,
             num_microbatches=plan.num_microbatches, sample_keys=arrays.sample_keys,
             sample_datasets=arrays.sample_datasets if job.config.datasets else [],
@@ -279,4 +301,3 @@ class MicrobatchStream:
                             for s in plan.microbatch(rank, index)],
             skipped=[pb.SkippedSample(key=r.key, shard=r.shard, reason=r.reason, kind=r.kind) for r in arrays.skipped],
         )
-        return wire.encoded_parts(header, arrays.arrays)

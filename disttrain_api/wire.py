@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from disttrain_api import preprocess_pb2 as pb
@@ -17,37 +19,37 @@ _TO_PROTO: dict[np.dtype, pb.DType] = {
 _FROM_PROTO: dict[int, np.dtype] = {code: dtype for dtype, code in _TO_PROTO.items()}
 
 
-def proto_dtype(dtype: np.dtype) -> int:
-    """The wire's code of ``dtype`` (ValueError for one it does not carry)."""
+LENT_TOKEN_BYTES, LENT_TAKEN_AT = 16, 16
+"""A lent shared-memory microbatch (Microbatch.shm_token) starts with its token, then the byte the
+client sets once it has taken it."""
+
+
+def proto_dtype(dtype: np.dtype, name: str = "") -> int:
+    """The wire's code of tensor ``name``'s ``dtype`` (ValueError for one it does not carry)."""
     code = _TO_PROTO.get(np.dtype(dtype))
     if code is None:
-        raise ValueError(f"dtype {dtype} is not carried by the wire (allowed: {sorted(str(d) for d in _TO_PROTO)})")
+        raise ValueError(f"tensor {name!r} has dtype {dtype}, which the wire does not carry "
+                         f"(allowed: {sorted(str(d) for d in _TO_PROTO)})")
     return code
 
 
-def dtype_of(code: int) -> np.dtype:
-    """The numpy dtype (little endian) of a wire dtype code (ValueError for an unknown one)."""
+def dtype_of(code: int, name: str = "") -> np.dtype:
+    """The numpy dtype (little endian) of tensor ``name``'s wire dtype code (ValueError for an unknown one)."""
     dtype = _FROM_PROTO.get(code)
     if dtype is None:
-        raise ValueError(f"unknown dtype code {code}")
+        raise ValueError(f"tensor {name!r} has unknown dtype code {code}")
     return dtype.newbyteorder("<")
 
 
 def to_tensor(name: str, array: np.ndarray) -> pb.Tensor:
-    dtype = _TO_PROTO.get(array.dtype)
-    if dtype is None:
-        raise ValueError(f"tensor {name!r} has dtype {array.dtype}, which the wire does not carry "
-                         f"(allowed: {sorted(str(d) for d in _TO_PROTO)})")
+    dtype = proto_dtype(array.dtype, name)
     data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
     return pb.Tensor(name=name, dtype=dtype, shape=list(array.shape), data=data)
 
 
 def from_tensor(tensor: pb.Tensor) -> np.ndarray:
     """A read-only numpy view over the message's bytes (no copy)."""
-    dtype = _FROM_PROTO.get(tensor.dtype)
-    if dtype is None:
-        raise ValueError(f"tensor {tensor.name!r} has unknown dtype code {tensor.dtype}")
-    array = np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<"))
+    array = np.frombuffer(tensor.data, dtype=dtype_of(tensor.dtype, tensor.name))
     expected = int(np.prod(tensor.shape)) if tensor.shape else 1
     if array.size != expected:
         raise ValueError(f"tensor {tensor.name!r} holds {array.size} elements, shape {list(tensor.shape)} "
@@ -143,10 +145,8 @@ def encoded_parts(header: pb.Microbatch, arrays: dict[str, np.ndarray]) -> list:
         return [message.SerializeToString()]
     parts = [header.SerializeToString()]
     for name, array in arrays.items():
-        dtype = _TO_PROTO.get(array.dtype)
-        if dtype is None:
-            raise ValueError(f"tensor {name!r} has dtype {array.dtype}, which the wire does not carry")
-        meta = pb.Tensor(name=name, dtype=dtype, shape=list(array.shape)).SerializeToString()
+        meta = pb.Tensor(name=name, dtype=proto_dtype(array.dtype, name),
+                         shape=list(array.shape)).SerializeToString()
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data  # a memoryview of the bytes
         data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(data.nbytes)
         parts += [_varint(_TENSORS_FIELD << 3 | _LEN), _varint(len(meta) + len(data_key) + data.nbytes),
@@ -188,14 +188,12 @@ def _tensor_view(raw, start: int, end: int) -> tuple[str, np.ndarray] | None:
             shape.append(value)
         elif number == _DATA_FIELD:
             data = (value_start, value_end)
-    dtype = _FROM_PROTO.get(dtype_code)
-    if dtype is None:
-        raise ValueError(f"tensor {name!r} has unknown dtype code {dtype_code}")
+    dtype = dtype_of(dtype_code, name)
     count = (data[1] - data[0]) // dtype.itemsize
     expected = int(np.prod(shape)) if shape else 1
     if count != expected:
         raise ValueError(f"tensor {name!r} holds {count} elements, shape {shape} needs {expected}")
-    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<"), count=count, offset=data[0])
+    array = np.frombuffer(raw, dtype=dtype, count=count, offset=data[0])
     return name, array.reshape(shape)
 
 
@@ -206,12 +204,10 @@ def lent_views(header: pb.Microbatch, buffer) -> dict[str, np.ndarray]:
     buffer, is misaligned for its dtype or repeats a name."""
     size, arrays = len(buffer), {}
     for tensor in header.tensors:
-        dtype = dtype_of(tensor.dtype)
+        dtype = dtype_of(tensor.dtype, tensor.name)
         if tensor.data or any(d < 0 for d in tensor.shape) or tensor.name in arrays:
             raise ValueError(f"lent tensor {tensor.name!r} has data, a negative extent or a repeated name")
-        count = 1
-        for dim in tensor.shape:
-            count *= dim
+        count = math.prod(tensor.shape)
         offset, nbytes = tensor.shm_offset, count * dtype.itemsize
         if offset % dtype.itemsize or offset + nbytes > size:
             raise ValueError(f"lent tensor {tensor.name!r} ({nbytes} bytes at {offset}) does not lie aligned "

@@ -401,3 +401,13 @@ def test_a_client_that_keeps_every_microbatch_gets_them_given_away_past_max_lent
         for _, fd in held:
             os.close(fd)
         pool.close()
+
+
+def test_closing_the_pool_fails_the_microbatches_still_in_decode(layout):
+    """Whoever waits for a microbatch of a pool that closes gets an error, not a wait forever."""
+    pool = DecodePool(1, max_in_flight=1)
+    future = pool.submit(layout)  # eight large PNGs: most still wait when it closes
+    _wait_for_holder(pool)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        future.result(timeout=30)

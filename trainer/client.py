@@ -152,10 +152,6 @@ def _own(array: np.ndarray, pin: bool) -> torch.Tensor:
     return out
 
 
-_TOKEN_BYTES, _TAKEN_AT = 16, 16
-"""A lent object's token and taken byte (Microbatch.shm_token; the service's shmdelivery.py)."""
-
-
 def _from_shared_memory(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray], bool]:
     """A shared-memory microbatch (Microbatch.shm_name): mapped, unlinked (it is ours now), parsed;
     the arrays are writable views of the mapping, which lives as long as they do. A lent one
@@ -184,7 +180,7 @@ def _borrow(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray]
     last of them), check its token (a reused one is gone: FileNotFoundError, as for an unlinked
     one) and mark it taken."""
     name, nbytes, token = header.shm_name, header.shm_nbytes, header.shm_token
-    if len(token) != _TOKEN_BYTES or nbytes < _TOKEN_BYTES + 1:
+    if len(token) != wire.LENT_TOKEN_BYTES or nbytes <= wire.LENT_TAKEN_AT:
         raise ValueError(f"the service lent {name!r} with a {len(token)}-byte token and {nbytes} bytes")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -196,18 +192,16 @@ def _borrow(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray]
             raise ValueError(f"lent microbatch {name} holds fewer than its {nbytes} bytes")
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         root = np.frombuffer(mapping, dtype=np.uint8)
-        if root[:_TOKEN_BYTES].tobytes() != token:
+        if root[:wire.LENT_TOKEN_BYTES].tobytes() != token:
             raise FileNotFoundError(f"lent microbatch {name} was reused before it was taken")
         arrays = wire.lent_views(header, root)
-        root[_TAKEN_AT] = 1
+        root[wire.LENT_TAKEN_AT] = 1
     except BaseException:
         os.close(fd)  # the lock goes with it (a mapping made here goes with its last view)
         raise
     weakref.finalize(root, os.close, fd)  # every array views root: the last one gone lets the service reuse it
-    message = pb.Microbatch()
-    message.CopyFrom(header)
-    message.ClearField("tensors")
-    return message, arrays, True
+    header.ClearField("tensors")  # their arrays are made: the rest of the message is as a copied one's
+    return header, arrays, True
 
 
 def _make_probe() -> tuple[str, bytes, str | None]:

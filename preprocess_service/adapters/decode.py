@@ -42,7 +42,7 @@ from preprocess_service.adapters import procmem
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.adapters.fairqueue import FairQueue, Order
 from preprocess_service.adapters.shmdelivery import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
-from preprocess_service.core.assemble import Layout, MediaItem
+from preprocess_service.core.assemble import Layout, MediaItem, aligned
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
@@ -52,6 +52,8 @@ PRELOAD = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image
 """What the fork server imports before it forks workers: imports only, nothing that starts a
 thread pool (a fork would copy it half-made); each worker warms its decoders itself."""
 MAX_START_FAILURES = 3
+"""Workers that exit (or time out) one after another before ever reporting ready: the pool is
+broken (an installation problem) and fails its work instead of restarting them forever."""
 MAX_ATTACHED = 64
 """Arenas a worker keeps mapped (reused arenas then cost no page faults); the pool names those it drops."""
 RECLAIM_EVERY_S = 0.5
@@ -60,8 +62,6 @@ MAX_LENT = 256
 """Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
 and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
 costs the server no file descriptors or mappings."""
-"""Workers that exit (or time out) one after another before ever reporting ready: the pool is
-broken (an installation problem) and fails its work instead of restarting them forever."""
 
 
 def _fork_context():
@@ -162,7 +162,7 @@ class Lent:
     tensors: list[tuple[str, np.dtype, tuple[int, ...], int]]
     """(name, dtype, shape, byte offset in the object) of each array."""
     taken: Callable[[], bool] = field(repr=False)
-    """True once the client has set the taken byte."""
+    """True once the client has set the taken byte (or the pool has already taken the arena back)."""
     abandon: Callable[[], None] = field(repr=False)
     """The stream ended before the client took it: reuse it once nobody holds its lock."""
 
@@ -356,9 +356,9 @@ class DecodePool:
         """Arena name -> this process's descriptor for flock (the client's lock shows on it)."""
         self._lent: collections.OrderedDict[str, _LentArena] = collections.OrderedDict()
         self._to_drop: list[str] = []
+        """Arenas destroyed or given away that the workers still map (the dispatcher tells them)."""
         self._reclaiming = threading.Lock()
         """One _reclaim at a time (two could both lock an arena through the one descriptor)."""
-        """Arenas destroyed or given away that the workers still map (the dispatcher tells them)."""
         self._counters = collections.Counter()
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -525,7 +525,7 @@ class DecodePool:
         future: futures.Future = futures.Future()
         inputs = [(doc, items) for doc, items in layout.documents if items]
         in_nbytes = sum(len(doc.media_bytes[i.member]) for doc, items in inputs if not _missing(doc) for i in items)
-        spare = sum(_aligned(a.nbytes) for a in layout.arrays.values())
+        spare = sum(aligned(a.nbytes) for a in layout.arrays.values())
         arena = self._acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
         batch = _Batch(arena, layout.nbytes, 0, future, spare=spare)
         view = arena.buf
@@ -590,7 +590,7 @@ class DecodePool:
                     return None
                 offset = cursor
                 view[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                cursor += _aligned(array.nbytes)
+                cursor += aligned(array.nbytes)
             tensors.append((name, array.dtype, tuple(array.shape), offset))
         token = os.urandom(TOKEN_BYTES)
         view[:TOKEN_BYTES] = np.frombuffer(token, dtype=np.uint8)
@@ -837,22 +837,33 @@ class DecodePool:
         """The pool cannot work: every waiting microbatch fails with ``reason``, and so do later submits."""
         with self._lock:
             self._broken = reason
-            waiting = [task for _, task in self._pending.drain()]
-            waiting += [t for w in self._workers for t in w.in_flight.values()]
+            waiting = self._take_waiting()
             self._ready_changed.notify_all()
         log.error("%s", self._broken)
-        for batch in {id(t.batch): t.batch for t in waiting}.values():
+        self._fail(waiting, reason)
+
+    def _take_waiting(self) -> list[_Task]:
+        """Every task not finished yet, waiting or in a worker (caller holds the lock)."""
+        waiting = [task for _, task in self._pending.drain()]
+        return waiting + [t for w in self._workers for t in w.in_flight.values()]
+
+    def _fail(self, tasks: list[_Task], reason: str) -> None:
+        """Fails the microbatches of ``tasks`` with ``reason`` (their arenas go back)."""
+        for batch in {id(t.batch): t.batch for t in tasks}.values():
             if not batch.future.done():
-                batch.future.set_exception(RuntimeError(self._broken))
+                batch.future.set_exception(RuntimeError(reason))
                 self._release(batch.arena)
 
     def close(self) -> None:
-        """Stops the workers and frees every arena."""
+        """Stops the workers, fails the microbatches still being decoded (whoever waits for them
+        must not wait forever) and frees every arena."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             workers = list(self._workers)
+            waiting = self._take_waiting()
+        self._fail(waiting, "the decode pool is closed")
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
         if self._starter.is_alive():
@@ -875,10 +886,6 @@ class DecodePool:
         self._all_arenas.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // CONTROL_BYTES) * CONTROL_BYTES
 
 
 def _destroy(arena: shared_memory.SharedMemory) -> None:

@@ -16,7 +16,7 @@ who turned ``shm_delivery`` off) gets the bytes in the message as before.
 Lent objects (Microbatch.shm_token; decode.Lent): the decode workers write a microbatch's media
 straight into a shared-memory arena of the decode pool, named like these objects, and the stream
 lends that arena to the client instead of copying it (the copy and the fresh pages cost about a
-sixth of the server's CPU in bench/peers.py). The client holds a shared flock on it while its
+third of the server's CPU in bench/peers.py). The client holds a shared flock on it while its
 arrays live and marks it taken; the pool reuses it once it is taken and unlocked, with a new
 token in its first bytes (a message naming it then fails the client's check: lost, resumed), and
 gives away (unlinks and forgets) the oldest beyond decode.MAX_LENT that a client keeps. Clients
@@ -42,6 +42,7 @@ import stat
 import threading
 import time
 
+from disttrain_api import wire
 from disttrain_api.errors import ServiceUnavailableError
 from preprocess_service.adapters.budget import MemoryBudget
 
@@ -52,8 +53,7 @@ OBJECT_NAME = re.compile(r"dtmb_([0-9a-f]{8})_[0-9a-f]{24}")
 MAX_PROBE_BYTES = 64
 CONTROL_BYTES = 64
 """A lent object's first bytes (decode.Lent): TOKEN_BYTES of token, then the taken byte."""
-TOKEN_BYTES = 16
-TAKEN_AT = 16
+TOKEN_BYTES, TAKEN_AT = wire.LENT_TOKEN_BYTES, wire.LENT_TAKEN_AT
 
 
 def object_name() -> str:
@@ -102,7 +102,7 @@ class SegmentLedger:
         while ``window`` objects are still unread (ServiceUnavailableError after the stall
         timeout: the client is alive but not reading) and for room in the budget."""
         nbytes = sum(memoryview(p).nbytes for p in parts)
-        self._wait_for_room(stop)
+        self.wait_for_room(stop)
         self.budget.reserve(nbytes, what="a microbatch in shared memory", stop=stop)
         name = object_name()
         path = os.path.join(SHM_DIR, name)
@@ -157,10 +157,8 @@ class SegmentLedger:
             raise ServiceUnavailableError("the stream ended")
 
     def wait_for_room(self, stop: threading.Event) -> None:
-        """Waits while ``window`` objects are unread (ServiceUnavailableError as write says)."""
-        self._wait_for_room(stop)
-
-    def _wait_for_room(self, stop: threading.Event) -> None:
+        """Waits while ``window`` objects are unread (ServiceUnavailableError after the stall
+        timeout, or once ``stop`` is set)."""
         if not self._wait(self.window - 1, stop.is_set):
             if stop.is_set():
                 raise ServiceUnavailableError("the stream was stopped")

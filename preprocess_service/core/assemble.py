@@ -80,7 +80,8 @@ class MicrobatchArrays:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to the alignment of every array in an output buffer (64 bytes)."""
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -153,8 +154,8 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
     if len(set(gen_sizes)) > 1:
         raise ValueError(f"generation targets of one microbatch have different sizes {sorted(set(gen_sizes))}")
     # One output buffer: pixels | mel | gen_pixels, each region aligned; item offsets become absolute.
-    starts = {"image": 0, "audio": _aligned(sizes["image"])}
-    starts["gen"] = starts["audio"] + _aligned(sizes["audio"])
+    starts = {"image": 0, "audio": aligned(sizes["image"])}
+    starts["gen"] = starts["audio"] + aligned(sizes["audio"])
     for _, items in documents:
         for item in items:
             item.offset += starts[item.kind]
@@ -173,7 +174,7 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
         "gen_spans": np.array(spans["gen"], dtype=np.int32).reshape(-1, 2),
     }
     return Layout(arrays=arrays, sample_keys=keys, documents=documents, regions=regions,
-                  nbytes=starts["gen"] + _aligned(sizes["gen"]))
+                  nbytes=starts["gen"] + aligned(sizes["gen"]))
 
 
 _KIND = {ImageRef: "image", AudioRef: "audio", GenImageRef: "gen"}

@@ -24,7 +24,7 @@ LENT_TOKEN_BYTES, LENT_TAKEN_AT = 16, 16
 client sets once it has taken it."""
 
 
-def proto_dtype(dtype: np.dtype, name: str = "") -> int:
+def proto_dtype(dtype: np.dtype, name: str = "") -> pb.DType:
     """The wire's code of tensor ``name``'s ``dtype`` (ValueError for one it does not carry)."""
     code = _TO_PROTO.get(np.dtype(dtype))
     if code is None:

@@ -13,6 +13,7 @@ from PIL import Image
 
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
 from helpers import write_tiny_shards
+from preprocess_service.adapters import decode
 from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, InlineDecoder
 from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.assemble import layout_microbatch
@@ -56,7 +57,16 @@ def _wait_for_holder(pool: DecodePool, key: str | None = None, timeout_s: float 
     raise AssertionError(f"no worker took {key or 'a document'} within {timeout_s} s")
 
 
-def test_killed_worker_is_replaced_and_its_documents_are_retried(layout, expected):
+@pytest.fixture(params=["a task per document", "tasks of four documents"])
+def task_bytes(request, monkeypatch):
+    """The documents of a microbatch go to the workers one per task (these are 17 MB each), or
+    as two tasks of four: a worker that dies then loses four documents at once."""
+    if request.param == "tasks of four documents":
+        monkeypatch.setattr(decode, "TASK_INPUT_BYTES", 1 << 40)  # one per worker
+    return request.param
+
+
+def test_killed_worker_is_replaced_and_its_documents_are_retried(layout, expected, task_bytes):
     pool = DecodePool(2)
     try:
         future = pool.submit(layout)
@@ -67,14 +77,16 @@ def test_killed_worker_is_replaced_and_its_documents_are_retried(layout, expecte
         np.testing.assert_array_equal(decoded.buffer, expected)  # every slot, byte for byte
         decoded.release()
         stats = pool.stats()
-        assert stats["worker_restarts"] == 1 and stats["documents_retried"] >= 1
+        assert stats["worker_restarts"] == 1
+        assert stats["documents_retried"] >= (4 if task_bytes == "tasks of four documents" else 1)
         assert stats["documents_decoded"] == len(layout.documents)  # each once: none lost, none twice
         assert victim not in pool.worker_pids() and len(pool.worker_pids()) == 2
     finally:
         pool.close()
 
 
-def test_a_document_that_kills_two_workers_is_reported_and_the_rest_delivered(layout, expected):
+def test_a_document_that_kills_two_workers_is_reported_and_the_rest_delivered(layout, expected, task_bytes):
+    """A task of several documents is retried one document per task: the poison fails alone."""
     pool = DecodePool(2, max_in_flight=1)
     try:
         future = pool.submit(layout)
@@ -91,7 +103,9 @@ def test_a_document_that_kills_two_workers_is_reported_and_the_rest_delivered(la
                     window = slice(item.offset, item.offset + item.nbytes)
                     np.testing.assert_array_equal(decoded.buffer[window], expected[window])
         decoded.release()
-        assert pool.stats()["worker_restarts"] == 2
+        stats = pool.stats()
+        assert stats["worker_restarts"] == 2
+        assert stats["documents_decoded"] == len(layout.documents) - 1 and stats["documents_failed"] == 1
     finally:
         pool.close()
 

@@ -35,7 +35,7 @@ def _served_units(queue: FairQueue, pops: int | None = None) -> list[tuple[str, 
 
 
 def _is_last(queue: FairQueue, stream: str, number: int, index: int) -> bool:
-    return not any(item[:2] == (stream, number) for _, item in queue._heap)
+    return not any(entry[-1][:2] == (stream, number) for entry in queue._heap)
 
 
 def _assert_within_one(served: list[tuple[str, int]], streams: list[str]) -> None:
@@ -110,6 +110,24 @@ def test_a_requeued_item_goes_back_to_its_place():
     assert [queue.pop()[1] for _ in range(3)] == [("a", 0, 0), ("a", 0, 1), ("b", 0, 0)]
     with pytest.raises(IndexError):
         queue.pop()
+
+
+def test_an_item_split_on_requeue_keeps_its_place_and_its_parts_their_order():
+    """A retried decode task goes back as one task per document, all at the task's place: they
+    leave in the order they were requeued, ahead of later work, and items that are not comparable
+    (tasks) never need comparing."""
+    queue: FairQueue = FairQueue()
+    first, second = object(), object()
+    queue.push("a", [first])
+    queue.push("b", [second])
+    order, _ = queue.pop()
+    parts = [object() for _ in range(5)]
+    for part in parts:
+        queue.requeue(order, part)
+    assert [queue.pop()[1] for _ in range(6)] == [*parts, second]
+    queue.push("a", [first])
+    queue.requeue(order, second)
+    assert [item for _, item in queue.drain()] == [second, first]
 
 
 def test_streams_gone_leave_no_state_behind():

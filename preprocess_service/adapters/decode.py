@@ -59,6 +59,10 @@ MAX_ATTACHED = 64
 RECLAIM_EVERY_S = 0.5
 """How often the pool looks for lent arenas their clients let go of, besides at every new microbatch."""
 MAX_LENT = 256
+TASK_INPUT_BYTES = 1 << 20
+"""Encoded bytes a decode task aims at (~30 ms of decoding): a microbatch's documents go to the
+workers in tasks of about this much, at least one per worker, so each message's round trip (a few
+hundred microseconds of pickling, pipes and waking) is ~1% of the work it carries."""
 """Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
 and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
 costs the server no file descriptors or mappings."""
@@ -118,7 +122,17 @@ def warm_up_decoders() -> None:
         log.debug("decoder warm-up failed", exc_info=True)
 
 
-def _write(buffer, item: MediaItem, array: np.ndarray, base: int = 0) -> None:
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """What a worker needs of a MediaItem to write its array (the item itself costs more to pickle)."""
+
+    kind: str
+    member: str
+    offset: int
+    nbytes: int
+
+
+def _write(buffer, item: MediaItem | _Slot, array: np.ndarray, base: int = 0) -> None:
     """Writes ``array`` into its slot of the output buffer that starts at byte ``base`` of ``buffer``."""
     if array.nbytes != item.nbytes:
         raise ValueError(f"{item.kind} {item.member} decoded to {array.shape} {array.dtype} "
@@ -247,17 +261,24 @@ def _worker_main(conn, worker_id: int) -> None:
             for name in message[1]:
                 _detach(arenas, name)
             continue
-        task_id, arena_name, items = message
+        task_id, arena_name, documents = message
+        errors = []
         try:
             buffer = _attach(arenas, arena_name).buf
-            for kind, in_offset, in_nbytes, params, slot in items:
-                data = bytes(buffer[in_offset:in_offset + in_nbytes])
-                _write(buffer, slot, decode_item(kind, data, params), CONTROL_BYTES)
-            conn.send((task_id, None))
-        except (MemoryError, ImportError):
-            raise
-        except Exception as exc:  # reported for this document; the worker carries on
-            conn.send((task_id, f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # every document of the task fails with it; the worker carries on
+            conn.send((task_id, [(key, f"{type(exc).__name__}: {exc}") for key, _ in documents]))
+            continue
+        for key, items in documents:
+            try:
+                for kind, in_offset, in_nbytes, params, slot in items:
+                    data = bytes(buffer[in_offset:in_offset + in_nbytes])
+                    _write(buffer, slot, decode_item(kind, data, params), CONTROL_BYTES)
+            except (MemoryError, ImportError):
+                raise
+            except Exception as exc:  # reported for this document; the worker carries on
+                errors.append((key, f"{type(exc).__name__}: {exc}"))
+        del buffer
+        conn.send((task_id, errors))
 
 
 def _attach(arenas: collections.OrderedDict, name: str) -> shared_memory.SharedMemory:
@@ -305,10 +326,11 @@ class _LentArena:
 
 @dataclass(slots=True)
 class _Task:
+    """Documents of one microbatch a worker decodes in one message: (key, wire items) each."""
+
     task_id: int
     batch: _Batch
-    key: str
-    items: list
+    documents: list[tuple[str, list]]
     attempts: int = 0
     order: Order = (0, 0, 0, 0)
     """Its place in the pool's FairQueue, kept for a retry."""
@@ -430,7 +452,8 @@ class DecodePool:
     def in_flight(self) -> dict[int, list[str]]:
         """Worker pid -> keys of the documents it is decoding now."""
         with self._lock:
-            return {w.process.pid: [t.key for t in w.in_flight.values()] for w in self._workers}
+            return {w.process.pid: [key for t in w.in_flight.values() for key, _ in t.documents]
+                    for w in self._workers}
 
     def stats(self) -> dict:
         with self._lock:
@@ -529,20 +552,23 @@ class DecodePool:
         arena = self._acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
         batch = _Batch(arena, layout.nbytes, 0, future, spare=spare)
         view = arena.buf
-        cursor, tasks = CONTROL_BYTES + layout.nbytes + spare, []
+        cursor, documents = CONTROL_BYTES + layout.nbytes + spare, []
         for doc, items in inputs:
             problem = _missing(doc)
             if problem:
                 batch.errors[doc.key] = problem
                 continue
-            wire_items = []
+            wire_items, start = [], cursor
             for item in items:
                 data = doc.media_bytes[item.member]
                 view[cursor:cursor + len(data)] = data
-                wire_items.append((item.kind, cursor, len(data), item.params, item))
+                wire_items.append((item.kind, cursor, len(data), item.params,
+                                   _Slot(item.kind, item.member, item.offset, item.nbytes)))
                 cursor += len(data)
-            tasks.append(_Task(next(self._task_ids), batch, doc.key, wire_items))
+            documents.append((doc.key, wire_items, cursor - start))
         del view
+        tasks = [_Task(next(self._task_ids), batch, chunk)
+                 for chunk in _chunks(documents, self.num_workers, TASK_INPUT_BYTES)]
         batch.remaining = len(tasks)
         if not tasks:
             self._finish(batch)
@@ -745,7 +771,8 @@ class DecodePool:
                 task.attempts += 1
                 worker.in_flight[task.task_id] = task
                 try:
-                    worker.conn.send((task.task_id, task.batch.arena.name, task.items))
+                    worker.conn.send((task.task_id, task.batch.arena.name,
+                                      [(key, items) for key, items in task.documents]))
                 except (BrokenPipeError, OSError):
                     break  # dead: its sentinel fires next and the task is retried
 
@@ -762,18 +789,19 @@ class DecodePool:
                 self._start_failures = 0
                 self._ready_changed.notify_all()
             return
-        task_id, error = message
+        task_id, errors = message
         with self._lock:
             task = worker.in_flight.pop(task_id, None)
         if task is not None:
-            self._complete(task, error)
+            self._complete(task, errors)
 
-    def _complete(self, task: _Task, error: str | None) -> None:
+    def _complete(self, task: _Task, errors: list[tuple[str, str]]) -> None:
+        """``task`` is done; ``errors``: (key, why) of its documents that failed."""
         batch = task.batch
         with self._lock:
-            self._counters["documents_decoded" if error is None else "documents_failed"] += 1
-            if error is not None:
-                batch.errors[task.key] = error
+            self._counters["documents_decoded"] += len(task.documents) - len(errors)
+            self._counters["documents_failed"] += len(errors)
+            batch.errors.update(errors)
             batch.remaining -= 1
             done = batch.remaining == 0
         if done:
@@ -791,10 +819,10 @@ class DecodePool:
             if message[0] == "ready":
                 worker.ready = True
                 continue
-            task_id, error = message
+            task_id, errors = message
             task = worker.in_flight.pop(task_id, None)
             if task is not None:
-                self._complete(task, error)
+                self._complete(task, errors)
         worker.process.join(timeout=5)  # reap it, for the exit code
         exitcode = worker.process.exitcode
         worker.conn.close()
@@ -808,14 +836,18 @@ class DecodePool:
             self._start_failed(worker, exitcode)
             return
         log.warning("decode worker %d (pid %d) died with exit code %s; %d document(s) in flight",
-                    worker.slot, worker.process.pid, exitcode, len(lost))
+                    worker.slot, worker.process.pid, exitcode, sum(len(t.documents) for t in lost))
         successor = self._start_worker(worker.slot)  # ready in the background; work waits for it
         retry = []
         for task in lost:
             if task.attempts >= 2:
-                self._complete(task, f"{WORKER_DIED} (exit code {exitcode})")
-            else:
-                retry.append(task)
+                self._complete(task, [(key, f"{WORKER_DIED} (exit code {exitcode})") for key, _ in task.documents])
+                continue
+            # Retried one document per task: the one that kills a worker again fails alone.
+            retry += [_Task(next(self._task_ids), task.batch, [document], task.attempts, task.order)
+                      for document in task.documents]
+            with self._lock:
+                task.batch.remaining += len(task.documents) - 1
         with self._lock:
             self._counters["documents_retried"] += len(retry)
             for task in retry:
@@ -886,6 +918,25 @@ class DecodePool:
         self._all_arenas.clear()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def _chunks(documents: list[tuple[str, list, int]], num_workers: int,
+            target_bytes: int) -> list[list[tuple[str, list]]]:
+    """``documents`` ((key, wire items, encoded bytes) each, in order) cut into consecutive tasks of
+    about equal encoded bytes: one per ``target_bytes``, at least one per worker (so a microbatch
+    is decoded by every worker), at most one per document. A document goes to the task its middle
+    byte falls in (one larger than a task's share leaves the task before it empty, and dropped)."""
+    if not documents:
+        return []
+    total = sum(nbytes for _, _, nbytes in documents)
+    count = min(len(documents), max(num_workers, -(-total // max(1, target_bytes))))
+    chunks: list[list[tuple[str, list]]] = [[] for _ in range(count)]
+    cumulative = 0
+    for index, (key, items, nbytes) in enumerate(documents):
+        middle = (2 * cumulative + nbytes, 2 * total) if total else (index, len(documents))
+        chunks[min(count - 1, count * middle[0] // middle[1])].append((key, items))
+        cumulative += nbytes
+    return [chunk for chunk in chunks if chunk]
 
 
 def _destroy(arena: shared_memory.SharedMemory) -> None:

@@ -30,7 +30,9 @@ class FairQueue(Generic[T]):
     """Items of units of many streams; ``pop`` gives them in fair order. Not thread-safe."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[Order, T]] = []
+        self._heap: list[tuple[Order, int, T]] = []
+        """(order, ticket, item): the ticket keeps items requeued at one place in the order they came."""
+        self._tickets = itertools.count()
         self._units = itertools.count()
         self._seats = itertools.count()
         self._streams: dict[Hashable, tuple[int, int]] = {}
@@ -51,23 +53,24 @@ class FairQueue(Generic[T]):
         self._streams[stream] = (tag + 1, seat)
         unit = next(self._units)
         for index, item in enumerate(items):
-            heapq.heappush(self._heap, ((tag, seat, unit, index), item))
+            heapq.heappush(self._heap, ((tag, seat, unit, index), next(self._tickets), item))
         if len(self._streams) > 4 * len(self._heap) + 64:
             self._forget_idle()
 
     def pop(self) -> tuple[Order, T]:
         """The next item and its place (IndexError when empty)."""
-        order, item = heapq.heappop(self._heap)
+        order, _, item = heapq.heappop(self._heap)
         self._round = max(self._round, order[0])
         return order, item
 
     def requeue(self, order: Order, item: T) -> None:
-        """Puts back an item taken by ``pop`` (a retry) at its old place: ahead of later work."""
-        heapq.heappush(self._heap, (order, item))
+        """Puts back an item taken by ``pop`` (a retry) at its old place: ahead of later work. Items
+        requeued at one place (the parts of a split item) leave in the order they were requeued."""
+        heapq.heappush(self._heap, (order, next(self._tickets), item))
 
     def drain(self) -> list[tuple[Order, T]]:
         """Takes every queued item out, in order (the queue is empty afterwards)."""
-        items = sorted(self._heap, key=lambda entry: entry[0])
+        items = [(order, item) for order, _, item in sorted(self._heap, key=lambda entry: entry[:2])]
         self._heap.clear()
         return items
 

@@ -46,32 +46,48 @@ class Packer:
 
     def __init__(self, seq_len: int, window: int, open_sequences: list[PackedSequence] | None = None):
         self.seq_len, self.window = seq_len, window
-        self.open: list[PackedSequence] = open_sequences or []
+        self.open = open_sequences or []
+
+    @property
+    def open(self) -> list[PackedSequence]:
+        """The open sequences, oldest first (read only: assign a new list to restore them)."""
+        return self._open
+
+    @open.setter
+    def open(self, sequences: list[PackedSequence]) -> None:
+        self._open = list(sequences)
+        self._free = [s.free_tokens for s in self._open]
+        """Free tokens of each open sequence, kept here: summing them per document cost more than
+        the packing (O(window x documents per sequence x segments) per document)."""
 
     def add(self, doc: Document) -> list[PackedSequence]:
         """Packs ``doc``; returns the sequences this completed (0 to 2)."""
-        if doc.num_tokens > self.seq_len:
-            raise ValueError(f"document {doc.key!r} has {doc.num_tokens} tokens, more than seq_len {self.seq_len}")
+        tokens = doc.num_tokens
+        if tokens > self.seq_len:
+            raise ValueError(f"document {doc.key!r} has {tokens} tokens, more than seq_len {self.seq_len}")
         emitted = []
-        fits = [s for s in self.open if s.free_tokens >= doc.num_tokens]
+        fits = [i for i, free in enumerate(self._free) if free >= tokens]
         if fits:
-            target = min(fits, key=lambda s: s.free_tokens)  # min() keeps the earliest on ties
+            index = min(fits, key=self._free.__getitem__)  # min() keeps the earliest on ties
         else:
-            if len(self.open) >= self.window:
-                fullest = min(self.open, key=lambda s: s.free_tokens)
-                self.open.remove(fullest)
-                emitted.append(fullest)
-            target = PackedSequence(seq_len=self.seq_len)
-            self.open.append(target)
-        target.documents.append(doc)
-        if target.free_tokens == 0:
-            self.open.remove(target)
-            emitted.append(target)
+            if len(self._open) >= self.window:
+                emitted.append(self._pop(min(range(len(self._free)), key=self._free.__getitem__)))
+            self._open.append(PackedSequence(seq_len=self.seq_len))
+            self._free.append(self.seq_len)
+            index = len(self._open) - 1
+        self._open[index].documents.append(doc)
+        self._free[index] -= tokens
+        if self._free[index] == 0:
+            emitted.append(self._pop(index))
         return emitted
+
+    def _pop(self, index: int) -> PackedSequence:
+        del self._free[index]
+        return self._open.pop(index)
 
     def flush(self) -> list[PackedSequence]:
         """The open sequences, in order; the packer is empty afterwards."""
-        out, self.open = self.open, []
+        out, self.open = self._open, []
         return out
 
 

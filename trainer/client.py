@@ -167,7 +167,7 @@ def _from_shared_memory(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str,
         os.unlink(path)
         if os.fstat(fd).st_size < nbytes:
             raise ValueError(f"shared-memory microbatch {name} holds fewer than its {nbytes} bytes")
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)  # no MAP_POPULATE: see _borrow
     finally:
         os.close(fd)
     message, arrays = wire.decode_microbatch(memoryview(mapping))
@@ -190,7 +190,9 @@ def _borrow(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray]
             raise FileNotFoundError(f"lent microbatch {name} is being reused") from None
         if os.fstat(fd).st_size < nbytes:
             raise ValueError(f"lent microbatch {name} holds fewer than its {nbytes} bytes")
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # Not populated: a consumer that reads every page pays the same either way (measured), one
+        # that reads some (tokens only, or tensors it moves later) pays for those alone.
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         root = np.frombuffer(mapping, dtype=np.uint8)
         if root[:wire.LENT_TOKEN_BYTES].tobytes() != token:
             raise FileNotFoundError(f"lent microbatch {name} was reused before it was taken")

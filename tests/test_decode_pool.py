@@ -425,3 +425,19 @@ def test_closing_the_pool_fails_the_microbatches_still_in_decode(layout):
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         future.result(timeout=30)
+
+
+@pytest.mark.parametrize("sizes, workers, target, expected", [
+    ([100] * 22, 2, 1000, [7, 8, 7]),               # 2.2 targets: three tasks of about equal bytes
+    ([100] * 22, 2, 1 << 20, [11, 11]),              # small documents: still one task per worker
+    ([100] * 3, 8, 1 << 20, [1, 1, 1]),              # never more tasks than documents
+    ([10 << 20, 10, 10], 2, 1 << 20, [1, 2]),        # a huge document is a task of its own
+    ([0, 0, 0], 2, 1 << 20, [2, 1]),                 # no media bytes at all: by count
+    ([], 2, 1 << 20, []),
+])
+def test_a_microbatch_is_cut_into_consecutive_tasks_of_about_equal_bytes(sizes, workers, target, expected):
+    documents = [(f"k{i}", [i], n) for i, n in enumerate(sizes)]
+    chunks = decode._chunks(documents, workers, target)
+    assert [len(c) for c in chunks] == expected
+    assert [key for chunk in chunks for key, _ in chunk] == [key for key, _, _ in documents]  # once each, in order
+    assert all(items == [int(key[1:])] for chunk in chunks for key, items in chunk)

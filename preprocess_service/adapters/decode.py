@@ -59,13 +59,13 @@ MAX_ATTACHED = 64
 RECLAIM_EVERY_S = 0.5
 """How often the pool looks for lent arenas their clients let go of, besides at every new microbatch."""
 MAX_LENT = 256
+"""Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
+and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
+costs the server no file descriptors or mappings."""
 TASK_INPUT_BYTES = 1 << 20
 """Encoded bytes a decode task aims at (~30 ms of decoding): a microbatch's documents go to the
 workers in tasks of about this much, at least one per worker, so each message's round trip (a few
 hundred microseconds of pickling, pipes and waking) is ~1% of the work it carries."""
-"""Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
-and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
-costs the server no file descriptors or mappings."""
 
 
 def _fork_context():
@@ -771,8 +771,7 @@ class DecodePool:
                 task.attempts += 1
                 worker.in_flight[task.task_id] = task
                 try:
-                    worker.conn.send((task.task_id, task.batch.arena.name,
-                                      [(key, items) for key, items in task.documents]))
+                    worker.conn.send((task.task_id, task.batch.arena.name, task.documents))
                 except (BrokenPipeError, OSError):
                     break  # dead: its sentinel fires next and the task is retried
 

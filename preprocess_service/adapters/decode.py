@@ -122,17 +122,7 @@ def warm_up_decoders() -> None:
         log.debug("decoder warm-up failed", exc_info=True)
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    """What a worker needs of a MediaItem to write its array (the item itself costs more to pickle)."""
-
-    kind: str
-    member: str
-    offset: int
-    nbytes: int
-
-
-def _write(buffer, item: MediaItem | _Slot, array: np.ndarray, base: int = 0) -> None:
+def _write(buffer, item: MediaItem, array: np.ndarray, base: int = 0) -> None:
     """Writes ``array`` into its slot of the output buffer that starts at byte ``base`` of ``buffer``."""
     if array.nbytes != item.nbytes:
         raise ValueError(f"{item.kind} {item.member} decoded to {array.shape} {array.dtype} "
@@ -270,9 +260,9 @@ def _worker_main(conn, worker_id: int) -> None:
             continue
         for key, items in documents:
             try:
-                for kind, in_offset, in_nbytes, params, slot in items:
+                for in_offset, in_nbytes, item in items:
                     data = bytes(buffer[in_offset:in_offset + in_nbytes])
-                    _write(buffer, slot, decode_item(kind, data, params), CONTROL_BYTES)
+                    _write(buffer, item, decode_item(item.kind, data, item.params), CONTROL_BYTES)
             except (MemoryError, ImportError):
                 raise
             except Exception as exc:  # reported for this document; the worker carries on
@@ -562,8 +552,7 @@ class DecodePool:
             for item in items:
                 data = doc.media_bytes[item.member]
                 view[cursor:cursor + len(data)] = data
-                wire_items.append((item.kind, cursor, len(data), item.params,
-                                   _Slot(item.kind, item.member, item.offset, item.nbytes)))
+                wire_items.append((cursor, len(data), item))
                 cursor += len(data)
             documents.append((doc.key, wire_items, cursor - start))
         del view

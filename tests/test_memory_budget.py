@@ -96,7 +96,7 @@ def test_resident_bytes_counts_private_memory_per_process_and_shared_memory_once
     import os
     from multiprocessing import shared_memory
 
-    from disttrain_api.wire import trim_malloc
+    from disttrain_api.heap import trim_malloc
 
     me = os.getpid()
     trim_malloc()  # free heap earlier tests left resident would be reused without a page fault
@@ -301,13 +301,13 @@ def test_the_decode_workers_join_the_baseline_once_up_and_a_budget_they_overfill
 def test_free_heap_is_measured_so_the_server_trims_only_when_it_pays():
     """The server's memory sampler gives the heap back (malloc_trim) only when glibc holds more than
     TRIM_ABOVE_BYTES free: mallinfo2 must see memory freed in pieces, as the shard readers free it."""
-    from disttrain_api import wire
+    from disttrain_api import heap
 
-    if wire.free_heap_bytes() is None:
+    if heap.free_heap_bytes() is None:
         pytest.skip("not glibc")
-    wire.tune_malloc()  # as the server: pieces below 32 MiB come from the heap
+    heap.tune_malloc()  # as the server: pieces below 32 MiB come from the heap
     pieces = [bytes(200_000) for _ in range(400)]  # may reuse what earlier tests freed
-    allocated = wire.free_heap_bytes()
+    allocated = heap.free_heap_bytes()
     del pieces[::2]  # every other one freed: fragments the heap cannot shrink over
-    assert wire.free_heap_bytes() - allocated >= 30 << 20
+    assert heap.free_heap_bytes() - allocated >= 30 << 20
     del pieces

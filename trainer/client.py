@@ -37,9 +37,9 @@ import grpc
 import numpy as np
 import torch
 
+from disttrain_api import heap, lent, wire
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from disttrain_api import wire
 from disttrain_api.channel import SERVICE_NAME, channel_credentials, channel_options
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
@@ -180,7 +180,7 @@ def _borrow(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray]
     last of them), check its token (a reused one is gone: FileNotFoundError, as for an unlinked
     one) and mark it taken."""
     name, nbytes, token = header.shm_name, header.shm_nbytes, header.shm_token
-    if len(token) != wire.LENT_TOKEN_BYTES or nbytes <= wire.LENT_TAKEN_AT:
+    if len(token) != lent.TOKEN_BYTES or nbytes <= lent.TAKEN_AT:
         raise ValueError(f"the service lent {name!r} with a {len(token)}-byte token and {nbytes} bytes")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -194,10 +194,10 @@ def _borrow(header: pb.Microbatch) -> tuple[pb.Microbatch, dict[str, np.ndarray]
         # that reads some (tokens only, or tensors it moves later) pays for those alone.
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         root = np.frombuffer(mapping, dtype=np.uint8)
-        if root[:wire.LENT_TOKEN_BYTES].tobytes() != token:
+        if root[:lent.TOKEN_BYTES].tobytes() != token:
             raise FileNotFoundError(f"lent microbatch {name} was reused before it was taken")
         arrays = wire.lent_views(header, root)
-        root[wire.LENT_TAKEN_AT] = 1
+        root[lent.TAKEN_AT] = 1
     except BaseException:
         os.close(fd)  # the lock goes with it (a mapping made here goes with its last view)
         raise
@@ -357,7 +357,7 @@ class DataClient:
                  message_timeout_s: float = 900.0, pin_memory: bool = False, shared_memory: bool = True):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-        wire.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
+        heap.tune_malloc()  # each microbatch is copied into fresh torch tensors: reuse heap pages
         self.addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address)
                           if a.strip()]
         if not self.addresses:

@@ -232,7 +232,7 @@ def _worker_main(conn, worker_id: int) -> None:
         importlib.import_module(module)  # every decoder loaded before "ready"
     warm_up_decoders()
 
-    from disttrain_api.wire import trim_malloc
+    from disttrain_api.heap import trim_malloc
 
     arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
     conn.send(("ready", worker_id, os.getpid()))

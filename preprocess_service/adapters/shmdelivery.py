@@ -42,7 +42,7 @@ import stat
 import threading
 import time
 
-from disttrain_api import wire
+from disttrain_api import lent
 from disttrain_api.errors import ServiceUnavailableError
 from preprocess_service.adapters.budget import MemoryBudget
 
@@ -53,7 +53,7 @@ OBJECT_NAME = re.compile(r"dtmb_([0-9a-f]{8})_[0-9a-f]{24}")
 MAX_PROBE_BYTES = 64
 CONTROL_BYTES = 64
 """A lent object's first bytes (decode.Lent): TOKEN_BYTES of token, then the taken byte."""
-TOKEN_BYTES, TAKEN_AT = wire.LENT_TOKEN_BYTES, wire.LENT_TAKEN_AT
+TOKEN_BYTES, TAKEN_AT = lent.TOKEN_BYTES, lent.TAKEN_AT
 
 
 def object_name() -> str:

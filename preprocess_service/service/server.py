@@ -19,9 +19,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from disttrain_api import heap
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from disttrain_api import wire
 from disttrain_api.channel import MAX_MESSAGE_BYTES, SERVICE_NAME
 from disttrain_api.errors import (
     ConfigError,
@@ -374,7 +374,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
 
 def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
     """As the generated add_PreprocessServicer_to_server, except that StreamMicrobatches yields
-    messages already serialized by wire.encode_microbatch."""
+    messages already serialized by disttrain_api.wire.encode_microbatch."""
     handlers = {
         "OpenJob": grpc.unary_unary_rpc_method_handler(
             servicer.OpenJob, pb.OpenJobRequest.FromString, pb.JobInfo.SerializeToString),
@@ -402,7 +402,7 @@ def _housekeeping(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -
     interval = min(5.0, max(0.05, idle_ttl_s / 4))
     last_expiry = time.monotonic()
     while not stop.wait(interval):
-        wire.trim_malloc()
+        heap.trim_malloc()
         if time.monotonic() - last_expiry < min(30.0, idle_ttl_s / 4):
             continue
         last_expiry = time.monotonic()
@@ -421,7 +421,7 @@ def _own_baseline(budget: MemoryBudget) -> int | None:
         log.warning("cannot read this platform's process memory: the memory budget counts its charges only")
         return None
     budget.set_baseline(own)
-    budget.on_pressure = wire.trim_malloc
+    budget.on_pressure = heap.trim_malloc
     return own
 
 
@@ -477,7 +477,7 @@ def _not_serving(health_servicer) -> None:
 
 
 TRIM_ABOVE_BYTES = 32 << 20
-"""Free heap the server gives back at its next memory sample (wire.trim_malloc). tune_malloc keeps
+"""Free heap the server gives back at its next memory sample (heap.trim_malloc). tune_malloc keeps
 freed memory for reuse, but the shard readers' encoded bytes come and go in pieces that fragment
 the heap: without trimming, the server held 40-50 MiB more at its peak in bench/peers.py."""
 
@@ -492,9 +492,9 @@ def _sample_memory(decoder, budget: MemoryBudget, limits: Limits, own: int | Non
     measure = procmem.Calibrated(
         lambda: [os.getpid(), *(decoder.worker_pids() if isinstance(decoder, DecodePool) else ())])
     while not stop.wait(limits.memory_sample_s):
-        free = wire.free_heap_bytes()
+        free = heap.free_heap_bytes()
         if free is not None and free > TRIM_ABOVE_BYTES:
-            wire.trim_malloc()
+            heap.trim_malloc()
         resident = measure()
         if resident is not None:
             budget.observe(resident)
@@ -563,8 +563,8 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
         jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
                                  f"{os.getpid()}", reader=reader, budget=budget, **(job_options or {}))
     jobs.plan_ahead = limits.plan_ahead
-    wire.tune_malloc()
-    wire.limit_malloc_arenas()
+    heap.tune_malloc()
+    heap.limit_malloc_arenas()
     reaper_stop = threading.Event()
     own = None
     if limits.memory_sample_s > 0:

@@ -92,6 +92,9 @@ def _rank(address: str, job_id: str, rank: int, results) -> None:
 def run_disttrain(urls: list[str], dp_size: int = 2) -> dict:
     import multiprocessing as mp
 
+    from preprocess_service.adapters import forkserver
+
+    forkserver.start()  # as `serve` does: the decode workers' fork server imports while we do
     ctx = mp.get_context("spawn")
     results, (job_recv, job_send) = ctx.Queue(), ctx.Pipe(duplex=False)
     launcher = ctx.Process(target=_trainers, args=(dp_size, job_recv, results))

@@ -13,7 +13,7 @@ from PIL import Image
 
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
 from helpers import write_tiny_shards
-from preprocess_service.adapters import decode
+from preprocess_service.adapters import decode, forkserver
 from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, InlineDecoder
 from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.assemble import layout_microbatch
@@ -257,6 +257,39 @@ def test_constructing_the_pool_never_waits_for_the_fork_server(layout, expected,
         assert pool.idle_memory() > 0  # measured as each reported ready, for the memory budget
     finally:
         release.set()
+        pool.close()
+
+
+def _report_gc(queue) -> None:
+    import gc
+
+    queue.put((os.getppid(), gc.isenabled(), gc.get_freeze_count()))
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_fork_server_started_early_serves_the_pool_and_its_children_collect_garbage(layout, expected):
+    """``forkserver.start()`` (what `serve` and `run` call first thing) launches the fork server
+    the pool then forks its workers from: one fork server, not two. It imports with the garbage
+    collector off (forkgc); its children must have it back on, with the preloaded objects frozen."""
+    forkserver.start()
+    ctx = forkserver.context()
+    queue = ctx.SimpleQueue()
+    probe = ctx.Process(target=_report_gc, args=(queue,))
+    probe.start()
+    fork_server, enabled, frozen = queue.get()
+    probe.join(30)
+    assert enabled and frozen > 10_000  # torch's objects and the decoders'
+    pool = DecodePool(1)
+    try:
+        decoded = pool.submit(layout).result(timeout=120)
+        np.testing.assert_array_equal(decoded.buffer, expected)
+        decoded.release()
+        assert [_parent_of(pid) for pid in pool.worker_pids()] == [fork_server]
+    finally:
         pool.close()
 
 

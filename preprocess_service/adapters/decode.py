@@ -38,7 +38,7 @@ from multiprocessing import connection, shared_memory
 
 import numpy as np
 
-from preprocess_service.adapters import procmem
+from preprocess_service.adapters import forkserver, procmem
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.adapters.fairqueue import FairQueue, Order
 from preprocess_service.adapters.shmdelivery import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
@@ -46,11 +46,6 @@ from preprocess_service.core.assemble import Layout, MediaItem, aligned
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
-PRELOAD = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image",
-           "preprocess_service.adapters.imaging", "preprocess_service.adapters.audio",
-           "preprocess_service.adapters.decode", "preprocess_service.adapters.forkfreeze")
-"""What the fork server imports before it forks workers: imports only, nothing that starts a
-thread pool (a fork would copy it half-made); each worker warms its decoders itself."""
 MAX_START_FAILURES = 3
 """Workers that exit (or time out) one after another before ever reporting ready: the pool is
 broken (an installation problem) and fails its work instead of restarting them forever."""
@@ -66,12 +61,6 @@ TASK_INPUT_BYTES = 1 << 20
 """Encoded bytes a decode task aims at (~30 ms of decoding): a microbatch's documents go to the
 workers in tasks of about this much, at least one per worker, so each message's round trip (a few
 hundred microseconds of pickling, pipes and waking) is ~1% of the work it carries."""
-
-
-def _fork_context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the fork server starts (once per process)
-    return ctx
 
 
 def decode_item(kind: str, data: bytes, params: tuple) -> np.ndarray:
@@ -355,7 +344,7 @@ class DecodePool:
         self.max_in_flight = max_in_flight
         self.start_timeout_s = start_timeout_s
         # The fork server is a fresh interpreter: no forked copies of this process's gRPC threads or locks.
-        self._ctx = _fork_context()
+        self._ctx = forkserver.context()  # started here unless forkserver.start() ran earlier
         self._lock = threading.Lock()
         self._ready_changed = threading.Condition(self._lock)
         self._start_failures = 0

@@ -1,4 +1,4 @@
-"""Imported last by the decode pool's fork server (decode.PRELOAD), in that process only:
+"""Imported last by the decode pool's fork server (forkserver.PRELOAD), in that process only:
 
 - moves every object the preloaded modules made into the garbage collector's permanent generation
   (gc.freeze), so a worker's collections never write to those pages and they stay shared with the
@@ -15,4 +15,5 @@ import os
 
 gc.collect()
 gc.freeze()
+gc.enable()  # forkgc turned it off for the imports
 atexit.register(os._exit, 0)  # runs first (last registered): the rest of the exit is skipped

@@ -79,6 +79,10 @@ def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
 
 
 def cmd_run(args) -> int:
+    if not args.address and args.decode_workers != 0:  # embedded service: its slowest start first
+        from preprocess_service.adapters import forkserver
+
+        forkserver.start()
     from preprocess_service.service.runner import run_job, summary, write_report
 
     config = _job_config(args)
@@ -101,13 +105,19 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from preprocess_service.service import settings
+
+    cfg = settings.from_args(args)
+    if cfg.decode_workers != 0:  # the decode workers' fork server imports torch while this process imports the rest
+        from preprocess_service.adapters import forkserver
+
+        forkserver.start()
     from preprocess_service.adapters import metrics
     from preprocess_service.adapters.store import describe
-    from preprocess_service.service import logs, settings
+    from preprocess_service.service import logs
     from preprocess_service.service.security import TlsFiles
     from preprocess_service.service.server import Limits, create_server
 
-    cfg = settings.from_args(args)
     logs.configure(cfg.log_format, cfg.log_level)
     tls = TlsFiles(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_client_ca) if cfg.tls_client_ca else None) \
         if cfg.tls_cert else None

@@ -64,3 +64,25 @@ def test_garbage_and_truncation_are_detected_from_the_header():
     data = jpeg_bytes(300, 300)
     assert not imaging.looks_truncated(data, "JPEG")
     assert imaging.looks_truncated(data[: len(data) // 2], "JPEG")
+
+
+@pytest.mark.parametrize("width, height, orientation, size_hw", [
+    (640, 480, None, (224, 308)),   # downscaled (JPEG DCT scale, then resized)
+    (300, 200, 6, (196, 308)),      # rotated by its EXIF orientation, then upscaled
+    (224, 168, None, (168, 224)),   # already the target size: no resize, copied in
+])
+def test_decoding_into_a_slot_writes_exactly_what_decoding_returns(width, height, orientation, size_hw):
+    """Decode workers resize straight into the microbatch's shared memory (``out``): the pixels must
+    be those decode_image returns, the slot must be the array returned, and nothing around it written."""
+    data = jpeg_bytes(width, height, seed=width, exif_orientation=orientation)
+    expected = imaging.decode_image(data, size_hw)
+    h, w = size_hw
+    memory = np.full(h * w * 3 + 64, 7, dtype=np.uint8)
+    slot = np.ndarray((h, w, 3), dtype=np.uint8, buffer=memory, offset=32)
+    assert imaging.decode_image(data, size_hw, out=slot) is slot
+    np.testing.assert_array_equal(slot, expected)
+    assert (memory[:32] == 7).all() and (memory[32 + h * w * 3:] == 7).all()
+    square = imaging.decode_square(data, 112)
+    out = np.zeros_like(square)
+    assert imaging.decode_square(data, 112, out=out) is out
+    np.testing.assert_array_equal(out, square)

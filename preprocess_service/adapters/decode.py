@@ -63,18 +63,19 @@ workers in tasks of about this much, at least one per worker, so each message's 
 hundred microseconds of pickling, pipes and waking) is ~1% of the work it carries."""
 
 
-def decode_item(kind: str, data: bytes, params: tuple) -> np.ndarray:
-    """One member decoded to the array its slot holds (shape and dtype fixed by the layout)."""
+def decode_item(kind: str, data: bytes, params: tuple, out: np.ndarray | None = None) -> np.ndarray:
+    """One member decoded to the array its slot holds (shape and dtype fixed by the layout). Images
+    are written into ``out`` (uint8 [h, w, 3]) when given, which is returned; audio ignores it."""
     if kind == "image":
         from preprocess_service.adapters.imaging import decode_image
 
         height, width, orientation = params
-        return decode_image(data, (height, width), orientation)
+        return decode_image(data, (height, width), orientation, out)
     if kind == "gen":
         from preprocess_service.adapters.imaging import decode_square
 
         size, orientation = params
-        return decode_square(data, size, orientation)
+        return decode_square(data, size, orientation, out)
     if kind == "audio":
         from preprocess_service.adapters.audio import decode_audio
 
@@ -109,6 +110,19 @@ def warm_up_decoders() -> None:
         decode_item("audio", out.getvalue(), (8, config))
     except Exception:  # a warm-up only; real samples report their own errors
         log.debug("decoder warm-up failed", exc_info=True)
+
+
+def _decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
+    """Decodes one member into its slot of the output buffer that starts at byte ``base`` of
+    ``buffer``: an image is resized straight into it, audio is decoded and copied in."""
+    slot = None
+    if item.kind in ("image", "gen"):
+        height, width = (item.params[0], item.params[1]) if item.kind == "image" else (item.params[0],) * 2
+        if height * width * 3 == item.nbytes:  # else _write reports the mismatch
+            slot = np.ndarray((height, width, 3), dtype=np.uint8, buffer=buffer, offset=base + item.offset)
+    array = decode_item(item.kind, data, item.params, slot)
+    if array is not slot:
+        _write(buffer, item, array, base)
 
 
 def _write(buffer, item: MediaItem, array: np.ndarray, base: int = 0) -> None:
@@ -196,7 +210,7 @@ class InlineDecoder:
             return doc.key, problem
         try:
             for item in items:
-                _write(buffer, item, decode_item(item.kind, doc.media_bytes[item.member], item.params))
+                _decode_into(buffer, item, doc.media_bytes[item.member])
         except (MemoryError, ImportError):
             raise
         except Exception as exc:  # any decoder failure means this sample is unusable
@@ -251,7 +265,7 @@ def _worker_main(conn, worker_id: int) -> None:
             try:
                 for in_offset, in_nbytes, item in items:
                     data = bytes(buffer[in_offset:in_offset + in_nbytes])
-                    _write(buffer, item, decode_item(item.kind, data, item.params), CONTROL_BYTES)
+                    _decode_into(buffer, item, data, CONTROL_BYTES)
             except (MemoryError, ImportError):
                 raise
             except Exception as exc:  # reported for this document; the worker carries on

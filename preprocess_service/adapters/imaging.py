@@ -103,8 +103,10 @@ def _orientation(img: Image.Image) -> int:
     return int(img.getexif().get(0x0112, 1))  # any other format: MPO (camera JPEG), TIFF-like, ...
 
 
-def decode_image(data: bytes, size_hw: tuple[int, int], orientation: int | None = None) -> np.ndarray:
-    """Decodes to uint8 RGB [H, W, 3] of exactly ``size_hw``, EXIF orientation applied.
+def decode_image(data: bytes, size_hw: tuple[int, int], orientation: int | None = None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Decodes to uint8 RGB [H, W, 3] of exactly ``size_hw``, EXIF orientation applied; into
+    ``out`` (uint8 [H, W, 3], e.g. a slot of shared memory) when given, which is returned.
 
     ``orientation`` is the EXIF orientation read at planning (read again when None). The pixels are
     decoded at the smallest JPEG DCT scale (1/2, 1/4, 1/8) that still covers the target, then
@@ -116,19 +118,19 @@ def decode_image(data: bytes, size_hw: tuple[int, int], orientation: int | None 
     swapped = orientation in _SWAPPING_ORIENTATIONS
     stored_hw = (target_w, target_h) if swapped else (target_h, target_w)
     pixels = _orient(decode_rgb(data, min_hw=stored_hw), orientation)
-    return resize(pixels, size_hw)
+    return resize(pixels, size_hw, out)
 
 
-def decode_square(data: bytes, size: int, orientation: int | None = None) -> np.ndarray:
+def decode_square(data: bytes, size: int, orientation: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 RGB [size, size, 3]: the centred square crop of the displayed image, resized (the usual
-    preparation of a diffusion model's training target)."""
+    preparation of a diffusion model's training target); into ``out`` when given."""
     if orientation is None:
         orientation = orientation_of(data)
     pixels = _orient(decode_rgb(data, min_hw=(size, size)), orientation)
     height, width = pixels.shape[:2]
     side = min(height, width)
     top, left = (height - side) // 2, (width - side) // 2
-    return resize(pixels[top:top + side, left:left + side], (size, size))
+    return resize(pixels[top:top + side, left:left + side], (size, size), out)
 
 
 def decode_rgb(data: bytes, *, min_hw: tuple[int, int]) -> np.ndarray:
@@ -150,17 +152,25 @@ def decode_rgb(data: bytes, *, min_hw: tuple[int, int]) -> np.ndarray:
         return np.array(_to_rgb(img), dtype=np.uint8)  # writable: torch refuses read-only arrays
 
 
-def resize(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+def resize(pixels: np.ndarray, size_hw: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
     """Antialiased bicubic resize of uint8 [h, w, 3] (torch's uint8 SIMD kernel, which was written
-    to match Pillow's filter and runs ~4x faster than Pillow 13 here); a no-op at the same size."""
+    to match Pillow's filter and runs ~4x faster than Pillow 13 here); a no-op at the same size.
+    With ``out`` (uint8 [H, W, 3]) the result is written there, and ``out`` returned: a decode
+    worker resizes straight into the microbatch's shared memory instead of copying the pixels in."""
     if pixels.shape[:2] == tuple(size_hw):
-        return pixels
+        if out is None:
+            return pixels
+        out[...] = pixels
+        return out
     import torch  # here, not at the top: the planner reads image headers and never decodes
 
     source = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).unsqueeze(0)
-    out = torch.nn.functional.interpolate(source, size=tuple(size_hw), mode="bicubic", antialias=True)
+    resized = torch.nn.functional.interpolate(source, size=tuple(size_hw), mode="bicubic", antialias=True)
     # The kernel writes NCHW; torch's channels-last copy is ~2.5x faster than numpy's strided one.
-    return out.contiguous(memory_format=torch.channels_last)[0].permute(1, 2, 0).numpy()
+    if out is None:
+        return resized.contiguous(memory_format=torch.channels_last)[0].permute(1, 2, 0).numpy()
+    torch.from_numpy(out).permute(2, 0, 1).copy_(resized[0])  # the same copy, into place
+    return out
 
 
 def _orient(pixels: np.ndarray, orientation: int) -> np.ndarray:

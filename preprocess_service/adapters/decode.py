@@ -117,9 +117,7 @@ def _decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
     ``buffer``: an image is resized straight into it, audio is decoded and copied in."""
     slot = None
     if item.kind in ("image", "gen"):
-        height, width = (item.params[0], item.params[1]) if item.kind == "image" else (item.params[0],) * 2
-        if height * width * 3 == item.nbytes:  # else _write reports the mismatch
-            slot = np.ndarray((height, width, 3), dtype=np.uint8, buffer=buffer, offset=base + item.offset)
+        slot = np.ndarray(item.shape, dtype=np.uint8, buffer=buffer, offset=base + item.offset)
     array = decode_item(item.kind, data, item.params, slot)
     if array is not slot:
         _write(buffer, item, array, base)

@@ -42,6 +42,8 @@ class MediaItem:
     offset: int
     """Byte offset of the slot in the output buffer."""
     nbytes: int
+    shape: tuple[int, ...]
+    """The slot's array shape (uint8 images, float16 audio)."""
 
 
 @dataclass(slots=True)
@@ -136,7 +138,7 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
                         shape, params = (gen.size, gen.size, 3), (gen.size, gen.orientation)
                         gen_sizes.append(gen.size)
                     nbytes = int(np.prod(shape)) * (2 if kind == "audio" else 1)
-                    items.append(MediaItem(kind, segment.member, params, sizes[kind], nbytes))
+                    items.append(MediaItem(kind, segment.member, params, sizes[kind], nbytes, shape))
                     sizes[kind] += nbytes
                 cursor = end
             row[cursor] = tokenizer.eos_id

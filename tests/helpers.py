@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 from pathlib import Path
@@ -38,10 +39,12 @@ def jpeg_bytes(width: int, height: int, *, seed: int = 0, quality: int = 90, exi
 
 
 def write_tiny_shards(out_dir: Path, *, num_shards: int = 2, samples_per_shard: int = 12, seed: int = 0,
-                      extra: dict[str, dict] | None = None) -> list[Path]:
+                      extra: dict[str, dict] | None = None, compress: bool = False) -> list[Path]:
     """Shards with 9-digit keys f"{shard:05d}{index:04d}", one image (sometimes two) each, plus the
     parquet/stats side files img2dataset writes (whose content must never matter). ``extra`` maps
-    a key to raw members added to shard 0."""
+    a key to raw members added to shard 0. ``compress`` gzips each tar under the same name: a job
+    re-reads a compressed shard by scanning it, so it holds its samples' encoded bytes from planning
+    to decoding (a local plain tar's it reads again by pread: ShardReader.rereads_cheaply)."""
     rng = np.random.default_rng(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -61,6 +64,8 @@ def write_tiny_shards(out_dir: Path, *, num_shards: int = 2, samples_per_shard: 
             if shard == 0:
                 for key, members in (extra or {}).items():
                     writer.write({"__key__": key, **members})
+        if compress:
+            path.write_bytes(gzip.compress(path.read_bytes(), compresslevel=1))
         (out_dir / f"{shard:05d}.parquet").write_bytes(b"PAR1 not a tar PAR1")
         (out_dir / f"{shard:05d}_stats.json").write_text(json.dumps({"count": samples_per_shard}))
         paths.append(path)

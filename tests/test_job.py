@@ -14,27 +14,65 @@ def _arrays(job, step, rank, index):
     return job.microbatch(job.step_plan(step), rank, index, DECODER).arrays
 
 
+def _same_epoch(got: Job, want: Job) -> int:
+    num_steps = got.plan_all()
+    assert num_steps == want.plan_all() >= 3
+    for step in range(num_steps):
+        for rank in range(got.config.dp_size):
+            for index in range(got.step_plan(step).num_microbatches):
+                a, b = _arrays(got, step, rank, index), _arrays(want, step, rank, index)
+                assert a.keys() == b.keys()
+                for name in b:
+                    np.testing.assert_array_equal(a[name], b[name], err_msg=f"{name} step {step}")
+    return num_steps
+
+
+def test_a_job_holds_no_encoded_bytes_of_local_plain_tars_and_delivers_the_same(tmp_path):
+    """Planning holds none of a local plain tar's encoded bytes (not in the shuffle buffer, the
+    packer or the planned steps) and charges none to the budget: each microbatch's samples are
+    read again by pread when it is decoded, and equal those of the same shards compressed, whose
+    bytes the job held."""
+    from preprocess_service.adapters.budget import MemoryBudget
+    from preprocess_service.adapters.shards import ShardReader
+
+    write_tiny_shards(tmp_path / "plain", num_shards=2, samples_per_shard=20)
+    write_tiny_shards(tmp_path / "gz", num_shards=2, samples_per_shard=20, compress=True)
+    reader = ShardReader()
+    assert reader.rereads_cheaply(str(tmp_path / "plain" / "00000.tar"))
+    assert not reader.rereads_cheaply(str(tmp_path / "gz" / "00000.tar"))
+
+    def config(folder):
+        return JobConfig(shards=(str(tmp_path / folder),), seq_len=1024, dp_size=2, num_microbatches=2,
+                         shuffle_buffer=16)
+
+    budget = MemoryBudget(1 << 30)
+    lean, held = Job(config("plain"), budget=budget), Job(config("gz"), retain_steps=1000)
+    lean.step_plan(0)
+    held.step_plan(0)
+    assert lean.planner._buffer and held.planner._buffer
+    assert all(doc.media_bytes is None for doc in lean.planner._buffer)
+    assert all(doc.media_bytes is None for doc in lean.step_plan(0).documents())
+    assert lean._media_held == 0 and budget.used == 0
+    assert held._media_held > 0 and any(doc.media_bytes for doc in held.planner._buffer)
+    _same_epoch(lean, held)
+    assert not lean.report()["skipped"]
+
+
 def test_a_step_whose_bytes_were_released_is_rebuilt_identically(tmp_path):
-    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=20)
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=20, compress=True)
     config = JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2)
     keeper = Job(config, retain_steps=1000)
     lean = Job(config, retain_steps=1)
-    num_steps = lean.plan_all()
-    assert num_steps == keeper.plan_all() >= 3
+    lean.plan_all()
+    assert any(doc.media_bytes for doc in keeper.step_plan(0).documents())
     first = lean.step_plan(0)
     assert all(doc.media_bytes is None for doc in first.documents()), "old steps should hold no bytes"
-    for step in range(num_steps):
-        for rank in range(2):
-            for index in range(lean.step_plan(step).num_microbatches):
-                got, want = _arrays(lean, step, rank, index), _arrays(keeper, step, rank, index)
-                assert got.keys() == want.keys()
-                for name in want:
-                    np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} step {step}")
+    _same_epoch(lean, keeper)
     assert not lean.report()["skipped"]
 
 
 def test_bytes_are_dropped_once_every_rank_was_sent_the_step(tmp_path):
-    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20)
+    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20, compress=True)
     job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2))
     plan = job.step_plan(0)
     job.mark_sent(0, 0, plan.num_microbatches)
@@ -83,7 +121,7 @@ def test_a_job_closed_while_it_plans_ahead_keeps_no_bytes_charged(tmp_path):
     from preprocess_service.adapters.budget import MemoryBudget
     from preprocess_service.service.job import JobRegistry
 
-    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=8)
+    write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=8, compress=True)
     budget = MemoryBudget(1 << 30)
     registry = JobRegistry(budget)
     for seed in range(5):  # closed at different moments of its first step's planning
@@ -99,7 +137,7 @@ def test_a_job_closed_while_it_plans_ahead_keeps_no_bytes_charged(tmp_path):
 def test_a_microbatch_handed_to_the_decoder_holds_no_encoded_bytes_and_is_rebuilt_the_same(tmp_path):
     """The decoder copied them: the plan drops them at once (a service holds only what is planned
     and not yet decoding), and a stream that asks for the microbatch again gets it re-read, equal."""
-    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20)
+    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20, compress=True)
     job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2))
     plan = job.step_plan(0)
     held = job._media_held

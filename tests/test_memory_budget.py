@@ -248,11 +248,12 @@ def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
         server.stop(0).wait()
 
 
-def test_kept_media_is_charged_and_dropped_when_it_does_not_fit(shards):
+def test_kept_media_is_charged_and_dropped_when_it_does_not_fit(tmp_path):
     from preprocess_service.adapters.decode import InlineDecoder
     from preprocess_service.service.job import Job
 
-    root, paths = shards
+    root = tmp_path  # compressed shards: the job holds their encoded bytes while the budget has room
+    paths = write_tiny_shards(root, num_shards=2, samples_per_shard=16, compress=True)
     tight = MemoryBudget(200_000)  # room for a few encoded images only
     job = Job(_config(root, dp_size=1), budget=tight)
     decoder = InlineDecoder()

@@ -32,6 +32,7 @@ import itertools
 import os
 import queue
 import stat
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -99,6 +100,20 @@ class ShardReader:
 
             with gopen(source.location, "rb") as f:
                 yield Opened(f, None, positioned=False)
+
+    def rereads_cheaply(self, url: str) -> bool:
+        """True for a local uncompressed tar: read_samples reads a sample again by ``pread`` at its
+        members' offsets, so a job need not hold its encoded bytes from planning to decoding. A
+        remote shard (its cached copy may be evicted), a compressed one or a program scheme is
+        re-read by fetching or scanning it, so holding its bytes is worth their memory."""
+        source = sources.parse(url)
+        if not source.is_local:
+            return False
+        try:
+            st = os.stat(source.location)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and _is_plain_tar(source.location, st.st_mtime_ns, st.st_size)
 
     # --- reading ------------------------------------------------------------------------------
     def iter_shard(self, url: str, on_problem: ProblemSink, start: dict | None = None) -> Iterator[dict]:
@@ -263,6 +278,18 @@ def open_regular(path: str):
     except BaseException:
         os.close(fd)
         raise
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_plain_tar(path: str, mtime_ns: int, size: int) -> bool:
+    """Whether a local file starts with an uncompressed tar header (POSIX or GNU "ustar" magic).
+    ``mtime_ns`` and ``size`` only key the cache."""
+    try:
+        with open_regular(path) as f:
+            head = f.read(tarfile.BLOCKSIZE)
+    except OSError:
+        return False
+    return len(head) == tarfile.BLOCKSIZE and head[257:262] == b"ustar"
 
 
 @functools.lru_cache(maxsize=16)  # a step draws from a few shards at a time; ~5 MB per 10k-sample shard

@@ -547,7 +547,13 @@ class Job:
             self._release_through(min(self._sent_through[r] for r in range(self.config.dp_size)))
 
     def _keep_media(self, doc) -> bool:
-        """Called by the planner for every parsed document: may it keep its encoded bytes?"""
+        """Called by the planner for every parsed document: may it keep its encoded bytes? Not one
+        of a local uncompressed tar: its bytes are read again by ``pread`` when its microbatch is
+        decoded (ShardReader.rereads_cheaply), and holding them from planning to decoding (the
+        shuffle buffer, the packer and the planned steps) was ~100 MiB in bench/peers.py. The
+        others are held while the memory budget has room."""
+        if self.reader.rereads_cheaply(doc.shard):
+            return False
         nbytes = _media_nbytes(doc)
         if self.closed.is_set() or not self.budget.try_cache(nbytes):
             return False

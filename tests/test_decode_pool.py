@@ -196,6 +196,41 @@ def test_streams_are_served_in_turn_and_decode_the_same_bytes(layout):
         pool.close()
 
 
+def _eventually(condition, timeout_s: float = 30.0) -> bool:
+    """``condition()`` turns true within the timeout (a future's callbacks run after its waiters wake)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_the_pool_tells_a_stream_whether_other_streams_have_work_in_it(layout):
+    """A stream decodes one microbatch ahead only when no other stream's work keeps the workers busy
+    (streams.py): the pool counts each stream's microbatches from submit until they are decoded,
+    failed or the pool closed."""
+    a, b = threading.Event(), threading.Event()
+    pool = DecodePool(1, max_in_flight=1)
+    try:
+        assert not pool.others_decoding(a) and not pool.others_decoding(b)
+        first, second = pool.submit(layout, a), pool.submit(layout, a)
+        assert pool.others_decoding(b) and pool.others_decoding(None)
+        assert not pool.others_decoding(a), "a stream's own work does not count"
+        first.result(timeout=120).release()
+        assert pool.others_decoding(b), "a's second microbatch is still in the pool"
+        second.result(timeout=120).release()
+        assert _eventually(lambda: not pool.others_decoding(b))
+        third = pool.submit(layout, b)
+        assert pool.others_decoding(a) and not pool.others_decoding(b)
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        third.result(timeout=30)
+    assert _eventually(lambda: not pool.others_decoding(a)), "failed work left the pool too"
+    assert not InlineDecoder().others_decoding(a)
+
+
 def test_work_submitted_while_workers_start_waits_for_them(layout, expected):
     """wait=False returns while the workers start (the server sets itself up meanwhile); work
     submitted at once is decoded when they are ready, byte for byte."""

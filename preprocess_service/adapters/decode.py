@@ -188,6 +188,11 @@ class InlineDecoder:
         self._threads = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="decode")
         self.budget = budget
 
+    @staticmethod
+    def others_decoding(stop: threading.Event | None) -> bool:
+        """Never: submit decodes before it returns (DecodePool.others_decoding)."""
+        return False
+
     def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
         self.budget.reserve(layout.nbytes, what="a microbatch's decode buffer", stop=stop)
         try:
@@ -362,6 +367,8 @@ class DecodePool:
         self._start_failures = 0
         self._broken: str | None = None
         self._pending: FairQueue[_Task] = FairQueue()
+        self._in_pool: collections.Counter = collections.Counter()
+        """Stream -> its microbatches submitted and not finished yet (others_decoding)."""
         self._task_ids = itertools.count()
         self._free_arenas: list[shared_memory.SharedMemory] = []
         self._all_arenas: dict[str, shared_memory.SharedMemory] = {}
@@ -563,15 +570,31 @@ class DecodePool:
         if not tasks:
             self._finish(batch)
             return future
+        stream = stop if stop is not None else object()
         with self._lock:
             refused = self._broken or ("the decode pool is closed" if self._closed else None)
             if refused is None:
-                self._pending.push(stop if stop is not None else object(), tasks)
+                self._pending.push(stream, tasks)
+                self._in_pool[stream] += 1
         if refused is not None:
             self._release(arena)
             raise RuntimeError(refused)
+        future.add_done_callback(lambda _: self._left_pool(stream))  # decoded, failed or closed
         os.write(self._wake_w, b"x")
         return future
+
+    def _left_pool(self, stream) -> None:
+        with self._lock:
+            self._in_pool[stream] -= 1
+            if self._in_pool[stream] <= 0:
+                del self._in_pool[stream]
+
+    def others_decoding(self, stop: threading.Event | None) -> bool:
+        """Whether a stream other than ``stop``'s has microbatches in the pool, waiting or being
+        decoded: work that keeps the workers busy while that stream lays out its next microbatch
+        (streams.py decodes one ahead only when none has)."""
+        with self._lock:
+            return len(self._in_pool) > (stop in self._in_pool)
 
     def _finish(self, batch: _Batch) -> None:
         buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf, offset=CONTROL_BYTES)

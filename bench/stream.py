@@ -1,7 +1,7 @@
 """Streaming throughput of real microbatches vs the bare gRPC ceiling, in one run on the same machine.
 
     python bench/stream.py [--shards SPEC ...] [--dp-size 2] [--seq-len 8192] [--seqs-per-microbatch 2]
-                           [--repeats 3] [--no-end-to-end] [--json FILE]
+                           [--repeats 3] [--no-end-to-end] [--quick] [--json FILE]
 
 Three measurements, each timed inside the client processes (connect to last message, slowest
 stream; process start-up and imports left out everywhere):
@@ -31,8 +31,8 @@ stream; process start-up and imports left out everywhere):
 Printed: end-to-end / ceiling and wire-path / ceiling. The timed wire-path pass and the ceiling are
 measured ``--repeats`` times (default 3) back to back, alternating; each pair gives a ratio, and the
 headline figures are medians (the ceiling's median is also the end-to-end ratio's denominator).
-Machines here are noisy (single pairs on the 2-core CI machine vary by +-30%): compare figures
-from one run only.
+Machines here are noisy: compare figures from one run only. ``--quick`` is a smoke run (40 samples,
+one repeat, the wire path only), not a measurement.
 
 Set DISTTRAIN_STREAM_PROFILE=PREFIX to run cProfile in the wire-path server's stream threads during
 the last timed pass; it writes PREFIX.producer.prof (the per-stream producer threads: plan lookup,
@@ -60,6 +60,8 @@ import grpc
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import benchjson  # noqa: E402
 
 from disttrain_api.channel import CHANNEL_OPTIONS  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
@@ -156,7 +158,7 @@ class ReplayDecoder:
         self.hits = 0
         self.misses = 0
 
-    def submit(self, layout) -> futures.Future:
+    def submit(self, layout, stop=None) -> futures.Future:
         from preprocess_service.adapters.decode import Decoded
 
         key = (tuple(layout.sample_keys), layout.nbytes)
@@ -186,7 +188,7 @@ class ReplayDecoder:
                 self._kept[key] = (copy, dict(decoded.errors))
             out.set_result(decoded)
 
-        self._inner.submit(layout).add_done_callback(keep)
+        self._inner.submit(layout, stop).add_done_callback(keep)
         return out
 
     def __getattr__(self, name):  # stats(), close(), worker_pids(), ...
@@ -258,6 +260,7 @@ def prepared_serve() -> None:
     from preprocess_service.adapters import shards
     from preprocess_service.service.job import Job
     from preprocess_service.service.server import PreprocessServicer, create_server
+    from preprocess_service.service.streams import MicrobatchStream
 
     timers = SectionTimers()
     profile_prefix = os.environ.get(PROFILE_ENV)
@@ -267,8 +270,8 @@ def prepared_serve() -> None:
     # Instrumentation, installed before create_server() binds the handlers.
     Job.start_microbatch = timers.timed("start_microbatch", Job.start_microbatch)  # plan, bytes, layout, submit
     Job.finish_microbatch = timers.timed("finish_microbatch", Job.finish_microbatch)  # wait, media views
-    PreprocessServicer._message = timers.timed("serialize", PreprocessServicer._message)  # header + encode
-    PreprocessServicer._put = timers.timed("queue_put", PreprocessServicer._put)  # waits while the queue is full
+    MicrobatchStream._message = timers.timed("serialize", MicrobatchStream._message)  # header + encode
+    MicrobatchStream._put = timers.timed("queue_put", MicrobatchStream._put)  # waits while the queue is full
     scan = shards.ShardReader._scan  # re-reads a non-local shard to find a microbatch's samples
 
     def counted_scan(self, url, keys):
@@ -276,7 +279,7 @@ def prepared_serve() -> None:
         return scan(self, url, keys)
 
     shards.ShardReader._scan = counted_scan
-    produce = PreprocessServicer._produce
+    produce = MicrobatchStream._produce
 
     def profiled_produce(self, *args):
         profile = profiles.start("producer") if profiles else None
@@ -286,7 +289,7 @@ def prepared_serve() -> None:
             if profile:
                 profile.disable()
 
-    PreprocessServicer._produce = profiled_produce
+    MicrobatchStream._produce = profiled_produce
     stream_microbatches = PreprocessServicer.StreamMicrobatches
 
     def timed_stream(self, request, context):
@@ -317,8 +320,8 @@ def prepared_serve() -> None:
     servicer.decoder = replay
     open_job = servicer.jobs.open
 
-    def open_retaining(config):
-        job = open_job(config)
+    def open_retaining(config, **kwargs):
+        job = open_job(config, **kwargs)
         job.retain_steps = 1 << 30
         # retain_steps alone does not keep the bytes: mark_sent drops a step's encoded bytes once
         # every rank has been sent it, and pass 2 would re-read the tars. Keep everything.
@@ -382,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                              "default 3)")
     parser.add_argument("--no-end-to-end", action="store_true",
                         help="skip the end-to-end (decode-bound) measurement")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 40 samples, one repeat, 2048 tokens, no end-to-end run")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prepared-server", action="store_true", help=argparse.SUPPRESS)
@@ -394,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    shard_specs = args.shards or [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")]
+    if args.quick:
+        args.repeats, args.seq_len, args.no_end_to_end = 1, min(args.seq_len, 2048), True
+    shard_specs = args.shards or (benchjson.quick_shards() if args.quick else
+                                  [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
     config = JobConfig(shards=tuple(shard_specs), dp_size=args.dp_size, seq_len=args.seq_len,
                        num_microbatches=args.num_microbatches, seqs_per_microbatch=args.seqs_per_microbatch)
     figures: dict = {}
@@ -501,8 +509,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio end-to-end / ceiling: {figures['ratio']:.3f}")
     print(f"ratio wire path / ceiling:  {figures['wire_ratio']:.3f}" + (" (median)" if len(wire_runs) > 1 else "")
           + "   (target >= 0.8)")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+    doc = benchjson.document("stream", quick=args.quick) | {"figures": figures}
+    rows = [["wire path / bare gRPC ceiling (median)", round(figures["wire_ratio"], 3)],
+            ["wire path MB/s (median)", round(figures["wire_mb_per_s"], 1)],
+            ["bare gRPC ceiling MB/s (median)", round(figures["bare_mb_per_s"], 1)]]
+    if "ratio" in figures:
+        rows[:0] = [["end to end samples/s", round(figures["e2e_samples_per_s"], 1)],
+                    ["end to end / bare gRPC ceiling", round(figures["ratio"], 3)]]
+    doc["tables"].append(benchjson.table(
+        f"streaming, {args.dp_size} client processes, {last['wire_messages']} microbatches of "
+        f"{last['bare_message_bytes'] / 1e6:.1f} MB", ["figure", "value"], rows,
+        notes=["wire path: the service's streaming path with decoding replaced by a replay of pass 1 (target >= 0.8 "
+               "of the ceiling)", "end to end includes reading, planning and decoding: decode-bound here"]))
+    benchjson.write(args.json, doc)
     return 0
 
 

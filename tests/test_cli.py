@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import shard_keys, write_tiny_shards
+from helpers import jpeg_bytes, shard_keys, write_tiny_shards
 from preprocess_service.adapters import synth
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,6 +42,37 @@ def test_run_on_user_shards_prints_the_figures_and_writes_the_report(tmp_path):
     assert {s["key"] for s in data["skipped"]} == set(bad)
     assert set(received) | set(bad) == shard_keys([*paths, tmp_path / "data" / "corrupt.tar"])
     assert data["exactly_once"]["ok"] and set(data["ranks"]) == {"0", "1"}
+
+
+def _append(path: Path, members: list[tuple[str, bytes]]) -> None:
+    """Appends raw members to an uncompressed tar (any name, repeated ones too)."""
+    with tarfile.open(path, "a") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_run_on_shards_with_duplicates_passes_its_exactly_once_check(tmp_path):
+    """A duplicate member and duplicate keys (in the same shard, in another) lose nothing: the first
+    copy is delivered once, the other reported; the check counts each such key once and passes."""
+    paths = write_tiny_shards(tmp_path / "data", num_shards=3, samples_per_shard=10)
+    image = jpeg_bytes(64, 48, seed=7)
+    _append(paths[0], [("dupmember.jpg", image), ("dupmember.txt", b"first"), ("dupmember.txt", b"second"),
+                       ("000000005.jpg", image), ("000000005.txt", b"again, same shard")])
+    _append(paths[1], [("000000003.jpg", image), ("000000003.txt", b"again, another shard")])
+    report = tmp_path / "report.json"
+    proc = _run("run", "--shards", str(tmp_path / "data"), "--seq-len", "2048", "--dp-size", "2",
+                "--num-microbatches", "2", "--report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("exactly-once: OK (28 delivered once, 0 skipped with reasons, 3 delivered + reported duplicate, "
+            "0 missing, 0 duplicated, of 31 keys)") in proc.stdout, proc.stdout
+    data = json.loads(report.read_text())
+    received = [k for rank in data["ranks"].values() for mb in rank["microbatches"] for k in mb["keys"]]
+    assert sorted(received) == sorted(shard_keys(paths))
+    assert sorted((s["key"], s["kind"]) for s in data["skipped"]) == [
+        ("000000003", "duplicate_key"), ("000000005", "duplicate_key"), ("dupmember", "duplicate_member")]
+    assert data["exactly_once"]["kept_first_copy"] == ["000000003", "000000005", "dupmember"]
 
 
 def test_bad_arguments_are_named(tmp_path):

@@ -3,7 +3,8 @@
 Each rank is a separate process running trainer.DataClient, as a trainer worker would. The
 service is embedded (started in this process on a free loopback port) unless an address is
 given. At the end it prints throughput, the data-parallel balance with and without reordering,
-and the exactly-once check: every key in the shards was delivered once or skipped with a reason.
+and the exactly-once check: every key in the shards was delivered once, or skipped with a reason,
+or delivered once while a dropped duplicate of it was reported (RunResult.exactly_once).
 """
 
 from __future__ import annotations
@@ -24,13 +25,36 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import ServiceUnavailableError
+from disttrain_api.errors import SampleError, ServiceUnavailableError
 from disttrain_api.spec import spec_from_config
 from preprocess_service.adapters import shards
 from preprocess_service.service.rank_client import RankResult, consume_rank
 from preprocess_service.service.server import Limits, create_server
 
-__all__ = ["RankResult", "RunResult", "all_keys", "consume_rank", "run_job", "summary", "write_report"]
+__all__ = ["KEPT_FIRST_COPY_KINDS", "RankResult", "RunResult", "all_keys", "consume_rank", "run_job", "summary",
+           "write_report"]
+
+KEPT_FIRST_COPY_KINDS = ("duplicate_key", "duplicate_member")
+"""Skip kinds that report a dropped copy while the first copy with the same key is kept (tarstream.py,
+planner.py): their key may also be delivered, once."""
+assert set(KEPT_FIRST_COPY_KINDS) <= set(SampleError.NOT_LOST)
+
+_FATES = ("delivered_once", "skipped", "kept_first_copy", "duplicated", "delivered_and_skipped", "missing",
+          "unexpected")
+_FAILED = ("duplicated", "delivered_and_skipped", "missing", "unexpected")
+
+
+def _fate(times: int, passes: int, *, lost: bool, copy: bool, known: bool) -> str:
+    """Which of _FATES a key had: delivered ``times`` times in ``passes`` passes over the shards,
+    reported lost (in one pass or more), reported as a dropped copy, ``known`` from the shards or a
+    skip record."""
+    if not known:
+        return "unexpected"
+    if times > passes:
+        return "duplicated"
+    if times == passes:
+        return "delivered_and_skipped" if lost else "kept_first_copy" if copy else "delivered_once"
+    return "skipped" if lost else "missing"
 
 
 @dataclass(slots=True)
@@ -43,27 +67,46 @@ class RunResult:
     seconds: float
     datasets: list[dict] = field(default_factory=list)
     """JobReport.datasets of a mixture: name, num_samples (planned), restarts, weight; empty for plain shards."""
+    num_epochs: int = 1
+    """Passes over the shards: each key is delivered this many times (JobConfig.num_epochs)."""
 
     @property
     def received(self) -> Counter:
         return Counter(key for rank in self.ranks for key in rank.keys)
 
     def exactly_once(self) -> dict:
-        """Delivered-once / duplicated / missing counts against the keys actually in the shards. A
-        mixture is checked against what the planner drew from each dataset instead (an epoch may
-        end before a dataset does, or read one more than once): see ``mixture_check``."""
+        """The exactly-once check of plain shards, per key (a mixture is checked against what the
+        planner drew from each dataset instead: ``mixture_check``). Every key of the shards, and
+        every key a skip record names, must be exactly one of:
+
+        - delivered once (once per pass: ``num_epochs``), and not reported;
+        - reported with a reason (``skipped``), and not delivered (in the passes it was lost in);
+        - delivered once and reported as a dropped copy (``kept_first_copy``: a duplicate member
+          or key whose first copy was kept and delivered; KEPT_FIRST_COPY_KINDS).
+
+        Failures: a key delivered more often than that (``duplicated``), delivered and also reported
+        lost (``delivered_and_skipped``), neither delivered nor reported lost (``missing``: a key
+        reported only as a dropped copy is missing, its first copy went nowhere), delivered but not
+        in the shards (``unexpected``), a rank that failed, or nothing delivered at all. A record
+        without a key (a whole shard: unreadable side files, a shard cut before its first sample)
+        is not a key and counts in none of these."""
         if self.datasets:
             return self.mixture_check()
         received = self.received
-        skipped = {s["key"] for s in self.skipped if s["key"]}
-        duplicated = sorted(k for k, n in received.items() if n > 1)
-        missing = sorted(self.shard_keys - set(received) - skipped)
-        unexpected = sorted(set(received) - self.shard_keys)
-        both = sorted(set(received) & skipped)
-        ok = not (duplicated or missing or unexpected or both or any(r.error for r in self.ranks))
-        return {"ok": ok, "delivered": len(received), "skipped": len(skipped), "duplicated": duplicated,
-                "missing": missing, "unexpected": unexpected, "delivered_and_skipped": both}
-
+        lost = {s["key"] for s in self.skipped if s["key"] and s["kind"] not in KEPT_FIRST_COPY_KINDS}
+        copies = {s["key"] for s in self.skipped if s["key"] and s["kind"] in KEPT_FIRST_COPY_KINDS}
+        keys = self.shard_keys | lost | copies
+        fates: dict[str, list[str]] = {fate: [] for fate in _FATES}
+        for key in sorted(keys | set(received)):
+            fates[_fate(received[key], self.num_epochs, lost=key in lost, copy=key in copies,
+                        known=key in keys)].append(key)
+        nothing = not received
+        ok = not (nothing or any(fates[f] for f in _FAILED) or any(r.error for r in self.ranks))
+        return {"ok": ok, "num_keys": len(keys), "passes": self.num_epochs, "delivered": len(received),
+                "delivered_once": len(fates["delivered_once"]), "skipped": len(fates["skipped"]),
+                "kept_first_copy": fates["kept_first_copy"], "duplicated": fates["duplicated"],
+                "missing": fates["missing"], "unexpected": fates["unexpected"],
+                "delivered_and_skipped": fates["delivered_and_skipped"], "nothing_delivered": nothing}
 
     def mixture_check(self) -> dict:
         """Per dataset: every sample the planner drew was delivered (or skipped at decode with a
@@ -81,10 +124,12 @@ class RunResult:
                 problems.append(f"{d['name']}: {got} delivered, {d['num_samples']} planned")
             over += sorted(k for k, n in received.items() if k.startswith(d["name"] + "/") and n > 1 + d["restarts"])
         unexpected = sorted(k for k in received if k.split("/", 1)[1] not in self.shard_keys)
-        ok = not (problems or over or unexpected or any(r.error for r in self.ranks))
-        return {"ok": ok, "delivered": sum(received.values()), "skipped": len(skipped_at_decode),
-                "duplicated": over, "missing": problems, "unexpected": unexpected,
-                "delivered_and_skipped": []}
+        nothing = not received
+        ok = not (nothing or problems or over or unexpected or any(r.error for r in self.ranks))
+        return {"ok": ok, "num_keys": len(self.shard_keys), "passes": 1, "delivered": sum(received.values()),
+                "delivered_once": len(received), "skipped": len(skipped_at_decode), "kept_first_copy": [],
+                "duplicated": over, "missing": problems, "unexpected": unexpected, "delivered_and_skipped": [],
+                "nothing_delivered": nothing}
 
 
 def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
@@ -129,7 +174,7 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
                        "arrival_iteration_s": b.arrival_iteration_s, "lower_bound_s": b.lower_bound_s}
                       for b in report.step_balance],
         shard_keys=all_keys(list(info.shard_urls)), seconds=seconds,
-        datasets=_dataset_rows(info, report))
+        datasets=_dataset_rows(info, report), num_epochs=config.num_epochs)
 
 
 def _dataset_rows(info: pb.JobInfo, report: pb.JobReport) -> list[dict]:
@@ -218,14 +263,25 @@ def summary(result: RunResult, config: JobConfig) -> str:
                      f"lower bound {sim['lower_bound_s']:.3f} s")
     causes = ", ".join(f"{n} x {reason}" for reason, n in reasons.most_common())
     lines.append(f"  skipped              {len(result.skipped):8d}" + (f"   {causes}" if causes else ""))
-    lines.append(f"  exactly-once: {'OK' if check['ok'] else 'FAILED'} ({check['delivered']} delivered once, "
-                 f"{check['skipped']} skipped with reasons, {len(check['missing'])} missing, "
-                 f"{len(check['duplicated'])} duplicated, of {len(result.shard_keys)} keys in the shards)")
+    lines.append(exactly_once_line(check))
     lines.extend(mixture_lines(result))
     for rank in result.ranks:
         if rank.error:
             lines.append(f"  rank {rank.rank} failed: {rank.error}")
     return "\n".join(lines)
+
+
+def exactly_once_line(check: dict) -> str:
+    """The exactly-once check in one line: how many keys had each fate, and why it failed."""
+    once = "delivered once" if check["passes"] == 1 else f"delivered once in each of {check['passes']} passes"
+    counts = [f"{check['delivered_once']} {once}", f"{check['skipped']} skipped with reasons",
+              f"{len(check['kept_first_copy'])} delivered + reported duplicate",
+              f"{len(check['missing'])} missing", f"{len(check['duplicated'])} duplicated"]
+    counts += [f"{len(check[name])} {label}" for name, label in
+               (("delivered_and_skipped", "delivered and reported lost"), ("unexpected", "not in the shards"))
+               if check[name]]
+    line = f"  exactly-once: {'OK' if check['ok'] else 'FAILED'} ({', '.join(counts)}, of {check['num_keys']} keys)"
+    return line + ("; nothing was delivered" if check["nothing_delivered"] else "")
 
 
 def delivered_per_dataset(result: RunResult) -> Counter:

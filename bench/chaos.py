@@ -1,21 +1,21 @@
 """Bounded chaos: several replicas on one Redis, a random replica SIGKILLed and restarted every few
 seconds while every rank streams; prints samples delivered, lost and duplicated.
 
-    python bench/chaos.py [--replicas 3] [--ranks 4] [--duration 120] [--kill-every 3 6] [--json FILE]
+    python bench/chaos.py [--replicas 3] [--ranks 4] [--duration 120] [--kill-every 3 6] [--quick] [--json FILE]
 
 Replicas are separate processes (`serve --redis`), each with one decode worker; the ranks are
 DataClients in this process, each given every replica's address. When the time is up every rank
 finishes the step it is in and stops. Ground truth is a single-node planner over the same config:
 for every step a rank finished, each planned sample must have arrived exactly once in the
 microbatch the plan puts it in (or be reported there as skipped, if it fails to decode).
-Exit status 1 if anything was lost or duplicated.
+Exit status 1 if anything was lost or duplicated. ``--quick`` is a smoke run (2 replicas, 2 ranks,
+a few seconds, a small synthetic data set), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import sys
 import tempfile
@@ -25,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import benchjson  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
@@ -132,16 +134,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, nargs=2, default=(3.0, 6.0), metavar=("MIN", "MAX"),
                         help="seconds between kills, uniform in [MIN, MAX]")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 replicas, 2 ranks, 4 s, a kill every 1-2 s, 2 shards of 40 samples")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    shards = None
+    if args.quick:
+        args.replicas, args.ranks, args.duration = min(args.replicas, 2), min(args.ranks, 2), min(args.duration, 4.0)
+        args.kill_every = (1.0, 2.0)
+        shards = benchjson.quick_shards(2, 40)
     print(f"chaos: {args.replicas} replicas, {args.ranks} ranks, {args.duration:g} s, a replica SIGKILLed "
           f"every {args.kill_every[0]:g}-{args.kill_every[1]:g} s")
     figures = chaos(num_replicas=args.replicas, num_ranks=args.ranks, duration_s=args.duration,
-                    kill_every_s=tuple(args.kill_every), seed=args.seed)
+                    kill_every_s=tuple(args.kill_every), seed=args.seed, shards=shards)
     for name, value in figures.items():
         print(f"  {name:26s} {value}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+    doc = benchjson.document("chaos", quick=args.quick) | figures
+    rows = [[name, value if not isinstance(value, dict) else ", ".join(f"rank {k}: {v}" for k, v in value.items())]
+            for name, value in figures.items()]
+    doc["tables"].append(benchjson.table(
+        f"chaos: {args.replicas} replicas on one Redis, {args.ranks} ranks, {args.duration:g} s, a replica SIGKILLed "
+        f"every {args.kill_every[0]:g}-{args.kill_every[1]:g} s", ["figure", "value"], rows,
+        notes=["target: 0 samples lost, duplicated and misplaced (checked against a single-node plan of every step "
+               "a rank finished)"]))
+    benchjson.write(args.json, doc)
     return 0 if figures["samples_lost"] == 0 and figures["samples_duplicated"] == 0 \
         and figures["samples_misplaced"] == 0 else 1
 

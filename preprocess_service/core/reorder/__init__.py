@@ -42,43 +42,57 @@ def intra_random(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Gener
     return rng.permutation(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
 
 
-def _greedy_slots(costs: np.ndarray, D: int, M: int, S: int) -> np.ndarray:
-    plan = np.empty((D, M, S), dtype=np.int64)
-    for m in range(M):
-        slot = np.arange(m * D * S, (m + 1) * D * S)
-        plan[:, m, :] = _lpt_equal_counts(costs, slot, D, S)
-    return plan
-
-
-def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: int) -> np.ndarray:
+def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: int,
+                      loads: np.ndarray | None = None) -> np.ndarray:
     """Greedy LPT under a cardinality constraint: items by descending cost (stable: ties keep their
     order, so plans are deterministic), each to the least-loaded bin that still has room (ties: the
-    lowest bin). Returns int[bins, per_bin] item ids."""
+    lowest bin). ``loads`` (float[bins], default zeros): the bins' loads before these items; updated
+    in place when given. Returns int[bins, per_bin] item ids."""
     out = np.empty((bins, per_bin), dtype=np.int64)
-    heap = [(0.0, b) for b in range(bins)]  # (load, bin) of the bins with room; already a heap
+    start = [0.0] * bins if loads is None else loads.tolist()
+    heap = [(start[b], b) for b in range(bins)]  # (load, bin) of the bins with room
+    heapq.heapify(heap)
     count = [0] * bins
     ordered = items[np.argsort(-costs[items], kind="stable")]
     for item, cost in zip(ordered.tolist(), costs[ordered].tolist()):
         load, chosen = heapq.heappop(heap)
         out[chosen, count[chosen]] = item
         count[chosen] += 1
+        if loads is not None:
+            loads[chosen] += cost
         if count[chosen] < per_bin:
             heapq.heappush(heap, (load + cost, chosen))
     return out
 
 
 def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
-    """DistTrain's intra-microbatch reordering: per slot, sequences sorted by cost descending, each
-    to the least-loaded rank of that slot (loads start at zero per slot), S per rank."""
+    """DistTrain's intra-microbatch reordering, as its talk states it: "sort in descending order;
+    for each data sample, put it in the lowest load DP", to mitigate stragglers across the
+    data-parallel instances (a data sample there is a training sequence: one entry of ``costs``).
+    A rank's load is everything it has been given so far in the global batch, earlier microbatch
+    slots included. Slot by slot (arrival order), the slot's sequences by cost descending, each to
+    the rank with the lowest load so far that still has room (S per rank per slot; ties: the lowest
+    rank). No sequence leaves its microbatch slot (the reordering is intra-microbatch; which
+    microbatch runs when is the inter-microbatch step's).
+
+    Loads are carried across slots, not restarted at zero in each: with one sequence per rank per
+    slot (S = 1) every assignment of a slot is equally balanced within it, so a per-slot greedy
+    only follows its tie-break and deals the largest sequence of every slot to rank 0. The
+    instances the paper balances are the ranks, whose totals the gradient all-reduce waits on.
+    Deterministic: no draws, stable ties."""
     _check_intra_input(costs, D, M, S)
-    return _greedy_slots(costs, D, M, S)
+    plan = np.empty((D, M, S), dtype=np.int64)
+    loads = np.zeros(D)
+    for m in range(M):
+        plan[:, m, :] = _lpt_equal_counts(costs, np.arange(m * D * S, (m + 1) * D * S), D, S, loads)
+    return plan
 
 
 def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
     """Balances what the ranks wait on at the gradient all-reduce: each rank's total. Whole-batch
     LPT with equal counts (M*S sequences per rank), then each rank's sequences dealt the same way to
-    its M microbatches so they come out even. Unlike the paper's per-slot greedy, which hands rank 0
-    the largest sequence of every slot, it decides which sequences share a microbatch. Falls back
+    its M microbatches so they come out even. Unlike the paper's greedy, which keeps every
+    sequence in its arrival slot, it decides which sequences share a microbatch. Falls back
     to the arrival plan in the rare batch where that is better balanced."""
     _check_intra_input(costs, D, M, S)
     plan = np.empty((D, M, S), dtype=np.int64)
@@ -142,8 +156,8 @@ def imbalance(costs: np.ndarray, plan: np.ndarray) -> float:
 
 
 def warm_up() -> None:
-    """Compiles the planners' numba kernels, or loads them from numba's on-disk cache (seconds the
-    first time per installation, well under one after), by planning two tiny batches with every
+    """Compiles the planners' numba kernels, or loads them from numba's on-disk cache (compiled once
+    per installation, loaded after; bench/reorder.py times both), by planning two tiny batches with every
     signature the planners use, so that a process plans its first real batch at full speed. Call it
     when a service or CLI starts, not on a job's first step."""
     from preprocess_service.core.reorder import ours  # imported late: ours imports this package

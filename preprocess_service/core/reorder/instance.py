@@ -120,8 +120,10 @@ PLANNERS: dict[str, BatchPlanner] = {
     "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, ops=_deep_ops(instance),
                                                          patience=200_000),
 }
-"""Whole-batch planners by name. ``ours`` searches for a fixed budget of simulated ops (about 15 ms
-per 1024 sequences on one core, the service default); ``ours-deep`` for 100 times as long (offline)."""
+"""Whole-batch planners by name. ``ours`` (the service default) searches for a fixed budget of
+simulated ops per 1024 sequences (``ours.SEARCH_OPS``: its CPU time is bench/reorder.py's figure);
+``ours-deep`` for 100 times as many (offline). ``paper`` is DistTrain's two heuristics
+(``reorder.intra_paper``, ``reorder.inter_paper``)."""
 
 
 def _deep_ops(instance: Instance) -> float:

@@ -1,8 +1,9 @@
 """SIMULATION: DistTrain's ablation ladder at paper scale, on LAION-like packed sequences.
 
-    python bench/paper.py [--gpus 1152] [--global-batch 2304] [--batches 3] [--plot docs/paper-simulation.png]
+    python bench/paper.py [--gpus 1152] [--global-batch 2304] [--batches 3] [--seqs-per-microbatch 1,2,4]
+                          [--plot docs/paper-simulation.png] [--json FILE]
     python bench/paper.py --sweep [--plot docs/paper-simulation.png]   # which assumption decides the ratio
-    python bench/paper.py --quick                                       # smoke run (the test's)
+    python bench/paper.py --quick                                       # smoke run (the test's): 7B, A800
 
 Nothing here is measured: GPUs, models and data are all simulated. What is real is the code that is
 judged: sequences are packed by the service's packing rule (``core/packing.Packer``'s, see ``pack``),
@@ -22,6 +23,12 @@ b. + disaggregated orchestration, still in arrival order: the planner's search s
 c. + intra-microbatch reordering (the paper's: ``INTRA_ALGORITHMS["paper"]``);
 d. + inter-microbatch reordering (``INTER_ALGORITHMS["paper"]``, i.e. ``PLANNERS["paper"]``);
 e. the service's default planner instead (``PLANNERS["ours"]``).
+
+Beside the ladder, every batch planner on the same disaggregated layout (``COMPARED``: arrival,
+random, the paper's intra step alone, the paper's two steps, lpt, ours), relative to arrival; and
+all of it at each ``--seqs-per-microbatch`` S (sequences per rank per microbatch: at S = 1 the
+paper's intra step has one sequence per rank in each slot, so only the loads it carries across
+slots let it balance anything; see ``reorder.intra_paper``).
 
 Iteration time = the exact simulator's slowest rank (or coupled component) + the gradient
 all-reduce the planner assumes (``trainer.orchestration.simulate.grad_sync_s``, not overlapped).
@@ -57,7 +64,10 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchjson, also when a test loads this file by path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchjson
 
 from disttrain_api.config import CostConfig, ImageConfig
 from disttrain_api.layout import StageModel
@@ -78,6 +88,7 @@ from trainer.orchestration.planner import (
 from trainer.orchestration.profile import A800, H100, Accelerator, Content, FlopProfile
 from trainer.orchestration.simulate import BACKBONES, SD21, VIT_H, grad_sync_s, on
 
+BENCH = Path(__file__).resolve().parent
 PAPER = {
     "ratio": "up to 2.2x throughput over Megatron-LM",
     "mfu": "54.7% MFU, 72B multimodal LLM on 1,172 GPUs",
@@ -510,6 +521,10 @@ def _intra_only(intra: str) -> BatchPlanner:
     return plan
 
 
+PAPER_INTRA = _intra_only("paper")
+"""The paper's intra-microbatch step alone, microbatches in arrival order."""
+
+
 @dataclass(frozen=True, slots=True)
 class Rung:
     key: str
@@ -519,15 +534,29 @@ class Rung:
     planner: BatchPlanner
 
 
-RUNGS = (
+RUNGS: tuple[Rung, ...] = (
     Rung("megatron", "a. Megatron-LM (monolithic, arrival)", "monolithic", PLANNERS["arrival"]),
     Rung("disagg", "b. + disaggregated orchestration", "disaggregated", PLANNERS["arrival"]),
-    Rung("intra", "c. + intra-microbatch reorder (paper)", "disaggregated", _intra_only("paper")),
+    Rung("intra", "c. + intra-microbatch reorder (paper)", "disaggregated", PAPER_INTRA),
     Rung("inter", "d. + inter-microbatch reorder (paper)", "disaggregated", PLANNERS["paper"]),
     Rung("ours", "e. service planner 'ours' for c+d", "disaggregated", PLANNERS["ours"]),
 )
 """The ablation ladder, in the order printed: each rung adds one technique to the one above;
 ``ours`` replaces the paper's two reorderings by the service's default planner."""
+
+COMPARED: tuple[Rung, ...] = (
+    Rung("arrival", "arrival (no reordering)", "disaggregated", PLANNERS["arrival"]),
+    Rung("random", "random", "disaggregated", PLANNERS["random"]),
+    Rung("paper-intra", "paper, intra step alone", "disaggregated", PAPER_INTRA),
+    Rung("paper", "paper (intra + inter)", "disaggregated", PLANNERS["paper"]),
+    Rung("lpt", "lpt + paper's inter", "disaggregated", PLANNERS["lpt"]),
+    Rung("ours", "ours", "disaggregated", PLANNERS["ours"]),
+)
+"""Every batch planner on the ladder's disaggregated layout, side by side (``Ladder.compared``)."""
+
+
+class NoLayout(ValueError):
+    """No disaggregated layout of the scenario fits its GPUs."""
 
 
 @dataclass(slots=True)
@@ -542,6 +571,8 @@ class Ladder:
     flop_share: np.ndarray
     """float[3]: share of the model FLOPs in enc, bb, gen."""
     rows: list[dict] = field(default_factory=list)
+    compared: list[dict] = field(default_factory=list)
+    """COMPARED's planners on the disaggregated layout: rung, label, iteration_s, x_arrival."""
 
     def row(self, key: str) -> dict:
         return next(r for r in self.rows if r["rung"] == key)
@@ -553,15 +584,17 @@ class Ladder:
 
 
 def run_ladder(scenario: Scenario, batches: list[np.ndarray], rungs: tuple[Rung, ...] = RUNGS,
-               seed: int = 0, compare_pick: bool = True) -> Ladder:
+               seed: int = 0, compare_pick: bool = True, compared: tuple[Rung, ...] = COMPARED) -> Ladder:
     """Every rung on every batch; throughput and MFU from the mean iteration time. ``compare_pick``:
-    also run the planner's own search, to show its pick beside the checked one."""
+    also run the planner's own search, to show its pick beside the checked one. ``compared``: the
+    planners side by side on the disaggregated layout (a planner a rung ran is not run again;
+    ``compared[0]`` is the one the others are relative to)."""
     everything = np.concatenate(batches)
     problem = problem_for(scenario, mean_content(everything, scenario.seqs_per_microbatch))
     mean = everything.mean(axis=0)
     dis = _checked_disaggregated(problem, scenario, tuple(mean))
     if dis is None:
-        raise ValueError(f"no disaggregated layout of {scenario.backbone} fits {scenario.gpus} GPUs")
+        raise NoLayout(f"no disaggregated layout of {scenario.backbone} fits {scenario.gpus} GPUs")
     mean_s = {"disaggregated": mean_sequence_s(dis, problem, scenario, mean)}
     pick = _search_disaggregated(problem) if compare_pick else None
     if pick is not None:
@@ -581,20 +614,31 @@ def run_ladder(scenario: Scenario, batches: list[np.ndarray], rungs: tuple[Rung,
     flops = flops.sum()
     tokens = np.mean([b[:, TOKENS].sum() for b in batches])
     peak = problem.accelerator.peak_flops
-    for rung in rungs:
+    def mean_iteration(rung: Rung) -> tuple[float, int]:
         layout = layouts.get(rung.layout)
-        iteration = math.nan
-        if layout is not None:
-            times = []
-            for i, batch_costs in enumerate(costs[rung.layout]):
-                instance = layout.instance(batch_costs)
-                plan = check_plan(instance, rung.planner(instance, np.random.default_rng([seed, i])))
-                times.append(layout.iteration_s(batch_costs, plan))
-            iteration = float(np.mean(times))
-        gpus = layout.plan.gpus if layout else 0
+        if layout is None:
+            return math.nan, 0
+        times = []
+        for i, batch_costs in enumerate(costs[rung.layout]):
+            instance = layout.instance(batch_costs)
+            plan = check_plan(instance, rung.planner(instance, np.random.default_rng([seed, i])))
+            times.append(layout.iteration_s(batch_costs, plan))
+        return float(np.mean(times)), layout.plan.gpus
+
+    done: dict[tuple[str, BatchPlanner], float] = {}
+    for rung in rungs:
+        iteration, gpus = mean_iteration(rung)
+        done[(rung.layout, rung.planner)] = iteration
         ladder.rows.append({"rung": rung.key, "label": rung.label, "iteration_s": iteration, "gpus": gpus,
                             "seq_s": scenario.global_batch / iteration, "tokens_s": tokens / iteration,
                             "mfu": flops / (iteration * gpus * peak) if gpus else math.nan})
+    for rung in compared:
+        iteration = done.get((rung.layout, rung.planner))
+        if iteration is None:
+            iteration = mean_iteration(rung)[0]
+        ladder.compared.append({"rung": rung.key, "label": rung.label, "iteration_s": iteration})
+    for row in ladder.compared:
+        row["x_arrival"] = row["iteration_s"] / ladder.compared[0]["iteration_s"]
     base = ladder.rows[0]["seq_s"]
     for i, row in enumerate(ladder.rows):
         row["x_megatron"] = row["seq_s"] / base
@@ -610,7 +654,7 @@ def print_ladder(ladder: Ladder) -> None:
     mono, dis = ladder.plans["monolithic"], ladder.plans["disaggregated"]
     assert dis is not None, "run_ladder always finds a disaggregated layout"
     print(f"\n{sc.backbone} backbone on {sc.gpus} simulated {sc.accelerator}, global batch {sc.global_batch} x "
-          f"{DataSpec().seq_len} tokens")
+          f"{DataSpec().seq_len} tokens, S={sc.seqs_per_microbatch} sequences per microbatch")
     def estimates(plan: Plan, key: str) -> str:
         exact = ladder.mean_s[key]
         return (f"M={plan.num_microbatches}, planner estimate {plan.iteration_s:.2f} s, " +
@@ -628,6 +672,8 @@ def print_ladder(ladder: Ladder) -> None:
     for r in ladder.rows:
         print(f"  {r['label']:40s} {r['iteration_s']:8.2f} {r['seq_s']:8.1f} {r['tokens_s'] / 1e6:7.2f} "
               f"{r['mfu']:6.1%} {r['gpus']:5d} {r['x_megatron']:9.2f}x {r['x_previous']:6.2f}x")
+    print("  planners on the disaggregated layout, iteration / arrival's: " +
+          ", ".join(f"{r['rung']} {r['x_arrival']:.3f}" for r in ladder.compared[1:]))
 
 
 def print_summary(ladders: list[Ladder]) -> None:
@@ -635,15 +681,44 @@ def print_summary(ladders: list[Ladder]) -> None:
     print(f"  paper: {PAPER['ratio']}; {PAPER['mfu']}; setup: {PAPER['setup']}")
     for ladder in ladders:
         sc, best = ladder.scenario, max(ladder.rows[1:], key=lambda r: r["x_megatron"])
-        print(f"  here:  {sc.backbone:>3s} {sc.accelerator}: best rung {best['rung']:6s} {best['x_megatron']:.2f}x "
-              f"Megatron-LM, MFU {best['mfu']:.1%} (Megatron-LM {ladder.rows[0]['mfu']:.1%})")
+        print(f"  here:  {sc.backbone:>3s} {sc.accelerator} S={sc.seqs_per_microbatch}: best rung "
+              f"{best['rung']:6s} {best['x_megatron']:.2f}x Megatron-LM, MFU {best['mfu']:.1%} "
+              f"(Megatron-LM {ladder.rows[0]['mfu']:.1%})")
+    print("\nplanners on the disaggregated layout (SIMULATION), iteration / arrival's; last column ours / paper:")
+    table = planners_table(ladders)
+    print("  " + " ".join(f"{c:>11s}" for c in table["columns"]))
+    for row in table["rows"]:
+        print("  " + " ".join(f"{v:>11}" if isinstance(v, str | int) else f"{v:11.3f}" for v in row))
+
+
+def ladder_table(ladders: list[Ladder]) -> dict:
+    """The ladders as one table: throughput / Megatron-LM's per rung, and MFU at both ends."""
+    columns = ["GPU", "backbone", "S", *(r.key for r in RUNGS), "MFU megatron", "MFU ours"]
+    rows = [[lad.scenario.accelerator, lad.scenario.backbone, lad.scenario.seqs_per_microbatch,
+             *(lad.row(r.key)["x_megatron"] for r in RUNGS), lad.row("megatron")["mfu"], lad.row("ours")["mfu"]]
+            for lad in ladders]
+    return benchjson.table("SIMULATION: ablation ladder, throughput / Megatron-LM's", columns, rows,
+                           notes=["nothing is measured: simulated GPUs, models and data (see bench/paper.py)"])
+
+
+def planners_table(ladders: list[Ladder]) -> dict:
+    """Every COMPARED planner's iteration over arrival's, per ladder, and ours / paper."""
+    keys = [r["rung"] for r in ladders[0].compared[1:]] if ladders else []
+    columns = ["GPU", "backbone", "S", *keys, "ours/paper"]
+    rows = []
+    for lad in ladders:
+        x = {r["rung"]: r["x_arrival"] for r in lad.compared}
+        rows.append([lad.scenario.accelerator, lad.scenario.backbone, lad.scenario.seqs_per_microbatch,
+                     *(x[k] for k in keys), x["ours"] / x["paper"]])
+    return benchjson.table("SIMULATION: batch planners on the disaggregated layout, iteration / arrival's", columns,
+                           rows, notes=["S: sequences per rank per microbatch; < 1: faster than no reordering"])
 
 
 def ladder_json(ladder: Ladder) -> dict:
     plans = {k: (p.describe() if p else None) for k, p in ladder.plans.items()}
     scenario = {f.name: getattr(ladder.scenario, f.name) for f in dataclasses.fields(ladder.scenario)}
     scenario["encoder"], scenario["generator"] = scenario["encoder"].name, scenario["generator"].name
-    return {"scenario": scenario, "plans": plans, "rows": ladder.rows}
+    return {"scenario": scenario, "plans": plans, "rows": ladder.rows, "compared": ladder.compared}
 
 
 # -- the sweep ------------------------------------------------------------------------------------
@@ -794,16 +869,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=1152, help="GPU budget of every layout (144 nodes x 8)")
     parser.add_argument("--global-batch", type=int, default=2304, help="8192-token sequences per step")
     parser.add_argument("--batches", type=int, default=3, help="global batches averaged per ladder")
-    parser.add_argument("--backbones", default="7B,13B,72B")
-    parser.add_argument("--accelerators", default="A800,H100")
-    parser.add_argument("--quick", action="store_true", help="smoke run: one batch of 1152 sequences, no sweep")
+    parser.add_argument("--backbones", help="default 7B,13B,72B (--quick: 7B)")
+    parser.add_argument("--accelerators", help="default A800,H100 (--quick: A800)")
+    parser.add_argument("--seqs-per-microbatch", default="1,2,4",
+                        help="sequences per rank per microbatch, one ladder per value (default 1,2,4; --quick: 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: one batch of 1152 sequences, 7B on A800 at S=1 unless named, no sweep")
     parser.add_argument("--sweep", action="store_true", help="vary one assumption at a time (A800)")
     parser.add_argument("--plot", type=Path, help="write the ladder (and sweep) chart here (PNG)")
     parser.add_argument("--json", type=Path, help="write every ladder and sweep point here")
     args = parser.parse_args(argv)
+    given = set(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.batches, args.global_batch, args.sweep = 1, 1152, False
-    backbones, accelerators = tuple(args.backbones.split(",")), tuple(args.accelerators.split(","))
+        if "--seqs-per-microbatch" not in given:
+            args.seqs_per_microbatch = "1"
+    backbones = tuple((args.backbones or ("7B" if args.quick else "7B,13B,72B")).split(","))
+    accelerators = tuple((args.accelerators or ("A800" if args.quick else "A800,H100")).split(","))
+    per_microbatch = [int(v) for v in args.seqs_per_microbatch.split(",")]
+    if any(S < 1 or args.global_batch % S for S in per_microbatch):
+        parser.error(f"every --seqs-per-microbatch must be >= 1 and divide --global-batch {args.global_batch}, "
+                     f"got {per_microbatch}")
     start = time.perf_counter()
     print(f"SIMULATION (nothing measured): {args.gpus} simulated GPUs, {args.batches} global batch(es) of "
           f"{args.global_batch} LAION-like sequences of {DataSpec().seq_len} tokens; ViT-H/14 encoder, "
@@ -814,12 +900,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data per sequence: {enc.mean():.0f} image tokens ({enc.sum() / tokens.sum():.0%} of tokens, CV "
           f"{enc.std() / enc.mean():.2f}), {gen.mean():.2f} images to generate (CV {gen.std() / gen.mean():.2f}), "
           f"{tokens.mean() / DataSpec().seq_len:.1%} filled")
-    ladders = []
-    for acc in accelerators:
-        for backbone in backbones:
-            scenario = Scenario(backbone=backbone, accelerator=acc, gpus=args.gpus, global_batch=args.global_batch)
-            ladders.append(run_ladder(scenario, batches))
-            print_ladder(ladders[-1])
+    ladders, skipped = [], []
+    for S in per_microbatch:
+        for acc in accelerators:
+            for backbone in backbones:
+                scenario = Scenario(backbone=backbone, accelerator=acc, gpus=args.gpus, global_batch=args.global_batch,
+                                    seqs_per_microbatch=S)
+                try:
+                    ladders.append(run_ladder(scenario, batches))
+                except NoLayout as e:  # S sequences' activations per microbatch fit no layout's memory
+                    skipped.append(f"{backbone} on {acc} at S={S}: {e}")
+                    print(f"\n{skipped[-1]}: skipped")
+                    continue
+                print_ladder(ladders[-1])
     print_summary(ladders)
     records = None
     if args.sweep:
@@ -833,8 +926,13 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, ladders, records)
         print(f"wrote {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({"ladders": [ladder_json(lad) for lad in ladders], "sweep": records},
-                                        default=float, indent=1))
+        doc = benchjson.document("paper", quick=args.quick, argv=[str(BENCH / "paper.py"), *sorted(given, key=(
+            sys.argv[1:] if argv is None else argv).index)])
+        doc["tables"] += [ladder_table(ladders), planners_table(ladders)]
+        for t in doc["tables"]:
+            t["notes"] += [f"skipped: {line}" for line in skipped]
+        doc |= {"ladders": [ladder_json(lad) for lad in ladders], "sweep": records}
+        args.json.write_text(json.dumps(benchjson.check(doc), default=float, indent=1))
         print(f"wrote {args.json}")
     print(f"({time.perf_counter() - start:.0f} s)")
     return 0

@@ -155,18 +155,43 @@ def test_a_sweep_axis_reports_how_far_it_moves_the_ratio(batches):
 
 
 def test_quick_mode_prints_a_labelled_simulation_and_writes_plot_and_json(tmp_path, capsys):
-    # A800 only: the fixture's layouts are cached, so this costs the printing and the plot
+    # the fixture's layouts at S=1 are cached; S=2 searches its own
     png, dump = tmp_path / "ladder.png", tmp_path / "ladder.json"
-    assert paper.main(["--quick", "--accelerators", "A800", "--plot", str(png), "--json", str(dump)]) == 0
+    argv = ["--quick", "--backbones", "7B,13B", "--seqs-per-microbatch", "1,2", "--plot", str(png), "--json", str(dump)]
+    assert paper.main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("SIMULATION")
     positions = [out.index(rung.label) for rung in paper.RUNGS]
-    assert positions == sorted(positions) and out.count(paper.RUNGS[-1].label) == 3  # one per backbone
+    assert positions == sorted(positions) and out.count(paper.RUNGS[-1].label) == 4  # 2 backbones x 2 S
+    assert out.count("S=1 sequences per microbatch") == 2 and out.count("S=2 sequences per microbatch") == 2
     assert "2.2x" in out and "54.7% MFU" in out
     assert png.stat().st_size > 10_000
     data = json.loads(dump.read_text())
-    assert len(data["ladders"]) == 3 and data["sweep"] is None
+    benchjson = sys.modules["benchjson"]  # the bench imported it from its own folder
+    assert benchjson.check(data)["bench"] == "paper" and data["quick"] is True
+    assert data["command"].endswith("bench/paper.py " + " ".join(argv))
+    assert len(data["ladders"]) == 4 and data["sweep"] is None
     assert {dataclasses.fields(paper.Scenario)[0].name} <= set(data["ladders"][0]["scenario"])
+    ladder_table, planners_table = data["tables"]
+    assert [row[:3] for row in planners_table["rows"]] == [["A800", "7B", 1], ["A800", "13B", 1],
+                                                           ["A800", "7B", 2], ["A800", "13B", 2]]
+    assert planners_table["columns"][3:] == [r.key for r in paper.COMPARED[1:]] + ["ours/paper"]
+    assert [row[:3] for row in ladder_table["rows"]] == [row[:3] for row in planners_table["rows"]]
+
+
+def test_every_planner_is_compared_on_the_ladders_layout(ladders):
+    for ladder in ladders.values():
+        compared = {r["rung"]: r for r in ladder.compared}
+        assert list(compared) == [r.key for r in paper.COMPARED] and compared["arrival"]["x_arrival"] == 1.0
+        # the same planner on the same layout and batches as a rung: the same figure
+        for rung, key in (("disagg", "arrival"), ("intra", "paper-intra"), ("inter", "paper"), ("ours", "ours")):
+            assert compared[key]["iteration_s"] == ladder.row(rung)["iteration_s"]
+        assert compared["ours"]["iteration_s"] <= compared["paper"]["iteration_s"] * (1 + 1e-9)
+
+
+def test_a_scenario_no_layout_fits_is_named(batches):
+    with pytest.raises(paper.NoLayout, match="no disaggregated layout of 72B fits 8 GPUs"):
+        paper.run_ladder(paper.Scenario(backbone="72B", gpus=8, global_batch=1152), batches, compare_pick=False)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

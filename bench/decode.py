@@ -1,7 +1,7 @@
 """Decode throughput, in one run on the same files: image paths, the decode stage vs a bare loop,
 worker scaling, and the service end to end vs a PyTorch DataLoader.
 
-    python bench/decode.py [--shards SPEC ...] [--max-docs 240] [--json FILE]
+    python bench/decode.py [--shards SPEC ...] [--max-docs 240] [--quick] [--json FILE]
     python bench/decode.py --only tokenizers [--tokenizer hf:PATH ...]   # part 4 alone
 
 1. image paths (one core): every way to turn the same JPEGs into the planned target size, in
@@ -30,14 +30,14 @@ worker scaling, and the service end to end vs a PyTorch DataLoader.
    here on half of 20,000 LAION-like synthetic captions, measured on all of them) and any
    ``--tokenizer`` given; one text per call (``encode``) and 1,024 per call (``encode_batch``, the
    service's path), with the mean tokens per caption.
-Machines here are noisy: compare figures from one run only.
+Machines here are noisy: compare figures from one run only. ``--quick`` is a smoke run (one shard of
+40 synthetic samples, 16 documents per modality, one round, 500 captions), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import resource
 import sys
@@ -50,6 +50,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import benchjson  # noqa: E402
 import simplejpeg  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -121,9 +122,9 @@ IMAGE_PATHS = {
 }
 
 
-def bench_image_paths(docs, repeats: int = 2) -> dict[str, float]:
+def bench_image_paths(docs, repeats: int = 2, max_images: int = 200) -> dict[str, float]:
     jpegs = [(doc.media_bytes[img.member], (img.height, img.width)) for doc in docs for img in doc.images
-             if img.orientation == 1 and doc.media_bytes[img.member][:3] == b"\xff\xd8\xff"][:200]
+             if img.orientation == 1 and doc.media_bytes[img.member][:3] == b"\xff\xd8\xff"][:max_images]
     out = {}
     for name, fn in IMAGE_PATHS.items():
         best = 0.0
@@ -169,7 +170,8 @@ def _spin(n: int = 3_000_000) -> float:
 
 
 def _bare_process(conn) -> None:
-    """Loop of one 'bare x 2' process: keep the group it is sent, time bare_loop on request."""
+    """Loop of one 'bare x 2' process: keep the group it is sent, time bare_loop on request (or run
+    the pure-compute loop of ``machine_ceiling``)."""
     torch.set_num_threads(1)
     group = None
     while (message := conn.recv()) is not None:
@@ -177,6 +179,8 @@ def _bare_process(conn) -> None:
             start = time.time()
             bare_loop(group)
             conn.send((start, time.time()))
+        elif isinstance(message, tuple) and message[0] == "spin":
+            conn.send(_spin(message[1]))
         else:
             group = message
             bare_loop(group)  # warm, as the bare arm is
@@ -211,6 +215,15 @@ class BarePair:
         spans = [conn.recv() for conn in self.conns]
         return 2 * docs / (max(end for _, end in spans) - min(start for start, _ in spans))
 
+    def spin(self, n: int) -> float:
+        """Seconds for both processes to run the pure-compute loop ``_spin(n)`` at once."""
+        start = time.perf_counter()
+        for conn in self.conns:
+            conn.send(("spin", n))
+        for conn in self.conns:
+            conn.recv()
+        return time.perf_counter() - start
+
     def close(self) -> None:
         for conn in self.conns:
             conn.send(None)
@@ -218,18 +231,14 @@ class BarePair:
             proc.join(timeout=10)
 
 
-def machine_ceiling(rounds: int) -> float:
-    """Two processes of pure compute vs one, best of ``rounds``: how far 2 workers can scale here."""
-    import multiprocessing as mp
-
+def machine_ceiling(pair: BarePair, rounds: int, n: int = 3_000_000) -> float:
+    """Two processes of pure compute (the bare pair's) vs one, best of ``rounds``: how far 2 workers
+    can scale here."""
+    pair.spin(10)
     best = 0.0
-    with mp.get_context("spawn").Pool(2) as procs:
-        procs.map(_spin, [10, 10])
-        for _ in range(rounds):
-            one = _spin()
-            start = time.perf_counter()
-            procs.map(_spin, [3_000_000, 3_000_000], chunksize=1)
-            best = max(best, 2 * one / (time.perf_counter() - start))
+    for _ in range(rounds):
+        one = _spin(n)
+        best = max(best, 2 * one / pair.spin(n))
     return best
 
 
@@ -352,15 +361,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("tokenizers",), help="run only this part")
     parser.add_argument("--tokenizer", action="append", default=[],
                         help="also measure this tokenizer (hf:PATH, sentencepiece:PATH)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: one shard of 40 synthetic samples, 16 documents per modality, one round, "
+                             "500 captions")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_docs, args.rounds = min(args.max_docs, DOCS_PER_MICROBATCH), 1
     torch.set_num_threads(1)
     if args.only == "tokenizers":
         return _tokenizer_part(args, {})
-    urls = shards.expand_shards(args.shards or [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
+    specs = args.shards or (benchjson.quick_shards() if args.quick else
+                            [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
+    urls = shards.expand_shards(specs)
     docs = load_documents(urls, CONFIG)
     figures: dict = {"cores": len(os.sched_getaffinity(0))}
 
-    paths = bench_image_paths(docs)
+    paths = bench_image_paths(docs, repeats=1, max_images=20) if args.quick else bench_image_paths(docs)
     figures["image_paths"] = paths
     print(f"1. image paths, one core, JPEGs to their planned size ({figures['cores']} cores on this machine)")
     for name, rate in paths.items():
@@ -404,11 +420,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {name:11s} {row['docs']:5d} {row['bare']:8.1f} {row['w1']:9.1f} {row['w2']:10.1f} "
                   f"{row['w1_over_bare']:8.2f} {row['w2_over_w1']:6.2f} {row['bare2']:8.1f} "
                   f"{row['bare2_over_bare']:8.2f} {row['w2_over_bare2']:6.2f} {row['parent_ms_per_doc']:7.2f}")
+        for pool in pools.values():
+            pool.close()
+        figures["machine_ceiling_2p_over_1p"] = machine_ceiling(pair, args.rounds,
+                                                                300_000 if args.quick else 3_000_000)
     finally:
         pair.close()
         for pool in pools.values():
             pool.close()
-    figures["machine_ceiling_2p_over_1p"] = machine_ceiling(args.rounds)
     print("   bare x2: two plain processes running the bare loop at once, no pool (what two cores give these\n"
           "   operations here); 2w/x2: the pool against that; parent: the pool's CPU in the parent, ms/document")
     print(f"   this machine's own ceiling in this run: pure-Python loop, 2 processes / 1 = "
@@ -435,10 +454,51 @@ def _tokenizer_part(args, figures: dict) -> int:
     print("\n4. tokenizers, captions per CPU-second (one thread)")
     print(f"   {'tokenizer':32s} {'per text':>10s} {'batched':>10s} {'tokens':>8s} {'vocab':>7s}")
     with tempfile.TemporaryDirectory(prefix="disttrain-tok-") as workdir:
-        figures["tokenizers"] = bench_tokenizers(args.tokenizer, Path(workdir))
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+        figures["tokenizers"] = bench_tokenizers(args.tokenizer, Path(workdir), 500 if args.quick else 20000)
+    benchjson.write(args.json, document(figures, args.quick))
     return 0
+
+
+def document(figures: dict, quick: bool) -> dict:
+    """The --json document: the printed tables, and the raw figures as extra keys."""
+    doc = benchjson.document("decode", quick=quick) | figures
+    tables = doc["tables"]
+    if "image_paths" in figures:
+        tables.append(benchjson.table(
+            "image paths, one core, JPEGs to their planned size", ["path", "images/s"],
+            [[name, None if rate is None else round(rate, 1)] for name, rate in figures["image_paths"].items()],
+            notes=["pillow-simd: null when not installed (it replaces Pillow and needs a build from source)"]))
+    if "stage" in figures:
+        tables.append(benchjson.table(
+            "decode stage, samples/s (best of the interleaved rounds)",
+            ["modality", "docs", "bare", "1 worker", "2 workers", "1w/bare", "2w/1w", "bare x2", "x2/bare", "2w/x2",
+             "parent ms/doc"],
+            [[name, row["docs"], round(row["bare"], 1), round(row["w1"], 1), round(row["w2"], 1),
+              round(row["w1_over_bare"], 2), round(row["w2_over_w1"], 2), round(row["bare2"], 1),
+              round(row["bare2_over_bare"], 2), round(row["w2_over_bare2"], 2), round(row["parent_ms_per_doc"], 2)]
+             for name, row in figures["stage"].items()],
+            notes=["bare: the same decode operations in a plain loop, one process; bare x2: two such processes at "
+                   "once, no pool; parent: the pool's CPU in the parent process",
+                   "targets: 1 worker >= 0.9 x bare, 2 workers >= 1.8 x 1 worker",
+                   f"this machine's ceiling in this run, pure-Python loop, 2 processes / 1: "
+                   f"{figures['machine_ceiling_2p_over_1p']:.2f}"]))
+    if "end_to_end" in figures:
+        e2e = figures["end_to_end"]
+        tables.append(benchjson.table(
+            "end to end over the whole data set", ["system", "samples", "seconds", "samples/s"],
+            [["DataLoader(num_workers=2) over webdataset", e2e["dataloader_samples"], round(e2e["dataloader_s"], 2),
+              round(e2e["dataloader_samples"] / e2e["dataloader_s"], 1)],
+             ["service (packed, planned, gRPC, 1 client)", e2e["service_samples"], round(e2e["service_s"], 2),
+              round(e2e["service_samples"] / e2e["service_s"], 1)]],
+            notes=[f"ratio service / DataLoader: {e2e['ratio']:.2f} (target >= 1.0)"]))
+    if "tokenizers" in figures:
+        tables.append(benchjson.table(
+            "tokenizers, captions per CPU-second (one thread)",
+            ["tokenizer", "per text", "batched", "tokens/caption", "vocab"],
+            [[name, round(row["per_text"]), None if row["batched"] != row["batched"] else round(row["batched"]),
+              round(row["tokens_per_caption"], 1), row["vocab_size"]] for name, row in figures["tokenizers"].items()],
+            notes=["batched: encode_batch of 1,024 captions per call (the service's path); null without one"]))
+    return doc
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import functools
 
 @functools.cache
 def _libc():
-    """The C library, loaded once (ctypes.util.find_library runs ``ldconfig -p``: ~2 ms a call,
-    which the server's memory sampler and housekeeping paid every few seconds)."""
+    """The C library, loaded once (ctypes.util.find_library runs ``ldconfig -p``, a subprocess,
+    which the server's memory sampler and housekeeping would pay every few seconds)."""
     import ctypes
     import ctypes.util
 
@@ -20,8 +20,8 @@ def _libc():
 def tune_malloc() -> bool:
     """Lets glibc reuse freed heap memory for microbatch-sized buffers instead of mapping fresh
     pages for every message (mmap threshold 32 MiB, the most glibc allows; trim only above 256 MiB).
-    Each fresh 30 MB buffer costs ~7,500 page faults, which dominated serialization and the client's
-    copy. A no-op (False) where the C library is not glibc."""
+    Each fresh buffer of a microbatch's size costs a page fault per 4 KiB page, which dominated
+    serialization and the client's copy. A no-op (False) where the C library is not glibc."""
     try:
         mallopt = _libc().mallopt
     except (OSError, AttributeError):
@@ -58,9 +58,9 @@ def free_heap_bytes() -> int | None:
 
 def limit_malloc_arenas(arenas: int = 2) -> bool:
     """Caps glibc's malloc arenas (M_ARENA_MAX). A server runs dozens of threads (streams, shard
-    readers), and glibc gives each busy thread an arena of its own that keeps what it freed: the
-    soak measured the server's heap swinging by 700 MiB with the default (8 per core) and staying
-    within about 200 MiB with 2, at the same throughput. A no-op (False) off glibc."""
+    readers), and glibc gives each busy thread an arena of its own that keeps what it freed: with
+    the default (8 per core) bench/soak.py saw the server's heap swing several times as far as with
+    2, at the same throughput. A no-op (False) off glibc."""
     try:
         mallopt = _libc().mallopt
     except (OSError, AttributeError):

@@ -4,8 +4,8 @@ Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
 
 - ``DecodePool`` (the service default): one worker process per core, forked from a fork server
   that imported torch and the decoders once (so a worker starts in milliseconds and shares those
-  pages with its siblings, where spawning each would import torch again: ~1 CPU-second and
-  ~200 MiB per worker). Workers start in the background; work waits for a ready one, and
+  pages with its siblings, where spawning each would import torch again, in CPU and memory per
+  worker). Workers start in the background; work waits for a ready one, and
   ``wait_ready()`` blocks until all are up. Encoded bytes go into a
   shared-memory arena beside the microbatch's output slots; a task (one document) is a few
   numbers through a pipe, and the worker writes its arrays straight into their slots, so nothing
@@ -58,9 +58,9 @@ MAX_LENT = 256
 and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
 costs the server no file descriptors or mappings."""
 TASK_INPUT_BYTES = 1 << 20
-"""Encoded bytes a decode task aims at (~30 ms of decoding): a microbatch's documents go to the
-workers in tasks of about this much, at least one per worker, so each message's round trip (a few
-hundred microseconds of pickling, pipes and waking) is ~1% of the work it carries."""
+"""Encoded bytes a decode task aims at: a microbatch's documents go to the workers in tasks of
+about this much, at least one per worker, so each message's round trip (pickling, pipes and
+waking) is small against the decoding it carries."""
 
 
 def decode_item(kind: str, data: bytes, params: tuple, out: np.ndarray | None = None) -> np.ndarray:

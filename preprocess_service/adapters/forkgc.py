@@ -1,7 +1,7 @@
 """Imported first by the decode pool's fork server (forkserver.PRELOAD), in that process only:
 turns the cyclic garbage collector off while the preloaded modules import. Importing torch makes
 hundreds of thousands of long-lived objects, and every collection during it only walks them
-again (~0.08 CPU-s of the fork server's second, on the path to a service's first microbatch).
+again, on the path to a service's first microbatch.
 forkfreeze, imported last, collects once, freezes what remains and turns the collector back on."""
 
 import gc

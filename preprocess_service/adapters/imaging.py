@@ -140,7 +140,7 @@ def decode_rgb(data: bytes, *, min_hw: tuple[int, int]) -> np.ndarray:
     if data[:3] == b"\xff\xd8\xff":
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         if colorspace in ("YCbCr", "Gray", "RGB"):
-            # Only power-of-two scales: libjpeg-turbo's M/8 scales (3/8, 5/8, ...) cost ~8 dB of PSNR.
+            # Only power-of-two scales: libjpeg-turbo's M/8 scales (3/8, 5/8, ...) lose visible quality.
             scale = max([s for s in (1, 2, 4, 8) if -(-height // s) >= min_hw[0] and -(-width // s) >= min_hw[1]],
                         default=1)
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // scale),
@@ -154,7 +154,8 @@ def decode_rgb(data: bytes, *, min_hw: tuple[int, int]) -> np.ndarray:
 
 def resize(pixels: np.ndarray, size_hw: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
     """Antialiased bicubic resize of uint8 [h, w, 3] (torch's uint8 SIMD kernel, which was written
-    to match Pillow's filter and runs ~4x faster than Pillow 13 here); a no-op at the same size.
+    to match Pillow's filter and is faster than Pillow's resize: bench/decode.py part 1); a no-op at
+    the same size.
     With ``out`` (uint8 [H, W, 3]) the result is written there, and ``out`` returned: a decode
     worker resizes straight into the microbatch's shared memory instead of copying the pixels in."""
     if pixels.shape[:2] == tuple(size_hw):
@@ -166,7 +167,7 @@ def resize(pixels: np.ndarray, size_hw: tuple[int, int], out: np.ndarray | None 
 
     source = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).unsqueeze(0)
     resized = torch.nn.functional.interpolate(source, size=tuple(size_hw), mode="bicubic", antialias=True)
-    # The kernel writes NCHW; torch's channels-last copy is ~2.5x faster than numpy's strided one.
+    # The kernel writes NCHW; torch's channels-last copy is faster than numpy's strided one.
     if out is None:
         return resized.contiguous(memory_format=torch.channels_last)[0].permute(1, 2, 0).numpy()
     torch.from_numpy(out).permute(2, 0, 1).copy_(resized[0])  # the same copy, into place

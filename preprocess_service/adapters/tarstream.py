@@ -37,7 +37,7 @@ _META = re.compile(r"__[^/]*__($|/)")
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 """webdataset.tariterators.base_plus_ext's split (the part before the base name's first dot, the
 rest). Matched here, not imported: importing any webdataset module imports torch (webdataset's
-package imports its torch loaders), ~1 CPU-second and ~200 MiB in a server that needs neither;
+package imports its torch loaders), the largest import and memory item of a server that needs neither;
 tests/test_shards.py checks the two agree."""
 
 ProblemSink = Callable[[SampleError], None]

@@ -206,7 +206,7 @@ class Job:
         self._manifests_deferred = True
         """Until the first microbatch is out (or a report is asked for), a shard's img2dataset
         manifest (its download failures) is read on a background thread afterwards: pyarrow's
-        import and first read cost ~0.2 CPU-s, which the start-up would otherwise wait for."""
+        import and first read are a large share of the start-up, which would otherwise wait for them."""
 
     # --- planning -------------------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
@@ -550,8 +550,8 @@ class Job:
         """Called by the planner for every parsed document: may it keep its encoded bytes? Not one
         of a local uncompressed tar: its bytes are read again by ``pread`` when its microbatch is
         decoded (ShardReader.rereads_cheaply), and holding them from planning to decoding (the
-        shuffle buffer, the packer and the planned steps) was ~100 MiB in bench/peers.py. The
-        others are held while the memory budget has room."""
+        shuffle buffer, the packer and the planned steps) was the server's largest heap item in
+        bench/peers.py. The others are held while the memory budget has room."""
         if self.reader.rereads_cheaply(doc.shard):
             return False
         nbytes = _media_nbytes(doc)

@@ -176,8 +176,8 @@ class MicrobatchStream:
         the one being serialized, so the workers stay busy while this stream finishes, lends and
         queues it. Unless other streams have work in the decode pool, which keeps the workers busy
         just as well: then the stream waits for each one it submits, and holds one arena in decode
-        instead of two (bench/peers.py: the same samples/s with 2 streams, ~70 MiB less; one
-        stream alone lost 18% without the one ahead). One with no media (the end of an epoch)
+        instead of two (bench/peers.py measures both: the same pace with several streams, less
+        shared memory; a stream alone needs the one ahead to keep its pace). One with no media (the end of an epoch)
         takes no turn in the decode pool, so it does not count: the next is submitted at once,
         else it would join the pool's rounds a round late and the stream would get two
         microbatches at once, then wait two rounds."""

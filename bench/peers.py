@@ -1,12 +1,14 @@
 """disttrain against its peers on the same corpus and the same work, in interleaved rounds.
 
     python bench/peers.py --setup                 # once: .venv-peers/ with the peers (never ours)
-    python bench/peers.py [--quick] [--rounds 3] [--json FILE] [--shards TAR ...] [--scale]
+    python bench/peers.py [--quick] [--rounds 3] [--long] [--json FILE] [--shards TAR ...] [--scale]
 
 Corpus: the demo's LAION-layout shards (data/laion-demo/0000[0-3].tar, 1,000 samples: ~80% one
 JPEG + caption, ~10% 2-8 images, 5% PNG and 5% WebP first images, 3% EXIF-rotated, ~10% with 1-2
 audio clips, 5% interleaved, 5% text-to-image targets, 3% conversations; photo-like images of
-150-4000 px). The corrupt shard is left out: not every peer survives it.
+150-4000 px). The corrupt shard is left out: not every peer survives it. --long reads the corpus
+LONG_PASSES times over (disttrain with JobConfig.num_epochs, the others the shard list repeated),
+so that start-up is amortised.
 
 Work, the same for every row (peers_work.py): parse with the service's parser, tokenize with the
 byte tokenizer (int32), decode + EXIF-orient + resize every image to imaging.target_size under the
@@ -14,22 +16,32 @@ default ImageConfig (uint8), decode audio to log-mel frames, deliver to a consum
 
 Rows (each a fresh process tree; CPU is that whole tree's, children included: the harness is their
 subreaper, so every process that ran is reaped here, and the larger of RUSAGE_CHILDREN and the sum
-of every process's CPU as last sampled (every 0.2 s) counts; see TreeSampler):
-  floor       one bare process, our decode path, no delivery: samples per CPU-second.
-  disttrain   embedded service (default decode workers) + 2 client ranks (DataClient), forked from
-              one trainer process that imported the client (torch) once and started with the
-              service, as a DataLoader's workers fork from its trainer.
-  dl-ours     torch DataLoader(num_workers=2) + webdataset, our decoder in the workers.
-  dl-pillow   the same with the user's Pillow decode + resize.
-  tf-service  tf.data service: dispatcher + worker in one process, consumer in another
-              (tf.py_function running the Pillow work, num_parallel_calls=2).
-  ray         Ray Data read_webdataset(decoder=None).map(Pillow work), num_cpus=2, driver consumes.
-  energon     Megatron-Energon: CrudeWebdataset (raw bytes) + a cooker doing the Pillow work, its
-              loader with WorkerConfig(num_workers=2); `energon prepare` runs once before the rounds.
+of every process's CPU as last sampled counts; see peers_tree.TreeSampler):
+  floor              the true floor: one process per core, each decoding its share of the samples
+                     with our decode path into one reused buffer; nothing delivered.
+  disttrain          embedded service (default decode workers) + 2 client ranks (DataClient), forked
+                     from one trainer process that imported the client (torch) once and started with
+                     the service, as a DataLoader's workers fork from its trainer.
+  dl-ours            torch DataLoader(num_workers=2, batch_size=16, batches as lists) + webdataset,
+                     our decoder in the workers;  dl-ours-nobatch: the same at batch_size=None.
+  dl-pillow          the same with Pillow at its best (draft() to the target size, then resize);
+                     dl-pillow-nodraft: without draft(), as users often write it.
+  tf-pillow/tf-ours  tf.data service: dispatcher + worker in one process, consumer in another
+                     (tf.py_function doing the work, num_parallel_calls=2), Pillow (draft) or ours.
+  ray-pillow/ray-ours  Ray Data read_webdataset(decoder=None).map_batches(work, batch_size=16),
+                     num_cpus=2, the driver consumes batches of 16.
+  energon-pillow     Megatron-Energon: CrudeWebdataset (raw bytes) + a cooker doing the Pillow (draft)
+                     work, batches of 16, WorkerConfig(num_workers=2); `energon prepare` runs once
+                     before the rounds.
 MosaicML Streaming is not run: its install would replace torch (see --setup), and it reads only its
 own MDS format (a converted copy of the corpus).
-Start-up (launch to first delivered sample) is reported apart; samples/s and CPU per sample are
-steady state (first to last sample; CPU after the first sample), beside the total CPU per sample.
+
+Accounting (peers_figures.py): the whole run (all CPU until the last sample per sample, samples per
+second since launch) is the headline; the common window runs from the moment the k-th sample
+reached the consumer to the last, with k = MARK_FRACTION of one pass over the corpus, the same k for
+every system (short and long runs): by then every system is past its start-up (disttrain's first
+delivery waits for its shuffle buffer and its first planned step). Start-up is launch to the first
+sample. A figure implying more CPU-seconds per second than the cores this bench may use fails it.
 """
 
 from __future__ import annotations
@@ -37,248 +49,187 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
-import resource
-import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import benchjson
+import peers_figures as figures
+import peers_setup
+import peers_tree
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(BENCH))
-import peers_setup  # noqa: E402
-
 PROJECT_PYTHON = REPO / ".venv" / "bin" / "python"
 if not PROJECT_PYTHON.exists():  # a worktree uses the main checkout's venv
     PROJECT_PYTHON = Path("/work/main/.venv/bin/python")
-SYSTEMS = {  # row -> (interpreter, peer name in peers_setup (None: the project's own venv))
-    "floor": (PROJECT_PYTHON, None),
-    "disttrain": (PROJECT_PYTHON, None),
-    "dl-ours": (PROJECT_PYTHON, None),
-    "dl-pillow": (PROJECT_PYTHON, None),
-    "tf-service": (peers_setup.python(), "tf.data service"),
-    "ray": (peers_setup.python(), "Ray Data"),
-    "energon": (peers_setup.python(), "Megatron-Energon"),
+SYSTEMS = {  # row -> (interpreter, peer name in peers_setup (None: the project's own venv), in --long)
+    "floor": (PROJECT_PYTHON, None, True),
+    "disttrain": (PROJECT_PYTHON, None, True),
+    "dl-ours": (PROJECT_PYTHON, None, True),
+    "dl-ours-nobatch": (PROJECT_PYTHON, None, False),
+    "dl-pillow": (PROJECT_PYTHON, None, True),
+    "dl-pillow-nodraft": (PROJECT_PYTHON, None, False),
+    "tf-pillow": (peers_setup.python(), "tf.data service", True),
+    "tf-ours": (peers_setup.python(), "tf.data service", True),
+    "ray-pillow": (peers_setup.python(), "Ray Data", True),
+    "ray-ours": (peers_setup.python(), "Ray Data", True),
+    "energon-pillow": (peers_setup.python(), "Megatron-Energon", True),
 }
+QUICK_SYSTEMS = ("floor", "disttrain", "dl-ours")
 NOT_RUN = {"MosaicML Streaming": "it would also need the corpus converted to its MDS format"}
-HZ = os.sysconf("SC_CLK_TCK")
 PR_SET_CHILD_SUBREAPER = 36
+MARK_FRACTION = 0.3
+"""The common window starts at sample k = MARK_FRACTION x the samples of one pass over the corpus."""
+LONG_PASSES = 10
+"""Passes over the corpus in --long."""
+SAMPLE_PERIOD_S = 0.2
 
 
-def descendants() -> list[int]:
-    """Every live process below this one."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    me, out = os.getpid(), []
-    for pid in parent:
-        p = pid
-        while p in parent and p not in (0, 1):
-            p = parent[p]
-            if p == me:
-                out.append(pid)
-                break
-    return out
-
-
-def _proc_cpu(pid: int) -> tuple[tuple[int, int], float]:
-    """((pid, start time), utime + stime in seconds) of one live process."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return (pid, -1), 0.0
-    return (pid, int(fields[19])), (int(fields[11]) + int(fields[12])) / HZ
-
-
-class TreeSampler:
-    """CPU and memory of this process's descendants, sampled: the CPU last seen of every process that
-    ever ran below us (so processes whose parent discards their usage, e.g. with SIGCHLD ignored
-    as Ray's daemons do, still count; a process is missed after its last sample, <= one period)."""
-
-    def __init__(self):
-        self.seen: dict[tuple[int, int], float] = {}
-        self.names: dict[tuple[int, int], str] = {}
-        self.pss: dict[tuple[int, int], float] = {}
-        self.peak_pss_mib = 0.0
-        self.lock = threading.Lock()
-
-    def sample(self, memory: bool = True) -> float:
-        """Updates the figures; returns the CPU seconds seen so far."""
-        with self.lock:
-            pids = descendants()
-            total = 0.0
-            for pid in pids:
-                key, cpu = _proc_cpu(pid)
-                self.seen[key] = max(cpu, self.seen.get(key, 0.0))
-                if key not in self.names:
-                    self.names[key] = _role(pid)
-                if memory:
-                    pss = _pss_mib(pid)
-                    self.pss[key] = max(pss, self.pss.get(key, 0.0))
-                    total += pss
-            if memory:
-                self.peak_pss_mib = max(self.peak_pss_mib, total)
-            return sum(self.seen.values())
-
-
-def _role(pid: int) -> str:
-    """What a process is, from its command line (for the per-process breakdown)."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "?"
-    for marker, role in (("forkserver", "fork server / decode worker"), ("resource_tracker", "resource tracker"),
-                         ("spawn_main", "spawned child"), ("peers_systems.py", "main")):
-        if marker in cmd:
-            return role
-    return cmd[:60]
-
-
-def _pss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def corpus_samples(urls: list[str]) -> int:
+    """Samples (distinct keys) in the shards: one pass over the corpus."""
+    keys = 0
+    for url in urls:
+        with tarfile.open(url) as tar:
+            keys += len({(os.path.dirname(m.name), os.path.basename(m.name).partition(".")[0])
+                         for m in tar if m.isfile()})
+    return keys
 
 
 def prepare_energon(urls: list[str], workdir: Path) -> list[str]:
     """energon reads a prepared folder (see peers_systems.prepare_energon); made once, not timed."""
     root = workdir / "energon"
-    subprocess.run([str(SYSTEMS["energon"][0]), str(BENCH / "peers_systems.py"), "energon-prepare",
-                    str(workdir / "energon-prepare.json"), str(root), *urls], check=True)
+    subprocess.run([str(SYSTEMS["energon-pillow"][0]), str(BENCH / "peers_systems.py"), "energon-prepare",
+                    str(workdir / "energon-prepare.json"), "0", "1", str(root), *urls], check=True)
     return [str(root)]
 
 
-def measure(system: str, urls: list[str], workdir: Path) -> dict:
+def measure(system: str, urls: list[str], workdir: Path, mark_at: int, passes: int) -> dict:
     """One run of ``system`` as a fresh process tree: its figures, or {"error": ...}."""
-    python, _ = SYSTEMS[system]
+    python = SYSTEMS[system][0]
     result = workdir / f"{system}.json"
     result.unlink(missing_ok=True)
-    base_cpu, first = _children_cpu(), {}
-    start = time.time()
-    proc = subprocess.Popen([str(python), str(BENCH / "peers_systems.py"), system, str(result), *urls],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    tree, series, base_cpu = peers_tree.TreeSampler(), [], peers_tree.children_cpu()
 
-    tree = TreeSampler()
+    def snapshot(memory: bool) -> None:
+        cpu = tree.sample(memory=memory)
+        series.append((time.time(), cpu))
+
+    launch = time.time()
+    proc = subprocess.Popen([str(python), str(BENCH / "peers_systems.py"), system, str(result), str(mark_at),
+                             str(passes), *urls], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    assert proc.stdout is not None and proc.stderr is not None
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
 
     def watch_stdout():
-        for line in proc.stdout:
-            if line.strip() == "PEERS-FIRST" and not first:
-                first["cpu"] = tree.sample(memory=False)
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.strip() in ("PEERS-MARK", "PEERS-END"):
+                snapshot(memory=False)
 
-    threading.Thread(target=watch_stdout, daemon=True).start()
+    watcher = threading.Thread(target=watch_stdout, daemon=True)
+    watcher.start()
     while proc.poll() is None:
-        tree.sample()
-        time.sleep(0.2)
-    _reap_orphans(tree)
+        snapshot(memory=True)
+        time.sleep(SAMPLE_PERIOD_S)
+    peers_tree.reap_orphans(tree)
+    watcher.join(timeout=5)
+    exit_time = time.time()
+    snapshot(memory=False)
     # Both are lower bounds: reaped usage misses what a parent discarded, sampling misses each
     # process's last period; the larger is the closer.
-    cpu = max(_children_cpu() - base_cpu, sum(tree.seen.values()))
-    peak_pss = tree.peak_pss_mib
+    cpu_total = max(peers_tree.children_cpu() - base_cpu, series[-1][1])
     if proc.returncode != 0 or not result.exists():
         return {"error": f"exit {proc.returncode}: " + " | ".join(line.strip() for line in stderr[-4:])}
     got = json.loads(result.read_text())
-    n = got["samples"]
-    steady_s = got["t_last"] - got["t_first"]
-    processes = sorted(([tree.names.get(k, "?"), round(c, 2), round(tree.pss.get(k, 0.0))]
+    processes = sorted(((tree.names.get(k, "?"), round(c, 2), round(tree.pss.get(k, 0.0)))
                         for k, c in tree.seen.items()), key=lambda p: -p[1])
-    print(f"    per process (role, CPU s, peak PSS MiB): {processes}", flush=True)
-    return {"samples": n, "startup_s": got["t_first"] - start, "samples_per_s": (n - 1) / steady_s,
-            "cpu_s": cpu, "cpu_per_sample": cpu / n, "steady_cpu_per_sample": (cpu - first["cpu"]) / (n - 1),
-            "peak_pss_mib": peak_pss, "wall_s": time.time() - start}
+    print(f"    per process (role, CPU s, peak PSS MiB): {processes[:8]}", flush=True)
+    run = figures.run_figures([tuple(e) for e in got["events"]], sorted(series), cpu_total, mark_at, launch, exit_time)
+    return run | {"peak_pss_mib": tree.peak_pss_mib}
 
 
-def _reap_orphans(tree: TreeSampler, timeout_s: float = 20.0) -> None:
-    """Waits for the processes the run left behind (reparented here), killing them after timeout_s."""
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            tree.sample()
-            if time.time() > deadline:
-                for p in descendants():
-                    os.kill(p, 9)
-            time.sleep(0.1)
+def _cell(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    f = row[key]
+    return f"{scale * f['median']:{fmt}} ({scale * f['min']:{fmt}}-{scale * f['max']:{fmt}})"
 
 
-def summarise(runs: list[dict]) -> dict:
-    """Median and range of every figure over the rounds that succeeded."""
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return {"error": runs[-1]["error"]}
-    return {key: {"median": statistics.median(r[key] for r in ok), "min": min(r[key] for r in ok),
-                  "max": max(r[key] for r in ok)} for key in ok[0]} | {"rounds": len(ok)}
+RUN_COLUMNS = ["system", "samples", "samples/s", "CPU ms/sample", "cores used", "start-up s", "peak PSS MiB",
+               "teardown CPU s"]
+WINDOW_COLUMNS = ["system", "from sample", "samples", "samples/s", "CPU ms/sample", "cores used"]
 
 
-def goals(rows: dict) -> list[tuple[str, float, float, bool]]:
-    """(goal, measured, target, met) of issue 20, from the medians; CPU figures are steady state."""
-    def med(system, key):
-        row = rows.get(system, {})
-        return row[key]["median"] if key in row else float("nan")
-
-    def per_cpu(system):
-        return 1.0 / med(system, "steady_cpu_per_sample")
-
-    out = [("CPU-s per sample / bare floor (<= 1.05)",
-            med("disttrain", "steady_cpu_per_sample") / med("floor", "steady_cpu_per_sample"), 1.05, "le"),
-           ("samples per CPU-s / DataLoader + our decoder (>= 0.95)", per_cpu("disttrain") / per_cpu("dl-ours"), 0.95,
-            "ge"),
-           ("samples per CPU-s / DataLoader + Pillow (>= 1.5)", per_cpu("disttrain") / per_cpu("dl-pillow"), 1.5, "ge"),
-           ("start-up s: launch to first sample (<= 2.0)", med("disttrain", "startup_s"), 2.0, "le"),
-           ("peak PSS / DataLoader + our decoder (<= 2.0)",
-            med("disttrain", "peak_pss_mib") / med("dl-ours", "peak_pss_mib"), 2.0, "le")]
-    for peer in SYSTEMS:
-        if peer not in ("floor", "disttrain") and "error" not in rows.get(peer, {"error": 1}):
-            if not peer.startswith("dl-"):  # the DataLoader rows have their own goals above
-                out.append((f"samples per CPU-s / {peer} (>= 1.0)", per_cpu("disttrain") / per_cpu(peer), 1.0, "ge"))
-            out.append((f"samples/s / {peer} (>= 1.0)",
-                        med("disttrain", "samples_per_s") / med(peer, "samples_per_s"), 1.0, "ge"))
-    return [(name, value, target, value <= target if how == "le" else value >= target)
-            for name, value, target, how in out]
-
-
-def print_table(rows: dict, skipped: dict) -> None:
-    def cell(row, key, fmt):
-        f = row[key]
-        return f"{f['median']:{fmt}} ({f['min']:{fmt}}-{f['max']:{fmt}})"
-
-    print(f"{'system':11s} {'samples':>7s} {'samples/s':>22s} {'CPU ms/sample steady':>24s} "
-          f"{'CPU ms/sample total':>22s} {'peak PSS MiB':>20s} {'start-up s':>20s}")
+def tables(rows: dict, label: str) -> list[dict]:
+    """The whole-run and common-window tables of one set of rows (medians (min-max))."""
+    run, window = [], []
     for system, row in rows.items():
         if "error" in row:
-            print(f"{system:11s} FAILED: {row['error'][:160]}")
+            run.append([system, "FAILED", row["error"][:160], "", "", "", "", ""])
             continue
-        ms = {k: {s: 1000 * v for s, v in row[k].items()} for k in ("steady_cpu_per_sample", "cpu_per_sample")}
-        print(f"{system:11s} {row['samples']['median']:7.0f} {cell(row, 'samples_per_s', '6.1f'):>22s} "
-              f"{cell(ms, 'steady_cpu_per_sample', '6.2f'):>24s} {cell(ms, 'cpu_per_sample', '6.2f'):>22s} "
-              f"{cell(row, 'peak_pss_mib', '5.0f'):>20s} {cell(row, 'startup_s', '5.2f'):>20s}")
-    floor = rows.get("floor", {})
-    if "steady_cpu_per_sample" in floor:
-        print(f"floor: {1 / floor['steady_cpu_per_sample']['median']:.1f} samples per CPU-second (one bare process)")
-    for peer, reason in skipped.items():
-        print(f"{peer}: skipped: {reason}")
+        run.append([system, f"{row['samples']['median']:.0f}", _cell(row, "run_samples_per_s", ".1f"),
+                    _cell(row, "run_cpu_per_sample", ".2f", 1000), _cell(row, "cores_run", ".2f"),
+                    _cell(row, "startup_s", ".2f"), _cell(row, "peak_pss_mib", ".0f"),
+                    _cell(row, "teardown_cpu_s", ".2f")])
+        window.append([system, f"{row['window_first_sample']['median']:.0f}", f"{row['window_samples']['median']:.0f}",
+                       _cell(row, "window_samples_per_s", ".1f"), _cell(row, "window_cpu_per_sample", ".2f", 1000),
+                       _cell(row, "cores_window", ".2f")])
+    return [benchjson.table(f"{label}: whole run (launch to last sample)", RUN_COLUMNS, run,
+                            notes=["CPU: every process of the tree until the last sample; samples/s: since launch",
+                                   "teardown: CPU after the last sample (not counted above)"]),
+            benchjson.table(f"{label}: common window (k-th sample to the last)", WINDOW_COLUMNS, window,
+                            notes=["the same k for every system"])]
+
+
+def print_table(table: dict) -> None:
+    widths = [max(len(str(c)) for c in [col] + [r[i] for r in table["rows"]]) for i, col in enumerate(table["columns"])]
+    print(f"\n{table['title']}")
+    for line in [table["columns"], *table["rows"]]:
+        cells = [f"{str(c):>{w}s}" if i else f"{str(c):{w}s}" for i, (c, w) in enumerate(zip(line, widths))]
+        print("  " + " ".join(cells))
+    for note in table["notes"]:
+        print(f"  ({note})")
+
+
+def summary_tables(rows: dict, startup_rows: dict, label: str) -> list[dict]:
+    """Decoder-normalised ratios (the headline), the decoder's own gain, the floor and the goals."""
+    pairs = zip(figures.ratios(rows, "run"), figures.ratios(rows, "window"))
+    headline = [[peer, f"{cpu:.2f}", f"{rate:.2f}", f"{wcpu:.2f}", f"{wrate:.2f}"]
+                for (peer, cpu, rate), (_, wcpu, wrate) in pairs]
+    gain = [[pair, f"{value:.2f}"] for pair, value in figures.decoder_gain(rows)]
+    goals = [[name, f"{value:.3f}", f"{target:g}", figures.verdict(value, target, met)]
+             for name, value, target, met in figures.goals(rows, startup_rows)]
+    floor = figures.med(rows, "floor", "run_cpu_per_sample")
+    columns = ["peer", "samples per CPU-s (run)", "samples/s (run)", "samples per CPU-s (window)",
+               "samples/s (window)"]
+    return [benchjson.table(f"{label}: disttrain / peer, our decoder on both sides", columns, headline,
+                            notes=["decoder-normalised: the same decoder (ours) in disttrain and the peer"]),
+            benchjson.table(f"{label}: the decoder's own gain, Pillow's CPU per sample / ours in one harness",
+                            ["rows", "ratio"], gain),
+            benchjson.table(f"{label}: goals (issue 33), disttrain against each, whole run", [
+                "goal", "measured", "target", "verdict"], goals,
+                notes=[f"true floor: {1 / floor:.1f} samples per CPU-second" if floor == floor else "floor not run",
+                       "start-up from the short runs"])]
+
+
+def run_rounds(systems: list[str], inputs: dict, workdir: Path, rounds: int, mark_at: int, passes: int) -> dict:
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(rounds):
+        for system in systems:
+            runs[system].append(measure(system, inputs[system], workdir, mark_at, passes))
+            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in runs[system][-1].items()}
+            print(f"  {'long ' if passes > 1 else ''}round {r + 1} {system:17s} {json.dumps(shown)[:400]}", flush=True)
+    return runs
+
+
+def impossible_runs(runs: dict, cores: int) -> list[str]:
+    return [f"{system} round {i + 1}: {why}" for system, rs in runs.items() for i, r in enumerate(rs)
+            if "error" not in r for why in figures.impossible(r, cores)]
 
 
 def run_scale(urls: list[str], quick: bool) -> list[dict]:
@@ -301,64 +252,81 @@ def demo_shards() -> list[str]:
     return [str(p) for p in sorted(demo.glob("0000[0-9].tar"))]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help="create .venv-peers/ with the peers, then exit")
-    parser.add_argument("--quick", action="store_true", help="one shard, one round")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small synthetic shard, one round of {', '.join(QUICK_SYSTEMS)}, no long run")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians and ranges)")
+    parser.add_argument("--long", action="store_true", help=f"also a long run: {LONG_PASSES} passes over the corpus")
+    parser.add_argument("--long-rounds", type=int, default=1, help="interleaved rounds of the long run")
     parser.add_argument("--shards", nargs="+", help="tar files (default: the demo set's four clean shards)")
-    parser.add_argument("--systems", nargs="*", choices=list(SYSTEMS), default=list(SYSTEMS),
-                        help="rows to run (none: only --scale)")
-    parser.add_argument("--json", type=Path, help="also write every run and the goals here")
+    parser.add_argument("--systems", nargs="*", choices=list(SYSTEMS), help="rows to run (none: only --scale)")
+    parser.add_argument("--json", type=Path, help="also write the tables, every run and the goals here")
     parser.add_argument("--scale", action="store_true",
                         help="also: the service's planning + layout CPU per sample and memory for 2..128 DP "
                              "ranks, samples per sequence and images per sample (bench/peers_scale.py)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.setup:
         peers_setup.setup()
         return 0
-    urls = args.shards or demo_shards()
-    urls, rounds = (urls[:1], 1) if args.quick else (urls, args.rounds)
-    if not args.systems:  # --scale alone
-        scale = run_scale(urls, args.quick) if args.scale else []
-        if args.json:
-            args.json.write_text(json.dumps({"urls": urls, "scale": scale}, indent=1))
-        return 0
+    doc = benchjson.document("peers", quick=args.quick, argv=None if argv is None else ["bench/peers.py", *argv])
+    urls = args.shards or (benchjson.quick_shards() if args.quick else demo_shards())
+    rounds = 1 if args.quick else args.rounds
+    wanted = args.systems if args.systems is not None else list(QUICK_SYSTEMS if args.quick else SYSTEMS)
     installed = peers_setup.installed()
-    skipped = {name: f"not installed: {installed.get(name, 'run --setup')}" for _, name in SYSTEMS.values()
-               if name and installed.get(name) != "ok"}
-    skipped |= {name: reason if installed.get(name) == "ok" else f"{reason}; install: {installed.get(name)}"
-                for name, reason in NOT_RUN.items()}
-    systems = [s for s in args.systems if SYSTEMS[s][1] is None or installed.get(SYSTEMS[s][1]) == "ok"]
+    peer = {s: str(SYSTEMS[s][1]) for s in wanted if SYSTEMS[s][1]}
+    skipped = {s: f"{name} not installed: {installed.get(name, 'run --setup')}"
+               for s, name in peer.items() if installed.get(name) != "ok"}
+    skipped |= {s: "not run in --quick" for s in SYSTEMS if s not in wanted and args.quick and args.systems is None}
+    skipped |= dict(NOT_RUN)
+    systems = [s for s in wanted if s not in skipped]
+    doc |= {"urls": urls, "skipped": skipped}
+    if not systems:  # --scale alone
+        doc["scale"] = run_scale(urls, args.quick) if args.scale else []
+        benchjson.write(args.json, doc)
+        return 0
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    print(f"{len(urls)} shards, {rounds} interleaved rounds of {', '.join(systems)}; "
-          f"{os.cpu_count()} cores; load {os.getloadavg()}", flush=True)
+    cores = len(os.sched_getaffinity(0))
+    per_pass = corpus_samples(urls)
+    mark_at = max(1, math.ceil(MARK_FRACTION * per_pass))
+    long_systems = [s for s in systems if SYSTEMS[s][2]] if args.long and not args.quick else []
+    print(f"{len(urls)} shards ({per_pass} samples), {rounds} interleaved rounds of {', '.join(systems)}; "
+          f"window from sample {mark_at}; {cores} cores ({os.cpu_count()} online); load {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="peers-") as workdir:
         inputs = {s: urls for s in systems}
-        if "energon" in systems:
-            inputs["energon"] = prepare_energon(urls, Path(workdir))
-        for r in range(rounds):
-            for system in systems:
-                runs[system].append(measure(system, inputs[system], Path(workdir)))
-                print(f"  round {r + 1} {system:10s} {json.dumps(runs[system][-1])[:300]}", flush=True)
-    rows = {s: summarise(rs) for s, rs in runs.items()}
-    print()
-    print_table(rows, skipped)
-    measured = goals(rows)
-    print("\ngoals (issue 20), disttrain against each, medians:")
-    for name, value, _, met in measured:
-        verdict = "not measured" if value != value else "met" if met else "NOT met"
-        print(f"  {name:58s} {value:6.2f}  {verdict}")
-    if args.json:
-        args.json.write_text(json.dumps({"urls": urls, "runs": runs, "rows": rows, "skipped": skipped,
-                                         "goals": [{"goal": g, "value": v, "target": t, "met": m}
-                                                   for g, v, t, m in measured]}, indent=1))
+        if "energon-pillow" in systems:
+            inputs["energon-pillow"] = prepare_energon(urls, Path(workdir))
+        runs = run_rounds(systems, inputs, Path(workdir), rounds, mark_at, 1)
+        long_runs = run_rounds(long_systems, inputs, Path(workdir), args.long_rounds, mark_at, LONG_PASSES)
+    rows = {s: figures.summarise(rs) for s, rs in runs.items()}
+    long_rows = {s: figures.summarise(rs) for s, rs in long_runs.items()}
+    out = tables(rows, f"short runs ({per_pass} samples)")
+    goal_rows = long_rows or rows
+    if long_rows:
+        out += tables(long_rows, f"long run ({LONG_PASSES} x {per_pass} samples)")
+    out += summary_tables(goal_rows, rows, f"long run ({LONG_PASSES} passes)" if long_rows else "short runs")
+    out = [table for table in out if table["rows"]]  # e.g. no decoder-gain pairs in --quick
+    for table in out:
+        print_table(table)
+    for system, reason in skipped.items():
+        print(f"{system}: skipped: {reason}")
+    bad = impossible_runs(runs, cores) + impossible_runs(long_runs, cores)
+    for why in bad:
+        print(f"WARNING: impossible figure (more cores than this machine's {cores}): {why}", flush=True)
+    doc["tables"] += out
+    doc |= {"cores": cores, "window_from_sample": mark_at, "samples_per_pass": per_pass, "long_passes": LONG_PASSES,
+            "runs": runs, "rows": rows, "long_runs": long_runs, "long_rows": long_rows, "impossible": bad,
+            "goals": [{"goal": g, "value": v, "target": t, "met": m}
+                      for g, v, t, m in figures.goals(goal_rows, rows)]}
     if args.scale:
-        scale = run_scale(urls, args.quick)
-        if args.json:
-            args.json.with_suffix(".scale.json").write_text(json.dumps(scale, indent=1))
-    return 0
+        doc["scale"] = run_scale(urls, args.quick)
+    benchjson.write(args.json, doc)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -7,8 +7,12 @@ applied; generation targets centre-cropped to their square), every audio clip de
 log-mel frames. Planning (which members, which sizes, which tokens) is parse_document, the
 service's own parser, for every system. Two image decoders:
 
-  ours    decode.decode_item: simplejpeg DCT-scaled decode + torch antialiased bicubic (the service's);
-  pillow  what a user writes: Image.open, exif_transpose, convert("RGB"), resize(BICUBIC).
+  ours            decode.decode_item: simplejpeg DCT-scaled decode + torch antialiased bicubic (the
+                  service's); with an arena (the floor) every image is resized into a reused buffer;
+  pillow          Pillow at its best: Image.open, draft("RGB", size) (a JPEG is decoded at the
+                  smallest DCT scale that still covers the target), exif_transpose, convert("RGB"),
+                  resize(BICUBIC);
+  pillow-nodraft  what users often write: the same without draft() (full-size decode).
 
 Audio is decoded by the project's decode path in both (soundfile + torchaudio: no peer has its own).
 """
@@ -33,7 +37,7 @@ from preprocess_service.core.tokenizer import ByteTokenizer  # noqa: E402
 
 CONFIG = JobConfig(shards=("unused",))
 TOKENIZER = ByteTokenizer()
-DECODERS = ("ours", "pillow")
+DECODERS = ("ours", "pillow", "pillow-nodraft")
 
 
 @dataclass(slots=True)
@@ -54,8 +58,14 @@ EMPTY = Prepared("", np.zeros(0, np.int32), [], [])
 """A sample left out (the fixed-schema systems still deliver a row for it, marked not ok)."""
 
 
-def prepare(sample: dict, decoder: str = "ours") -> Prepared | None:
-    """The sample's work; None for a sample the service would skip (unparsable or undecodable)."""
+class ArenaFull(Exception):
+    """The floor's arena is too small for one sample's images (a bench error, never a skip)."""
+
+
+def prepare(sample: dict, decoder: str = "ours", arena: np.ndarray | None = None) -> Prepared | None:
+    """The sample's work; None for a sample the service would skip (unparsable or undecodable).
+    With ``arena`` (uint8, decoder "ours") the images are resized into consecutive slices of it and
+    the returned images are views, valid until the next call with the same arena."""
     from preprocess_service.adapters.decode import decode_item
     from preprocess_service.adapters.samples import parse_document
 
@@ -66,32 +76,44 @@ def prepare(sample: dict, decoder: str = "ours") -> Prepared | None:
         return None
     ids = [s.ids for s in doc.segments if hasattr(s, "ids")]
     tokens = np.concatenate(ids).astype(np.int32, copy=False) if ids else np.zeros(0, np.int32)
-    images, audio = [], []
+    images, audio, used = [], [], 0
     try:
         for seg in doc.media:
-            data = doc.media_bytes[seg.member]
+            data = doc.media_bytes[seg.member]  # type: ignore[index]
             if isinstance(seg, AudioRef):
                 audio.append(decode_item("audio", data, (seg.frames, CONFIG.audio)))
-            elif decoder == "pillow":
-                images.append(_pillow(data, seg))
-            elif isinstance(seg, ImageRef):
-                images.append(decode_item("image", data, (seg.height, seg.width, seg.orientation)))
+            elif decoder != "ours":
+                images.append(_pillow(data, seg, draft=decoder == "pillow"))
             else:
-                images.append(decode_item("gen", data, (seg.size, seg.orientation)))
+                kind, shape, params = (("image", (seg.height, seg.width, 3), (seg.height, seg.width, seg.orientation))
+                                       if isinstance(seg, ImageRef) else
+                                       ("gen", (seg.size, seg.size, 3), (seg.size, seg.orientation)))
+                out = None
+                if arena is not None:
+                    if used + int(np.prod(shape)) > arena.nbytes:
+                        raise ArenaFull(f"{doc.key}: its images need more than the arena's {arena.nbytes} bytes")
+                    out = np.ndarray(shape, np.uint8, buffer=arena, offset=used)
+                    used += out.nbytes
+                images.append(decode_item(kind, data, params, out))
+    except ArenaFull:
+        raise
     except Exception:  # undecodable member: the service reports and skips the sample
         return None
     return Prepared(doc.key, tokens, images, audio)
 
 
-def _pillow(data: bytes, seg) -> np.ndarray:
+def _pillow(data: bytes, seg, draft: bool) -> np.ndarray:
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as img:
-        img = ImageOps.exif_transpose(img).convert("RGB")
+        if draft:  # the size as stored: EXIF orientations 5-8 swap width and height
+            width, height = (seg.size, seg.size) if isinstance(seg, GenImageRef) else (seg.width, seg.height)
+            img.draft("RGB", (height, width) if seg.orientation in (5, 6, 7, 8) else (width, height))
+        rgb = ImageOps.exif_transpose(img).convert("RGB")
         if isinstance(seg, GenImageRef):
-            return np.asarray(ImageOps.fit(img, (seg.size, seg.size), Image.Resampling.BICUBIC))
+            return np.asarray(ImageOps.fit(rgb, (seg.size, seg.size), Image.Resampling.BICUBIC))
         assert isinstance(seg, ImageRef)
-        return np.asarray(img.resize((seg.width, seg.height), Image.Resampling.BICUBIC))
+        return np.asarray(rgb.resize((seg.width, seg.height), Image.Resampling.BICUBIC))
 
 
 def flatten(p: Prepared) -> dict[str, np.ndarray | str]:

@@ -1,49 +1,182 @@
-"""bench/peers.py's pure parts: medians and ranges over rounds, the goal ratios, the CUDA guard of
---setup, and the CPU accounting of a process tree (a child that burns CPU in a grandchild)."""
+"""bench/peers.py's pure parts: one run's whole-run and common-window figures from its deliveries and
+CPU snapshots, the core-count sanity check, medians and ranges over rounds, the goal ratios, the
+CUDA guard of --setup, the consumers' mark at the k-th sample, and the CPU accounting of a process
+tree (a child that burns CPU in a grandchild). The bench modules are loaded from their files."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-
-import peers  # noqa: E402
-import peers_setup  # noqa: E402
 
 
-def _run(cpu_per_sample: float, rate: float, samples: int = 100) -> dict:
-    return {"samples": samples, "startup_s": 1.0, "samples_per_s": rate, "cpu_s": cpu_per_sample * samples,
-            "cpu_per_sample": cpu_per_sample, "steady_cpu_per_sample": cpu_per_sample, "peak_pss_mib": 100.0,
-            "wall_s": 2.0}
+def _load(name: str):
+    """bench/NAME.py as module NAME (registered, so that the bench modules' own imports of each
+    other find it)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+PATH_BEFORE = list(sys.path)
+benchjson = _load("benchjson")
+peers_setup = _load("peers_setup")
+peers_tree = _load("peers_tree")
+figures = _load("peers_figures")
+peers = _load("peers")
+
+
+def test_loading_the_bench_leaves_sys_path_alone():
+    assert sys.path == PATH_BEFORE
+
+
+def test_cpu_at_interpolates_between_snapshots_and_clamps_outside():
+    series = [(10.0, 1.0), (12.0, 3.0), (14.0, 3.0), (15.0, 5.0)]
+    assert figures.cpu_at(series, 11.0) == pytest.approx(2.0)
+    assert figures.cpu_at(series, 13.0) == pytest.approx(3.0)
+    assert figures.cpu_at(series, 14.5) == pytest.approx(4.0)
+    assert figures.cpu_at(series, 12.0) == pytest.approx(3.0)
+    assert figures.cpu_at(series, 5.0) == 1.0 and figures.cpu_at(series, 99.0) == 5.0
+
+
+def test_run_figures_charge_the_same_window_from_the_kth_sample():
+    # Two consumers deliver batches of 4 at t = 11, 12, ..., 20 (launch at 10): 40 samples. The
+    # tree burns 1 CPU-s per second from launch to the last sample, then 3 CPU-s of teardown.
+    events = [(10.0 + i, 4) for i in range(1, 11, 2)] + [(10.0 + i, 4) for i in range(2, 11, 2)]
+    series = [(10.0 + i / 2, i / 2) for i in range(0, 21)] + [(21.0, 13.0)]
+    run = figures.run_figures(events, series, cpu_total_s=13.5, mark_at=10, launch=10.0, exit_time=22.0)
+    assert run["samples"] == 40
+    assert run["startup_s"] == pytest.approx(1.0)
+    # Whole run: everything but the CPU sampled after the last sample (13 - 10), per sample.
+    assert run["teardown_cpu_s"] == pytest.approx(3.0)
+    assert run["run_cpu_s"] == pytest.approx(10.5)
+    assert run["run_cpu_per_sample"] == pytest.approx(10.5 / 40)
+    assert run["run_samples_per_s"] == pytest.approx(40 / 10)
+    # Window: the delivery that brings the count to >= 10 is the third (t = 13, 12 samples); the
+    # samples after it over the CPU and seconds after it.
+    assert run["window_first_sample"] == 12
+    assert run["window_samples"] == 28 and run["window_s"] == pytest.approx(7.0)
+    assert run["window_cpu_s"] == pytest.approx(7.0)
+    assert run["window_cpu_per_sample"] == pytest.approx(7.0 / 28)
+    assert run["window_samples_per_s"] == pytest.approx(4.0)
+    assert run["cores_window"] == pytest.approx(1.0)
+    assert run["cores_run"] == pytest.approx(1.05)
+    assert run["cores_total"] == pytest.approx(13.5 / 12)
+
+
+def test_run_figures_refuse_a_run_that_never_reached_the_window():
+    with pytest.raises(ValueError, match="fewer than the window's start"):
+        figures.run_figures([(1.0, 3)], [(0.0, 0.0), (2.0, 1.0)], 1.0, mark_at=4, launch=0.0, exit_time=2.0)
+
+
+def test_a_figure_implying_more_cores_than_the_machine_is_impossible():
+    fine = {"cores_run": 1.9, "cores_window": 2.0 * figures.CORE_SLACK, "cores_total": 0.5}
+    assert figures.impossible(fine, cores=2) == []
+    bad = fine | {"cores_window": 2.1}
+    (why,) = figures.impossible(bad, cores=2)
+    assert why.startswith("cores_window = 2.100")
+    assert len(figures.impossible(fine | {"cores_run": 4.5, "cores_total": 4.1}, cores=4)) == 2
+    runs = {"disttrain": [bad, {"error": "exit 1"}, fine]}
+    assert peers.impossible_runs(runs, 2) == [f"disttrain round 1: {why}"]
+
+
+def _run(cpu_per_sample: float, rate: float, samples: int = 100, **extra) -> dict:
+    return {"samples": samples, "startup_s": 1.0, "run_samples_per_s": rate, "run_cpu_per_sample": cpu_per_sample,
+            "window_samples_per_s": rate * 1.1, "window_cpu_per_sample": cpu_per_sample * 0.9,
+            "peak_pss_mib": 100.0} | extra
 
 
 def test_summarise_gives_median_and_range_of_the_rounds_that_ran():
-    rows = peers.summarise([_run(0.01, 100), {"error": "exit 1"}, _run(0.03, 50), _run(0.02, 80)])
+    rows = figures.summarise([_run(0.01, 100), {"error": "exit 1"}, _run(0.03, 50), _run(0.02, 80)])
     assert rows["rounds"] == 3
-    assert rows["samples_per_s"] == {"median": 80, "min": 50, "max": 100}
-    assert peers.summarise([{"error": "exit 1"}]) == {"error": "exit 1"}
+    assert rows["run_samples_per_s"] == {"median": 80, "min": 50, "max": 100}
+    assert figures.summarise([{"error": "exit 1"}]) == {"error": "exit 1"}
+
+
+def _rows(**systems) -> dict:
+    return {name: figures.summarise([run]) for name, run in systems.items()}
 
 
 def test_goals_compare_disttrain_with_the_floor_and_every_peer():
-    rows = {name: peers.summarise([_run(cpu, rate)]) for name, cpu, rate in
-            [("floor", 0.010, 50), ("disttrain", 0.0104, 120), ("dl-ours", 0.011, 100), ("dl-pillow", 0.02, 60),
-             ("ray", 0.05, 130)]}
-    goals = {name: (value, met) for name, value, _, met in peers.goals(rows)}
-    value, met = goals["CPU-s per sample / bare floor (<= 1.05)"]
-    assert abs(value - 1.04) < 1e-9 and met
-    value, met = goals["samples per CPU-s / DataLoader + Pillow (>= 1.5)"]
-    assert abs(value - 0.02 / 0.0104) < 1e-9 and met
-    assert goals["samples/s / ray (>= 1.0)"][1] is False
-    assert not any("tf-service" in name for name in goals)  # a peer that did not run has no goal
-    assert goals["start-up s: launch to first sample (<= 2.0)"] == (1.0, True)
-    assert goals["peak PSS / DataLoader + our decoder (<= 2.0)"] == (1.0, True)
-    heavy = dict(rows, disttrain=peers.summarise([_run(0.0104, 120) | {"peak_pss_mib": 201.0, "startup_s": 2.5}]))
-    goals = {name: (value, met) for name, value, _, met in peers.goals(heavy)}
-    assert goals["start-up s: launch to first sample (<= 2.0)"] == (2.5, False)
-    assert goals["peak PSS / DataLoader + our decoder (<= 2.0)"] == (2.01, False)
+    rows = _rows(floor=_run(0.010, 50), disttrain=_run(0.0104, 120), **{
+        "dl-ours": _run(0.0120, 100), "dl-pillow": _run(0.02, 60), "dl-pillow-nodraft": _run(0.04, 30),
+        "ray-pillow": _run(0.05, 130)})
+    goals = {name: (value, met) for name, value, _, met in figures.goals(rows, rows)}
+    value, met = goals["all CPU per sample / true floor"]
+    assert value == pytest.approx(1.04) and met
+    value, met = goals["samples per CPU-s / dl-ours (batched DataLoader, our decoder)"]
+    assert value == pytest.approx(0.012 / 0.0104) and met
+    # A peer's own best decoder is its row with the least CPU per sample.
+    value, met = goals["samples per CPU-s / dl-pillow (DataLoader, own best decoder)"]
+    assert value == pytest.approx(0.02 / 0.0104) and met
+    assert not any("dl-pillow-nodraft (DataLoader" in name for name in goals)
+    assert goals["samples per CPU-s / ray-pillow (Ray Data, own best decoder)"][1] is True
+    assert goals["samples/s / ray-pillow"] == (pytest.approx(120 / 130), False)
+    assert goals["samples/s / dl-pillow-nodraft"][1] is True
+    assert not any("tf-" in name for name in goals)  # a peer that did not run has no goal
+    assert not any(name == "samples/s / floor" for name in goals)
+    assert goals["start-up s: launch to first sample"] == (1.0, True)
+    assert goals["peak PSS / dl-ours"] == (1.0, True)
+    heavy = dict(rows, disttrain=figures.summarise([_run(0.0104, 120, peak_pss_mib=151.0, startup_s=2.5)]))
+    short = dict(rows, disttrain=figures.summarise([_run(0.0104, 120, startup_s=1.5)]))
+    goals = {name: (value, met) for name, value, _, met in figures.goals(heavy, short)}
+    assert goals["start-up s: launch to first sample"] == (1.5, True)  # start-up from the short runs
+    assert goals["peak PSS / dl-ours"] == (pytest.approx(1.51), False)
+
+
+def test_verdict_says_by_how_much_a_goal_is_missed():
+    assert figures.verdict(1.04, 1.05, True) == "met"
+    assert figures.verdict(1.26, 1.05, False) == "NOT met: 20.0% over"
+    assert figures.verdict(0.99, 1.1, False) == "NOT met: 10.0% short"
+    assert figures.verdict(float("nan"), 1.1, False) == "not measured"
+
+
+def test_ratios_put_the_same_decoder_on_both_sides():
+    rows = _rows(disttrain=_run(0.010, 200), **{"dl-ours": _run(0.012, 150), "dl-pillow": _run(0.018, 90),
+                                               "ray-ours": _run(0.02, 100), "ray-pillow": _run(0.03, 80)})
+    assert figures.ratios(rows) == [("dl-ours", pytest.approx(1.2), pytest.approx(200 / 150)),
+                                    ("ray-ours", pytest.approx(2.0), pytest.approx(2.0))]
+    (dl, _, _), (ray, _, _) = figures.ratios(rows, "window")
+    assert (dl, ray) == ("dl-ours", "ray-ours")
+    assert figures.decoder_gain(rows) == [("dl-pillow / dl-ours", pytest.approx(1.5)),
+                                          ("ray-pillow / ray-ours", pytest.approx(1.5))]
+
+
+def test_the_tables_follow_the_bench_json_shape():
+    rows = _rows(floor=_run(0.010, 50), disttrain=_run(0.0104, 120), **{"dl-ours": _run(0.012, 100)})
+    for row in rows.values():
+        for key in ("cores_run", "cores_window", "teardown_cpu_s", "window_first_sample", "window_samples"):
+            row[key] = {"median": 1.0, "min": 1.0, "max": 1.0}
+    rows["ray-ours"] = {"error": "exit 1: boom"}
+    doc = benchjson.document("peers", argv=["bench/peers.py", "--quick"])
+    doc["tables"] += peers.tables(rows, "short") + peers.summary_tables(rows, rows, "short")
+    benchjson.check(doc)
+    run, window = doc["tables"][:2]
+    assert [r[0] for r in run["rows"]] == ["floor", "disttrain", "dl-ours", "ray-ours"]
+    assert run["rows"][-1][1] == "FAILED"
+    assert [r[0] for r in window["rows"]] == ["floor", "disttrain", "dl-ours"]
+
+
+def test_consumers_mark_the_kth_sample_once_across_processes():
+    script = ("import multiprocessing as mp, peers_systems as ps\n"
+              "shared = mp.Value('q', 0)\n"
+              "a, b = ps.Tally(shared, mark_at=5), ps.Tally(shared, mark_at=5)\n"
+              "a.add(2, 10); print('after 2'); b.add(2, 10); print('after 4'); a.add(3, 10); print('after 7')\n"
+              "b.add(3, 10)\n"
+              "print(ps.merged([a.as_dict(), b.as_dict()])['samples'])\n")
+    out = subprocess.run([sys.executable, "-u", "-c", script], cwd=BENCH, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["after", "2", "after", "4", "PEERS-MARK", "after", "7", "10"]
 
 
 def test_setup_refuses_a_dry_run_that_brings_cuda_or_another_torch():
@@ -54,7 +187,7 @@ def test_setup_refuses_a_dry_run_that_brings_cuda_or_another_torch():
 
 
 def test_tree_sampler_counts_a_grandchild_whose_usage_its_parent_discards():
-    sampler = peers.TreeSampler()
+    sampler = peers_tree.TreeSampler()
     # The child ignores SIGCHLD, so the kernel discards the grandchild's usage: RUSAGE_CHILDREN
     # alone would miss it; the sampler saw it while it ran.
     script = ("import signal, subprocess, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); "

@@ -1,18 +1,20 @@
 """Load test: many concurrent client streams against 2 replicas on loopback, for a bounded time.
 
-    python bench/load.py [--streams 32] [--duration 60] [--json FILE]
+    python bench/load.py [--streams 32] [--duration 60] [--quick] [--json FILE]
 
 One job with --streams data-parallel ranks (2048-token sequences, 1 per microbatch, 2
 microbatches per step, the demo data set repeated) is served by 2 replica processes (one decode
 worker each) on a real redis-server; rank r reads from replica r % 2 in one of 4 client
 processes (threads per rank). Reported: microbatches and samples per second over all streams,
 the time between consecutive microbatches of a stream (median, p99, max over all streams, the p99
-over the median, which the decode pool's fair scheduling keeps under 2, and each stream's own
-median and p99; a microbatch with no media, at the end of an epoch, needs no decoding and comes
+over the median (target: under 2; the decode pool schedules the streams fairly), and each stream's
+own median and p99; a microbatch with no media, at the end of an epoch, needs no decoding and comes
 right after the one before, as it would from any scheduler), and the service's
 memory: the resident set of each replica with its decode workers, sampled every second; the
 peak in the first and the last third of the run show whether memory stays bounded (it should:
-every queue is bounded). Machines here are noisy and have 2 cores shared by everything.
+every queue is bounded). Machines here are noisy, and replicas, Redis and clients share its cores.
+``--quick`` is a smoke run (4 streams in 2 client processes, 3 s but at least 4 microbatches per
+stream, one synthetic shard of 40 samples), not a measurement.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import benchjson  # noqa: E402
 from soak import tree_pids  # noqa: E402  (bench/ is on sys.path when this runs as a script)
 
 from disttrain_api.config import JobConfig  # noqa: E402
@@ -77,8 +81,10 @@ def _gap_figures(results: dict) -> tuple[dict, list[str]]:
             "stream_p99_over_median_median": round(statistics.median(ratios), 2)}, lines
 
 
-def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline: float, out) -> None:
-    """One client process: a thread per rank, each iterating its stream until the deadline."""
+def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline: float, out,
+             min_microbatches: int = 0) -> None:
+    """One client process: a thread per rank, each iterating its stream until the deadline (and
+    at least ``min_microbatches``)."""
     from trainer import DataClient
 
     results = {}
@@ -95,7 +101,7 @@ def _clients(ranks: list[int], addresses: list[str], config: JobConfig, deadline
                     last = now
                     count += 1
                     samples += len(mb.sample_keys)
-                    if now >= deadline:
+                    if now >= deadline and count >= min_microbatches:
                         break
         except Exception as exc:  # reported, not hidden
             errors.append(repr(exc))
@@ -114,15 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 4 streams in 2 client processes, 3 s (at least 4 microbatches per stream), "
+                             "one synthetic shard of 40 samples")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--raw", type=Path, help="write every stream's arrival times (s, step, index) here")
     args = parser.parse_args(argv)
-    shards = str(ensure_demo_dataset(REPO / "data" / "laion-demo")[0].parent)
+    client_processes = CLIENT_PROCESSES
+    if args.quick:
+        args.streams, args.duration, client_processes = min(args.streams, 4), min(args.duration, 3.0), 2
+        shards = str(Path(benchjson.quick_shards()[0]).parent)
+    else:
+        shards = str(ensure_demo_dataset(REPO / "data" / "laion-demo")[0].parent)
     config = JobConfig(shards=(shards,), seq_len=2048, dp_size=args.streams, num_microbatches=2,
                        seqs_per_microbatch=1, num_epochs=1000)
     work = Path(tempfile.mkdtemp(prefix="disttrain-load-"))
     with LocalRedis(work / "redis") as redis_server:
-        replicas = [Replica(redis_server.url, log_path=work / f"replica{i}.log").start() for i in range(2)]
+        replicas = [Replica(redis_server.url, log_path=work / f"replica{i}.log").start(wait=False) for i in range(2)]
+        for replica in replicas:  # both start at once
+            replica.wait_ready()
         addresses = [r.address for r in replicas]
         samples_rss: list[tuple[float, int]] = []
         stop = threading.Event()
@@ -137,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         sampler.start()
         out = mp.Queue()
-        groups = [list(range(i, args.streams, CLIENT_PROCESSES)) for i in range(CLIENT_PROCESSES)]
-        procs = [mp.Process(target=_clients, args=(g, addresses, config, time.monotonic() + args.duration, out))
+        groups = [list(range(i, args.streams, client_processes)) for i in range(client_processes)]
+        deadline = time.monotonic() + args.duration
+        procs = [mp.Process(target=_clients, args=(g, addresses, config, deadline, out, 4 if args.quick else 0))
                  for g in groups]
         for p in procs:
             p.start()
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     microbatches = sum(r["microbatches"] for r in results.values())
     samples = sum(r["samples"] for r in results.values())
     errors = [e for r in results.values() for e in r["errors"]]
-    third = args.duration / 3
+    third = elapsed / 3  # of the run as it went (the last microbatches may come after --duration)
     first = max((m for t, m in samples_rss if t - start <= third), default=0)
     last = max((m for t, m in samples_rss if t - start >= 2 * third), default=0)
     figures = {
@@ -171,16 +188,29 @@ def main(argv: list[str] | None = None) -> int:
         "rss_peak_first_third_mib": round(first / 2**20), "rss_peak_last_third_mib": round(last / 2**20),
         "memory_bounded": last <= 1.1 * first,
     }
-    print(f"{args.streams} streams on 2 replicas for {elapsed:.0f} s (2 cores shared by replicas, Redis and clients)")
+    print(f"{args.streams} streams on 2 replicas for {elapsed:.0f} s ({len(os.sched_getaffinity(0))} cores shared by "
+          "replicas, Redis and clients)")
     for key, value in figures.items():
         print(f"  {key:31s} {value}")
     print("  time between microbatches, per stream:")
     print("\n".join(stream_lines))
-    if args.json:
-        args.json.write_text(json.dumps({**figures, "per_stream": {
-            rank: {"median_ms": round(1000 * statistics.median(r["gaps"]), 1),
-                   "p99_ms": round(1000 * _percentile(sorted(r["gaps"]), 0.99), 1)}
-            for rank, r in sorted(results.items()) if r["gaps"]}}, indent=2))
+    per_stream = {rank: {"median_ms": round(1000 * statistics.median(r["gaps"]), 1),
+                         "p99_ms": round(1000 * _percentile(sorted(r["gaps"]), 0.99), 1)}
+                  for rank, r in sorted(results.items()) if r["gaps"]}
+    doc = benchjson.document("load", quick=args.quick) | figures | {"per_stream": per_stream}
+    doc["tables"].append(benchjson.table(
+        f"load: {args.streams} streams on 2 replicas for {elapsed:.0f} s", ["figure", "value"],
+        [[key, value if not isinstance(value, list) else len(value)] for key, value in figures.items()],
+        notes=["gap: time between consecutive microbatches of a stream; target: p99 / median under 2",
+               "rss: the replicas with their decode workers, sampled every second; memory_bounded: the peak of "
+               "the last third within 1.1x the first third's", "errors: the number of streams' errors",
+               "replicas, Redis and the clients share this machine's cores"]))
+    doc["tables"].append(benchjson.table(
+        "time between microbatches, per stream", ["rank", "median ms", "p99 ms", "p99 / median"],
+        [[rank, row["median_ms"], row["p99_ms"],
+          round(row["p99_ms"] / row["median_ms"], 2) if row["median_ms"] else None]
+         for rank, row in per_stream.items()]))
+    benchjson.write(args.json, doc)
     return 0 if not errors and figures["streams_served"] == args.streams else 1
 
 

@@ -871,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=3, help="global batches averaged per ladder")
     parser.add_argument("--backbones", help="default 7B,13B,72B (--quick: 7B)")
     parser.add_argument("--accelerators", help="default A800,H100 (--quick: A800)")
-    parser.add_argument("--seqs-per-microbatch", default="1,2,4",
+    parser.add_argument("--seqs-per-microbatch",
                         help="sequences per rank per microbatch, one ladder per value (default 1,2,4; --quick: 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: one batch of 1152 sequences, 7B on A800 at S=1 unless named, no sweep")
@@ -879,14 +879,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write the ladder (and sweep) chart here (PNG)")
     parser.add_argument("--json", type=Path, help="write every ladder and sweep point here")
     args = parser.parse_args(argv)
-    given = set(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.batches, args.global_batch, args.sweep = 1, 1152, False
-        if "--seqs-per-microbatch" not in given:
-            args.seqs_per_microbatch = "1"
     backbones = tuple((args.backbones or ("7B" if args.quick else "7B,13B,72B")).split(","))
     accelerators = tuple((args.accelerators or ("A800" if args.quick else "A800,H100")).split(","))
-    per_microbatch = [int(v) for v in args.seqs_per_microbatch.split(",")]
+    per_microbatch = [int(v) for v in (args.seqs_per_microbatch or ("1" if args.quick else "1,2,4")).split(",")]
     if any(S < 1 or args.global_batch % S for S in per_microbatch):
         parser.error(f"every --seqs-per-microbatch must be >= 1 and divide --global-batch {args.global_batch}, "
                      f"got {per_microbatch}")
@@ -926,8 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, ladders, records)
         print(f"wrote {args.plot}")
     if args.json:
-        doc = benchjson.document("paper", quick=args.quick, argv=[str(BENCH / "paper.py"), *sorted(given, key=(
-            sys.argv[1:] if argv is None else argv).index)])
+        doc = benchjson.document("paper", quick=args.quick, argv=[str(BENCH / "paper.py"), *given])
         doc["tables"] += [ladder_table(ladders), planners_table(ladders)]
         for t in doc["tables"]:
             t["notes"] += [f"skipped: {line}" for line in skipped]

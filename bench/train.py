@@ -84,8 +84,8 @@ LAYERS = 8
 SEQ_LEN = 2048
 WARMUP = 2
 QUICK = {"rounds": 1, "steps": 1, "global_batch": 4, "layers": 1, "seq_len": 512, "warmup": 1, "probes": 2,
-         "spread": 8, "seqs_per_microbatch": "1"}
-"""--quick: one step after one warm-up step of a one-block model on 512-token sequences, at S = 1."""
+         "spread": 8}
+"""--quick: one step after one warm-up step of a one-block model on 512-token sequences."""
 REORDERS = ("arrival", "paper", "ours")
 PREFETCH = 64
 """Microbatches the service prepares ahead per stream: more than one run's (steps + 2) x M."""
@@ -193,15 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1 round of 1 step, a 1-block model, 512-token sequences, 4 sequences, "
-                             "monolithic, arrival and ours, S=1")
+                             "monolithic, arrival and ours")
     args = parser.parse_args(argv)
     seq_len, warmup, probes, spread_n = SEQ_LEN, WARMUP, 6, 48
     if args.quick:
         args.rounds, args.steps, args.global_batch, args.layers = (QUICK[k] for k in ("rounds", "steps", "global_batch",
                                                                                       "layers"))
         seq_len, warmup, probes, spread_n = (QUICK[k] for k in ("seq_len", "warmup", "probes", "spread"))
-        if "--seqs-per-microbatch" not in (sys.argv[1:] if argv is None else argv):
-            args.seqs_per_microbatch = QUICK["seqs_per_microbatch"]
     per_microbatch = [int(v) for v in args.seqs_per_microbatch.split(",")]
     if any(S < 1 or args.global_batch % S for S in per_microbatch):
         parser.error(f"every --seqs-per-microbatch must be >= 1 and divide --global-batch {args.global_batch}, "

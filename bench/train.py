@@ -90,6 +90,8 @@ REORDERS = ("arrival", "paper", "ours")
 PREFETCH = 64
 """Microbatches the service prepares ahead per stream: more than one run's (steps + 2) x M."""
 DATA = REPO / "data" / "bench-train"
+QUICK_DATA = REPO / "data" / "bench-train-quick"
+"""--quick's smaller dataset: apart, so that a quick run never rewrites the full one."""
 MIX = {"text_share": 0.30, "interleaved_share": 0.10, "generate_share": 0.10, "audio_share": 0.05}
 """Sample kinds besides the image-caption pairs (the rest, 45%)."""
 
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 1)")
     parser.add_argument("--layers", type=int, default=LAYERS, help="backbone blocks")
     parser.add_argument("--seed", type=int, default=0, help="data seed of round 0 (round r: seed + r)")
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data", type=Path, help=f"dataset folder (default {DATA.relative_to(REPO)}; --quick: "
+                                                   f"{QUICK_DATA.relative_to(REPO)})")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1 round of 1 step, a 1-block model, 512-token sequences, 4 sequences, "
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     if args.procs > cores:
         print(f"warning: {args.procs} processes on {cores} cores: contention, not the pipeline, sets the step time")
-    shards = dataset(args.data, *((1, 60) if args.quick else (4, 250)))
+    shards = dataset(args.data or (QUICK_DATA if args.quick else DATA), *((1, 60) if args.quick else (4, 250)))
     torch.set_num_threads(1)
     started = time.perf_counter()
     probe_server, probe_port, _ = create_server("127.0.0.1:0", decode_workers=0)  # 2 ahead: decodes little

@@ -1,9 +1,9 @@
 """Remote shards: bytes fetched per epoch over the shard bytes, cold and warm, and wall times.
 
-    .venv/bin/python bench/remote.py [--no-cache-baseline] [--json FILE]
+    .venv/bin/python bench/remote.py [--no-cache-baseline] [--quick] [--json FILE]
 
-The demo shards (``./dev.sh run``'s: 4 synthetic LAION-style shards and a corrupt one, about
-212 MB) are served by nginx (tests/webservers.py: Debian's nginx in the foreground on a free
+The demo shards (``./dev.sh run``'s: 4 synthetic LAION-style shards and a corrupt one) are served
+by nginx (tests/webservers.py: Debian's nginx in the foreground on a free
 loopback port, its access log recording the bytes sent per request). ``./dev.sh run``'s job (2
 client ranks, one epoch, run_job) runs over the http URLs against an embedded service
 (create_server, decode workers one per core), in two modes:
@@ -13,40 +13,46 @@ client ranks, one epoch, run_job) runs over the http URLs against an embedded se
 - one replica over Redis (redis-server on a free port): every microbatch re-reads its samples
   from the shards (``shared_job.py``), which is where a cache matters: cold, warm, a cache that
   holds only 2 of the 5 shards, and with --no-cache-baseline the behaviour before the cache
-  (shard_cache_bytes = 0: every microbatch scans its shards again over HTTP; minutes).
+  (shard_cache_bytes = 0: every microbatch scans its shards again over HTTP: slow).
 - local files, single node, for the wall time.
 
 Printed per run: bytes the service received (its counters) and bytes nginx sent (body, and with
 headers), each over the bytes of the shards, the shard GETs nginx served, the wall time, and
 the exactly-once check. (run_job lists every shard's keys itself for that check: those reads are
 made once, before the measured runs, and not counted.) Everything shares this machine's cores:
-compare ratios, not seconds.
+compare ratios, not seconds. ``--quick`` is a smoke run (3 synthetic shards of 20 samples instead
+of the demo set, one client rank), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+import benchjson  # noqa: E402
+
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.adapters import shards  # noqa: E402
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
-from preprocess_service.service.localcluster import LocalRedis  # noqa: E402
-from preprocess_service.service.runner import run_job  # noqa: E402
-from preprocess_service.service.server import Limits, create_server  # noqa: E402
 from webservers import Nginx  # noqa: E402  (tests/ is on sys.path when this runs as a script)
+
+if TYPE_CHECKING:
+    from preprocess_service.service.server import Limits
+
+# The service's modules are imported in the functions that use them: run_job's client processes
+# start by spawn, which runs this script's top level again, and a client needs none of them.
 
 
 def _run(name: str, config: JobConfig, server_and_reader, nginx: Nginx, shard_bytes: int) -> dict:
+    from preprocess_service.service.runner import run_job
+
     server, reader = server_and_reader
     before = reader.cache.stats() if reader else None
     log_start = len(nginx.log())
@@ -69,6 +75,8 @@ def _run(name: str, config: JobConfig, server_and_reader, nginx: Nginx, shard_by
 
 class _Service:
     def __init__(self, limits: Limits, redis_url: str | None = None):
+        from preprocess_service.service.server import create_server
+
         self.server, self.port, self.servicer = create_server("127.0.0.1:0", limits=limits, redis_url=redis_url)
 
     def __enter__(self):
@@ -81,11 +89,19 @@ class _Service:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-cache-baseline", action="store_true", help="also run with shard_cache_bytes = 0")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 3 synthetic shards of 20 samples, one client rank")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
-    paths = ensure_demo_dataset(REPO / "data" / "laion-demo")
+    from preprocess_service.adapters import shards
+    from preprocess_service.service.cli import ensure_demo_dataset
+    from preprocess_service.service.localcluster import LocalRedis
+    from preprocess_service.service.server import Limits
+
+    paths = ([Path(p) for p in benchjson.quick_shards(3, 20)] if args.quick
+             else ensure_demo_dataset(REPO / "data" / "laion-demo"))
     shard_bytes = sum(p.stat().st_size for p in paths)
-    config = JobConfig(shards=tuple(map(str, paths)), dp_size=2)
+    config = JobConfig(shards=tuple(map(str, paths)), dp_size=1 if args.quick else 2)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp, \
             Nginx(paths[0].parent, Path(tmp) / "nginx") as nginx, LocalRedis(Path(tmp) / "redis") as redis:
@@ -96,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         http = dataclasses.replace(config, shards=urls)
         limits = Limits(shard_cache_dir=tmp)
         small = dataclasses.replace(limits, shard_cache_bytes=max(p.stat().st_size for p in paths) * 2 + 1)
+        small_label = f"cache of 2 shards ({small.shard_cache_bytes / 1e6:.0f} MB)"
         runs = [("single node", None, [("cold cache", limits, 0), ("warm cache (a new job)", None, 1)]),
                 ("replica on Redis", redis.url, [("cold cache", limits, 2), ("warm cache (a new job)", None, 3),
-                                                 ("cache of 2 shards (120 MB)", small, 4)]
+                                                 (small_label, small, 4)]
                  + ([("no cache (before)", dataclasses.replace(limits, shard_cache_bytes=0), 5)]
                     if args.no_cache_baseline else []))]
         for mode, redis_url, steps in runs:
@@ -113,16 +130,25 @@ def main(argv: list[str] | None = None) -> int:
             service.__exit__()
         with _Service(limits) as service:
             rows.append(_run("single node: local files", config, (service[0], None), nginx, shard_bytes))
-    print(f"{len(paths)} demo shards, {shard_bytes / 1e6:.1f} MB, served by nginx on loopback; job: dp_size 2, "
-          f"1 epoch, {config.seq_len}-token sequences")
+    print(f"{len(paths)} shards, {shard_bytes / 1e6:.1f} MB, served by nginx on loopback; job: "
+          f"dp_size {config.dp_size}, 1 epoch, {config.seq_len}-token sequences")
     print(f"{'run':44s} {'fetched/shards':>14s} {'nginx body':>10s} {'+headers':>9s} {'GETs':>5s} {'wall s':>7s}  ok")
     for row in rows:
         fetched = f"{row['fetched_ratio']:.4f}x" if "fetched_ratio" in row else "-"
         print(f"{row['run']:44s} {fetched:>14s} {row['nginx_body_ratio']:9.4f}x "
               f"{row['nginx_with_headers_ratio']:8.4f}x {row['shard_gets']:5d} {row['wall_s']:7.1f}  "
               f"{row['exactly_once']}  {row.get('events', '')}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    doc = benchjson.document("remote", quick=args.quick) | {"rows": rows}
+    doc["tables"].append(benchjson.table(
+        f"remote shards: {len(paths)} shards, {shard_bytes / 1e6:.1f} MB, served by nginx on loopback; job: dp_size "
+        f"{config.dp_size}, 1 epoch, {config.seq_len}-token sequences",
+        ["run", "fetched/shards", "nginx body/shards", "nginx with headers/shards", "GETs", "wall s", "exactly once"],
+        [[row["run"], round(row["fetched_ratio"], 4) if "fetched_ratio" in row else None,
+          round(row["nginx_body_ratio"], 4), round(row["nginx_with_headers_ratio"], 4), row["shard_gets"],
+          row["wall_s"], row["exactly_once"]] for row in rows],
+        notes=["fetched: the bytes the service received (its shard cache's counters); nginx: the bytes it sent, from "
+               "its access log", "everything shares this machine's cores: compare ratios, not seconds"]))
+    benchjson.write(args.json, doc)
     return 0 if all(row["exactly_once"] for row in rows) else 1
 
 

@@ -205,7 +205,7 @@ def sequence_features(docs: list[Document]) -> np.ndarray:
 def pack(docs: list[Document], seq_len: int, window: int, open_seqs: list | None = None) -> list[list[Document]]:
     """The service's Packer rule (core/packing.Packer: best fit over ``window`` open sequences, the
     fullest emitted when none fits) on token counts computed once: Packer recomputes them on every
-    add, minutes for a paper-scale batch. The test checks both emit the same sequences.
+    add, too slow for a paper-scale batch. The test checks both emit the same sequences.
     ``open_seqs`` ([free tokens, documents] pairs) carries the open sequences across calls."""
     open_seqs = [] if open_seqs is None else open_seqs
     emitted = []

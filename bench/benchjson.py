@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def machine() -> dict:
-    """What ran the bench: cores this process may use, CPU model, interpreter and torch versions."""
+    """What ran the bench: cores this process may use, CPU model, interpreter and torch versions, and
+    the machine's 1-minute load average when the bench started (other work shares the cores)."""
     cpu = platform.processor() or "?"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,7 +48,7 @@ def machine() -> dict:
     except Exception:  # not installed in this interpreter (a peer's venv without torch)
         torch = None
     return {"cores": len(os.sched_getaffinity(0)), "cpu": cpu, "python": platform.python_version(),
-            "torch": torch, "os": platform.platform(terse=True)}
+            "torch": torch, "os": platform.platform(terse=True), "load_1min": round(os.getloadavg()[0], 2)}
 
 
 def command(argv: list[str] | None = None) -> str:

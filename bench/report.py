@@ -78,7 +78,7 @@ def render_result(doc: dict) -> list[str]:
     if text := summary(doc["bench"]):
         lines += [text, ""]
     lines += [f"Command: `{doc['command']}`  ", f"Machine: {m['cores']} cores, {m['cpu']}, Python {m['python']}, "
-              f"torch {m.get('torch') or '-'}; {doc['date']}", ""]
+              f"torch {m.get('torch') or '-'}; load {m.get('load_1min', '?')} at start; {doc['date']}", ""]
     for table in doc["tables"]:
         lines += render_table(table)
     return lines

@@ -1,6 +1,6 @@
 """Replicas on Redis: throughput with 1 and 2 replicas, Redis traffic per step, and failover time.
 
-    python bench/replicas.py [--epochs 1] [--failovers 3] [--json FILE]
+    python bench/replicas.py [--epochs 1] [--failovers 3] [--quick] [--json FILE]
 
 1. throughput: the demo data set streamed to 2 ranks by 1 replica, then by 2 replicas (rank r on
    replica r), in one run. Every replica is its own process with one decode worker, so the ratio
@@ -13,13 +13,13 @@
    the kill to the first microbatch the rank receives from B. Measured killing a replica that only
    streams, and killing the one that holds the planning lease (B must first take the lease over,
    after --lease-ttl seconds, when the next step is not committed yet).
-Machines here are noisy: compare figures from one run only.
+Machines here are noisy: compare figures from one run only. ``--quick`` is a smoke run (one
+synthetic shard of 40 samples instead of the demo set, one failover per kind), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import benchjson  # noqa: E402
 import redis  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
@@ -149,14 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=1, help="epochs of the demo set in part 1")
     parser.add_argument("--failovers", type=int, default=3, help="kills per kind in part 3")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: one synthetic shard of 40 samples, one epoch, one failover per kind")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    shards = [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")]
+    if args.quick:
+        args.epochs, args.failovers = 1, 1
+    shards = (benchjson.quick_shards() if args.quick
+              else [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
     workdir = Path(tempfile.mkdtemp(prefix="disttrain-bench-replicas-"))
     figures = {}
 
     tp = figures["throughput"] = throughput(shards, workdir, args.epochs)
-    print("1. throughput, 2 ranks, demo set, one decode worker per replica")
+    print(f"1. throughput, 2 ranks, {'a synthetic shard' if args.quick else 'demo set'}, one decode worker per "
+          "replica")
     for n in (1, 2):
         print(f"   {n} replica{'s' if n > 1 else ' '}  {tp[n]['samples']:6d} samples in {tp[n]['seconds']:6.2f} s = "
               f"{tp[n]['samples_per_s']:7.1f} samples/s")
@@ -172,8 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n3. failover: SIGKILL of a rank's replica -> first microbatch from another (lease TTL {LEASE_TTL_S:g} s)")
     for kind, row in fo.items():
         print(f"   {kind:18s} median {row['median_s']:5.2f} s  (" + ", ".join(f"{v:.2f}" for v in row["all_s"]) + ")")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1, default=str))
+    doc = benchjson.document("replicas", quick=args.quick) | figures
+    doc["tables"] += [
+        benchjson.table("throughput, 2 ranks, one decode worker per replica (a process each)",
+                        ["replicas", "samples", "seconds", "samples/s"],
+                        [[n, tp[n]["samples"], round(tp[n]["seconds"], 2), round(tp[n]["samples_per_s"], 1)]
+                         for n in (1, 2)], notes=[f"ratio 2 / 1 replicas: {tp['ratio']:.2f}"]),
+        benchjson.table("Redis traffic of 2 replicas serving 2 ranks, per step",
+                        ["epochs", "steps", "commands/step", "round trips/step"],
+                        [[epochs, row["steps"], round(row["commands_per_step"], 1),
+                          round(row["round_trips_per_step"], 1)] for epochs, row in rt.items()],
+                        notes=["constant per step: the traffic does not grow with the data set"]),
+        benchjson.table(f"failover: SIGKILL of a rank's replica -> first microbatch from another (lease TTL "
+                        f"{LEASE_TTL_S:g} s)", ["replica killed", "median s", "all s"],
+                        [[kind, round(row["median_s"], 2), ", ".join(f"{v:.2f}" for v in row["all_s"])]
+                         for kind, row in fo.items()])]
+    benchjson.write(args.json, doc)
     return 0
 
 

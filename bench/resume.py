@@ -1,17 +1,24 @@
-"""Resume cost and held memory along a long epoch: ``.venv/bin/python bench/resume.py``.
+"""Resume cost and held memory along a long epoch.
 
-A job over one long epoch (default 48 shards x 500 samples; captions and a small JPEG each, so
-that a step packs about 24 samples and the epoch has about 1,000 steps) is planned step by step
-while every rank acknowledges each step, as a trainer acknowledging its checkpoints does. Printed:
+    .venv/bin/python bench/resume.py [--shards 48] [--per-shard 500] [--early 10] [--late 1000]
+                                     [--repeats 3] [--quick] [--json FILE]
 
-- resume time at step 10 and at step 1,000: a new Job loads the state the first job had at that
-  acknowledged step (``Job.state_dict()``) and plans the step. Baseline in the same run: what a
-  restarted node did before, planning again from step 0 up to that step.
-- the state's size at both steps;
+A job over one long epoch (--shards x --per-shard samples written here: captions and a small JPEG
+each, so that a step packs many samples and the epoch has many steps; SETUP prints how many) is
+planned step by step while every rank acknowledges each step, as a trainer acknowledging its
+checkpoints does. Printed:
+
+- resume time at step --early and at step --late, and at the multiples of the planner's snapshot
+  interval at or above them: a new Job loads the state the first job had at that acknowledged step
+  (``Job.state_dict()``) and plans the step. Baseline in the same run: what a restarted node did
+  before, planning again from step 0 up to that step.
+- the state's size at those steps;
 - Python heap held by the job after N steps (tracemalloc), with acknowledgements (plans dropped)
   and without (the baseline: every plan kept, as before).
 
-Ratios, not seconds, are what to compare: these machines are noisy.
+Ratios, not seconds, are what to compare: these machines are noisy. ``--quick`` is a smoke run (2
+shards of 400 samples, steps 2 and 30, one repeat), not a measurement; it writes this bench's own
+tiny samples rather than benchjson.quick_shards', which hold too few samples for a long epoch.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import webdataset as wds
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchjson
 
 from disttrain_api.config import JobConfig
 from preprocess_service.service.job import Job
@@ -111,7 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--early", type=int, default=10)
     parser.add_argument("--late", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 shards of 400 samples, resume at steps 2 and 30, one repeat")
+    parser.add_argument("--json", type=Path, help="also write the tables here")
     args = parser.parse_args(argv)
+    memory_steps = (10, 100, 300, 1000)
+    if args.quick:
+        args.shards, args.per_shard, args.early, args.late, args.repeats = 2, 400, 2, 30, 1
+        memory_steps = (2, 10, 30)
     with tempfile.TemporaryDirectory() as tmp:
         shards = Path(tmp)
         write_shards(shards, args.shards, args.per_shard)
@@ -123,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         aligned = tuple(min(a, (num_steps - 1) // every * every) for a in aligned)
         if late != args.late:
             states, _ = plan_and_acknowledge(config, {args.early, late, *aligned})
-        print(f"SETUP  one epoch of {args.shards * args.per_shard} samples, {num_steps} steps; "
-              f"global batch {config.global_batch} sequences of {config.seq_len} tokens; "
-              f"shuffle buffer {config.shuffle_buffer}; planner state every {Job(config).snapshot_every} steps")
+        setup = (f"one epoch of {args.shards * args.per_shard} samples, {num_steps} steps; "
+                 f"global batch {config.global_batch} sequences of {config.seq_len} tokens; "
+                 f"shuffle buffer {config.shuffle_buffer}; planner state every {Job(config).snapshot_every} steps")
+        print(f"SETUP  {setup}")
         rows = []
         for step in (args.early, late, *aligned):
             resume = [time_resume(config, states[step], step) for _ in range(args.repeats)]
@@ -136,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         for step, resume, replan, size in rows:
             print(f"{step:>15} {resume:>13.3f} {replan:>16.3f} {replan / resume:>8.1f}x {size / 1024:>9.1f}")
         early, late_row, aligned_early, aligned_late = rows
-        print(f"RESULT resume time at step {late_row[0]} / at step {early[0]}: {late_row[1] / early[1]:.2f}x "
-              f"(goal: 1.0 within noise; each replans at most {every - 1} steps from the nearest stored state, "
-              f"step {early[0]} from step 0's, which refills the shuffle buffer); replanning from step 0 instead: "
-              f"{late_row[2] / early[2]:.1f}x")
-        print(f"RESULT resume time at step {aligned_late[0]} / at step {aligned_early[0]}: "
-              f"{aligned_late[1] / aligned_early[1]:.2f}x")
-        checkpoints = [c for c in (10, 100, 300, 1000) if c < num_steps]
+        results = [
+            [f"resume time at step {late_row[0]} / at step {early[0]}", round(late_row[1] / early[1], 2),
+             f"1.0 within noise; each replans at most {every - 1} steps from the nearest stored state, step "
+             f"{early[0]} from step 0's, which refills the shuffle buffer"],
+            [f"replan from step 0: at step {late_row[0]} / at step {early[0]}", round(late_row[2] / early[2], 1),
+             "the baseline"],
+            [f"resume time at step {aligned_late[0]} / at step {aligned_early[0]}",
+             round(aligned_late[1] / aligned_early[1], 2), "1.0 within noise"]]
+        print(f"RESULT {results[0][0]}: {results[0][1]:.2f}x (goal: {results[0][2]}); replanning from step 0 "
+              f"instead: {results[1][1]:.1f}x")
+        print(f"RESULT {results[2][0]}: {results[2][1]:.2f}x")
+        checkpoints = [c for c in memory_steps if c < num_steps]
         kept = held_memory(config, checkpoints, acknowledge=True)
         held = held_memory(config, checkpoints, acknowledge=False)
         print(f"\n{'after N steps':>14} {'acknowledged MiB':>17} {'never acknowledged MiB':>23}")
@@ -151,6 +173,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"RESULT memory held after {checkpoints[-1]} / after {checkpoints[0]} steps: "
               f"{kept[checkpoints[-1]] / kept[checkpoints[0]]:.2f}x with acknowledgements (goal: flat), "
               f"{held[checkpoints[-1]] / held[checkpoints[0]]:.1f}x keeping every plan")
+        results += [[f"memory held after {checkpoints[-1]} / after {checkpoints[0]} steps, acknowledged",
+                     round(kept[checkpoints[-1]] / kept[checkpoints[0]], 2), "flat (1.0)"],
+                    [f"memory held after {checkpoints[-1]} / after {checkpoints[0]} steps, every plan kept",
+                     round(held[checkpoints[-1]] / held[checkpoints[0]], 1), "the baseline"]]
+    doc = benchjson.document("resume", quick=args.quick)
+    doc["tables"] += [
+        benchjson.table("resume from the acknowledged step's state vs replanning from step 0",
+                        ["resume at step", "from state s", "replan from 0 s", "speed-up", "state KB"],
+                        [[step, round(resume, 4), round(replan, 4), round(replan / resume, 1), round(size / 1024, 1)]
+                         for step, resume, replan, size in rows],
+                        notes=[setup, f"medians of {args.repeats} repeats"]),
+        benchjson.table("Python heap held by the job after N steps (tracemalloc)",
+                        ["after N steps", "acknowledged MiB", "never acknowledged MiB"],
+                        [[n, round(kept[n], 2), round(held[n], 2)] for n in checkpoints]),
+        benchjson.table("results", ["ratio", "value", "goal"], results,
+                        notes=["ratios, not seconds, are what to compare: these machines are noisy"])]
+    benchjson.write(args.json, doc)
     return 0
 
 

@@ -8,7 +8,7 @@ share no code with them.
    gap to the optimum found by exhaustive search (reference_planner.exact_optimum).
 2. Larger instances (D ranks in {8, 32, 64}, M microbatches in {8, 32}, P stages in {4, 8}, S sequences
    per microbatch in {1, 2, 4}): every planner's gap to an independent ``--search-s``-second search
-   (reference_planner.search: its own simulator, a vector-LPT start, random restarts, swaps across
+   (reference_search.search: its own simulator, a vector-LPT start, random restarts, swaps across
    ranks and slots under a smooth objective; a negative gap means the planner found the faster plan);
    the default planner's gap to the same-kernel search (search_reference: ours' own moves, from the best
    planner's plan, for as long: what more time buys, not how far the best plan is); ratios to the batch
@@ -52,10 +52,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchjson, reference_planner
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchjson, reference_*
 
 import benchjson
 import reference_planner as reference
+import reference_search
 
 from disttrain_api.config import JobConfig, field_defaults
 from disttrain_api.layout import StageModel
@@ -138,7 +139,7 @@ def coupled_table(seeds: int, dump: list | None) -> list[float]:
 
 def search_reference(args: tuple) -> float:
     """The reference a planner's gap is measured against: a time-boxed local search with the exact
-    simulator (bench only, so boxed by wall time, not ops). From the best plan of all planners:
+    simulator (bench only, so boxed by the thread's CPU time, not ops). From the best plan of all planners:
     the planner's local search (simkernels.local_search) to a local optimum, then iterated local
     search until ``seconds`` are up: perturb the best plan by random sequence swaps between random
     ranks (2% of the batch), search to a local optimum again, keep it when it is no slower.
@@ -161,9 +162,9 @@ def search_reference(args: tuple) -> float:
     best = np.ascontiguousarray(start, dtype=np.int64)
     best_s = span(best)
     patience = 4 * (M * M + 9 * (M * S) ** 2)
-    deadline = time.perf_counter() + seconds
+    deadline = time.thread_time() + seconds
     plan = best.copy()
-    while time.perf_counter() < deadline:
+    while time.thread_time() < deadline:
         simkernels.local_search(plan, seq_fwd, seq_bwd, *times(plan), L, groups, *order, latency,
                                 int(rng.integers(2**31 - 1)), 200_000, patience)
         spent = span(plan)
@@ -235,7 +236,7 @@ def run_search(task: tuple) -> float:
     or ``("same-kernel", search_reference's arguments...)``."""
     if task[0] == "independent":
         _, data, seconds, seed = task
-        return reference.search(reference.load_instance(data), seconds, seed)[0]
+        return reference_search.search(reference.load_instance(data), seconds, seed)[0]
     return search_reference(task[1:])
 
 
@@ -262,7 +263,7 @@ def planned_rows(dims: list[tuple[int, int, int, int]], seeds: int, algorithms: 
 
 def searches(rows: list[dict], seconds: float, jobs: int) -> None:
     """Adds each row's independent search result and same-kernel search result (row["independent_s"],
-    row["same_kernel_s"]), ``seconds`` of wall time each, in ``jobs`` processes."""
+    row["same_kernel_s"]), ``seconds`` of CPU time each, in ``jobs`` processes."""
     tasks = []
     for r in rows:
         start = min(r["plans"].items(), key=lambda kv: r["s"][kv[0]])[1]
@@ -291,14 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny instances and 0.5 s searches (a few seconds)")
     parser.add_argument("--deep", action="store_true", help="also run ours-deep (100 times ours' budget)")
     parser.add_argument("--search-s", type=float, default=None,
-                        help="seconds of each reference search per instance (default 20, --quick 0.5)")
+                        help="CPU seconds of each reference search per instance (default 20, --quick 0.5)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64], help="values of D (default 8 32 64)")
     parser.add_argument("--jobs", type=int, default=1, help="processes for the reference searches (default 1)")
     parser.add_argument("--json", type=Path, help="write the tables (and every instance and plan) here")
     parser.add_argument("--plot", type=Path, help="draw a 1F1B timeline before/after and the rank spread (PNG)")
     args = parser.parse_args(argv)
     seconds = args.search_s if args.search_s is not None else 0.5 if args.quick else 20.0
     algorithms = tuple(dict.fromkeys(ALGORITHMS + (DEFAULT,) + (("ours-deep",) if args.deep else ())))
-    dims = QUICK_DIMS if args.quick else list(itertools.product((8, 32, 64), (8, 32), (4, 8), (1, 2, 4)))
+    dims = QUICK_DIMS if args.quick else list(itertools.product(args.ranks, (8, 32), (4, 8), (1, 2, 4)))
     doc = benchjson.document("reorder", quick=args.quick, argv=None if argv is None else ["bench/reorder.py", *argv])
     jit = None if args.quick else jit_seconds()
     warm_up()

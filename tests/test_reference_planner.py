@@ -1,6 +1,6 @@
-"""bench/reference_planner.py, the planner's independent reference: its simulator agrees with the
-service's, its exact optima are optimal, its search returns valid plans; and bench/reorder.py
---quick prints and writes the comparison."""
+"""bench/reference_planner.py and reference_search.py, the planner's independent reference: its
+simulator agrees with the service's, its exact optima are optimal, its search returns valid plans;
+and bench/reorder.py --quick prints and writes the comparison."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def _load(name: str):
 
 
 ref = _load("reference_planner")
+search = _load("reference_search")
 
 STAGE_MAPS = [("enc", "bb/2", "bb/2", "gen"), ("enc", *["bb/6"] * 6, "gen"), ("enc+bb/2", "bb/2+gen"), ("bb",),
               ("enc", "bb", "gen")]
@@ -94,8 +95,8 @@ def test_exact_optimum_is_no_slower_than_any_planner(D, M, S, stage_map):
 def test_independent_search_returns_a_valid_plan_no_slower_than_its_start():
     inst = _instance(4, 6, 2, STAGE_MAPS[0], 5)
     r = ref.load_instance(inst.to_json())
-    start = ref.iteration_time(r, ref.vector_lpt_plan(r))
-    found, plan = ref.search(r, 0.3, seed=1)
+    start = ref.iteration_time(r, search.vector_lpt_plan(r))
+    found, plan = search.search(r, 0.3, seed=1)
     assert plan.shape == (4, 6, 2) and sorted(plan.ravel().tolist()) == list(range(48))
     assert found == pytest.approx(evaluate(inst, plan)["iteration_s"], rel=1e-9)
     assert found <= start

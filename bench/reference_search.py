@@ -1,0 +1,230 @@
+"""The planner's independent reference search: a vector-LPT start, random restarts, and swaps across
+ranks and slots under a smooth objective, on reference_planner's simulator (no code shared with the
+planner; independent ranks only, as reference_planner)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numba as nb
+import numpy as np
+from reference_planner import RefInstance, check_plan, plan_times, replay, replay_many, schedule
+
+
+@nb.njit(cache=True)
+def _vector_lpt(vec, items, key, bins, per_bin):
+    """Vector LPT with equal counts: ``items`` by descending ``key``, each to the bin with room whose
+    largest component (vec float[N, K], loads per component) stays lowest with it (ties: the lower
+    sum, then the lower bin). Returns int[bins, per_bin] of items."""
+    K = vec.shape[1]
+    load = np.zeros((bins, K))
+    count = np.zeros(bins, dtype=np.int64)
+    out = np.empty((bins, per_bin), dtype=np.int64)
+    for x in items[np.argsort(-key)]:
+        best, best_max, best_sum = -1, np.inf, np.inf
+        for b in range(bins):
+            if count[b] == per_bin:
+                continue
+            hi, total = 0.0, 0.0
+            for k in range(K):
+                v = load[b, k] + vec[x, k]
+                hi = max(hi, v)
+                total += v
+            if hi < best_max or (hi == best_max and total < best_sum):
+                best, best_max, best_sum = b, hi, total
+        out[best, count[best]] = x
+        count[best] += 1
+        for k in range(K):
+            load[best, k] += vec[x, k]
+    return out
+
+
+def vector_lpt_plan(inst: RefInstance, rng: np.random.Generator | None = None, noise: float = 0.0) -> np.ndarray:
+    """A starting plan: sequences to ranks by vector LPT on their per-stage work (forward + backward,
+    each stage scaled by its mean load per rank, so every component counts alike), then each rank's
+    sequences to its microbatches the same way; microbatches run in the order they were dealt.
+    With ``noise`` > 0 the LPT keys are multiplied by lognormal noise of that sigma (restarts)."""
+    D, M, S = inst.D, inst.M, inst.S
+    work = (inst.seq_fwd + inst.seq_bwd).T  # [N, P]
+    scale = work.sum(axis=0) / D
+    vec = np.ascontiguousarray(work / np.where(scale > 0, scale, 1.0))
+    key = vec.max(axis=1)
+    if noise > 0 and rng is not None:
+        key = key * rng.lognormal(0.0, noise, key.shape)
+    ranks = _vector_lpt(vec, np.arange(D * M * S), key, D, M * S)
+    return np.stack([_vector_lpt(vec * D / M, rank, key[rank], M, S) for rank in ranks])
+
+
+@nb.njit(cache=True)
+def _apply(F, B, r, m, sf, sb, new, old):
+    for p in range(F.shape[1]):
+        F[r, p, m] += sf[p, new] - sf[p, old]
+        B[r, p, m] += sb[p, new] - sb[p, old]
+
+
+def _kick(plan: np.ndarray, rng: np.random.Generator, fraction: float) -> np.ndarray:
+    """A copy of ``plan`` with about ``fraction`` of its sequences swapped pairwise between random
+    places of random ranks."""
+    D, M, S = plan.shape
+    flat = plan.reshape(-1).copy()
+    for _ in range(max(1, int(fraction * flat.size / 2))):
+        a, b = rng.integers(flat.size, size=2)
+        flat[a], flat[b] = flat[b], flat[a]
+    return flat.reshape(D, M, S)
+
+
+@nb.njit(cache=True)
+def _rank_pick(spans, power, top):
+    """A rank drawn with weight (span / top) ** power: the slow ones, mostly."""
+    total = 0.0
+    for r in range(spans.shape[0]):
+        total += (spans[r] / top) ** power
+    u = np.random.random() * total
+    for r in range(spans.shape[0]):
+        u -= (spans[r] / top) ** power
+        if u <= 0:
+            return r
+    return spans.shape[0] - 1
+
+
+@nb.njit(cache=True)
+def smooth_descent(plan, F, B, spans, sf, sb, sched, latency, max_evals, seed, power, best):
+    """Random moves kept when they lower sum over ranks of (span / top) ** power (top: the slowest
+    rank's span at the call): a smooth stand-in for the slowest rank that lets every rank make room.
+    Ranks are drawn with that weight; a move is one of: swap two microbatches' places, move one to
+    another place, swap two sequences between two of the rank's microbatches, swap one sequence with
+    a uniformly drawn other rank's (any places), or swap one whole microbatch with another rank's.
+    ``best`` int[D, M, S] receives the plan with the lowest slowest rank seen; returns its span."""
+    np.random.seed(seed)
+    D, M, S = plan.shape
+    P = F.shape[1]
+    end, last = np.empty(sched.shape[0]), np.empty(P)
+    top = spans.max()
+    best_span = top
+    best[:] = plan
+    colF, colB = np.empty(P), np.empty(P)
+    row = np.empty(S, dtype=np.int64)
+    for _ in range(max_evals):
+        r = _rank_pick(spans, power, top)
+        kind = np.random.randint(5)
+        if (kind <= 2 and M == 1) or (kind == 2 and S == 1) or (kind >= 3 and D == 1):
+            continue
+        i = np.random.randint(M)
+        j = np.random.randint(M - 1) if M > 1 else 0
+        if kind <= 2 and j >= i:
+            j += 1
+        w = r
+        if kind >= 3:
+            w = np.random.randint(D - 1)
+            w += w >= r
+            j = np.random.randint(M)
+        a, b = np.random.randint(S), np.random.randint(S)
+        # apply
+        if kind == 0:
+            for p in range(P):
+                F[r, p, i], F[r, p, j] = F[r, p, j], F[r, p, i]
+                B[r, p, i], B[r, p, j] = B[r, p, j], B[r, p, i]
+        elif kind == 1:
+            step = 1 if i < j else -1
+            for p in range(P):
+                colF[p], colB[p] = F[r, p, i], B[r, p, i]
+                k = i
+                while k != j:
+                    F[r, p, k], B[r, p, k] = F[r, p, k + step], B[r, p, k + step]
+                    k += step
+                F[r, p, j], B[r, p, j] = colF[p], colB[p]
+        elif kind == 2 or kind == 3:
+            x, y = plan[r, i, a], plan[w, j, b]
+            _apply(F, B, r, i, sf, sb, y, x)
+            _apply(F, B, w, j, sf, sb, x, y)
+        else:
+            for p in range(P):
+                F[r, p, i], F[w, p, j] = F[w, p, j], F[r, p, i]
+                B[r, p, i], B[w, p, j] = B[w, p, j], B[r, p, i]
+        new_r = replay(F[r], B[r], latency, sched, end, last)
+        new_w = replay(F[w], B[w], latency, sched, end, last) if w != r else new_r
+        old = (spans[r] / top) ** power + ((spans[w] / top) ** power if w != r else 0.0)
+        new = (new_r / top) ** power + ((new_w / top) ** power if w != r else 0.0)
+        if new < old * (1.0 - 1e-12):
+            spans[r], spans[w] = new_r, new_w
+            if kind == 0:
+                for k in range(S):
+                    plan[r, i, k], plan[r, j, k] = plan[r, j, k], plan[r, i, k]
+            elif kind == 1:
+                row[:] = plan[r, i]
+                step = 1 if i < j else -1
+                k = i
+                while k != j:
+                    plan[r, k] = plan[r, k + step]
+                    k += step
+                plan[r, j] = row
+            elif kind == 2 or kind == 3:
+                plan[r, i, a], plan[w, j, b] = plan[w, j, b], plan[r, i, a]
+            else:
+                row[:] = plan[r, i]
+                plan[r, i] = plan[w, j]
+                plan[w, j] = row
+            slowest = spans.max()
+            if slowest < best_span:
+                best_span = slowest
+                best[:] = plan
+            continue
+        # undo
+        if kind == 0:
+            for p in range(P):
+                F[r, p, i], F[r, p, j] = F[r, p, j], F[r, p, i]
+                B[r, p, i], B[r, p, j] = B[r, p, j], B[r, p, i]
+        elif kind == 1:
+            step = 1 if j < i else -1
+            for p in range(P):
+                colF[p], colB[p] = F[r, p, j], B[r, p, j]
+                k = j
+                while k != i:
+                    F[r, p, k], B[r, p, k] = F[r, p, k + step], B[r, p, k + step]
+                    k += step
+                F[r, p, i], B[r, p, i] = colF[p], colB[p]
+        elif kind == 2 or kind == 3:
+            x, y = plan[r, i, a], plan[w, j, b]
+            _apply(F, B, r, i, sf, sb, x, y)
+            _apply(F, B, w, j, sf, sb, y, x)
+        else:
+            for p in range(P):
+                F[r, p, i], F[w, p, j] = F[w, p, j], F[r, p, i]
+                B[r, p, i], B[w, p, j] = B[w, p, j], B[r, p, i]
+    return best_span
+
+
+SMOOTH_POWER = 30.0
+"""The exponent of the search's smooth objective (smooth_descent)."""
+CHUNK_EVALS = 50_000
+STALE_CHUNKS = 4
+"""A restart follows this many chunks of CHUNK_EVALS simulations without a faster plan."""
+
+
+def search(inst: RefInstance, seconds: float, seed: int = 0) -> tuple[float, np.ndarray]:
+    """Independent time-boxed search: from the vector-LPT plan, smooth_descent in chunks until it has
+    run ``seconds`` of CPU time (this thread's: the same search on a busy machine); after STALE_CHUNKS
+    chunks without a faster plan, a restart, alternately from a fresh vector-LPT plan with noisy keys
+    and from the best plan with 1% of its sequences swapped at random. Returns (iteration time,
+    plan) of the fastest plan seen."""
+    rng = np.random.default_rng([seed, 0x12EF])
+    sched = schedule(inst.P, inst.M)
+    sf, sb = np.ascontiguousarray(inst.seq_fwd), np.ascontiguousarray(inst.seq_bwd)
+    deadline = time.thread_time() + seconds
+    plan = check_plan(inst, vector_lpt_plan(inst)).copy()
+    best, best_s, restart = plan.copy(), math.inf, 0
+    while True:
+        F, B = plan_times(inst, plan)
+        spans = replay_many(F, B, inst.latency, sched)
+        found, stale = plan.copy(), 0
+        while stale < STALE_CHUNKS and time.thread_time() < deadline:
+            span = smooth_descent(plan, F, B, spans, sf, sb, sched, inst.latency, CHUNK_EVALS,
+                                  int(rng.integers(2**31 - 1)), SMOOTH_POWER, found)
+            stale += 1
+            if span < best_s:
+                best, best_s, stale = found.copy(), span, 0
+        if time.thread_time() >= deadline:
+            return best_s, best
+        restart += 1
+        plan = vector_lpt_plan(inst, rng, 0.3) if restart % 2 else _kick(best, rng, 0.01)

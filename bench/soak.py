@@ -1,7 +1,7 @@
 """Soak test: hold many streams (some stalled) against one service for minutes and print its
 memory (resident set and shared memory) over time against its memory budget.
 
-    python bench/soak.py [--minutes 3] [--streams 32] [--stalled 8] [--budget-mib 768] [--json FILE]
+    python bench/soak.py [--minutes 3] [--streams 32] [--stalled 8] [--budget-mib 1536] [--quick] [--json FILE]
 
 One ``python -m preprocess_service serve`` process on loopback, with an explicit memory budget
 (--budget-mib), no per-client stream limit (every stream comes from this host), a short stall
@@ -36,6 +36,8 @@ process tree: VmRSS counts shared libraries and arenas once per process) with th
 Exit status 0 whatever the memory figures (the printed output is the evidence); 1 only when the
 run itself fails (the server does not start or dies, no reading rank gets any microbatch).
 DISTTRAIN_* variables are not passed to the server, so only the flags here configure it.
+``--quick`` is a smoke run (4 streams, one stalled, 6 s from the first microbatch delivered, a 3 s
+stall timeout, one synthetic shard of 40 samples), not a measurement.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -58,6 +61,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import benchjson  # noqa: E402
+
 from disttrain_api.config import JobConfig  # noqa: E402
 from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 from preprocess_service.service.localcluster import free_port  # noqa: E402
@@ -70,6 +75,26 @@ C_MICROBATCHES, C_SAMPLES, C_READER_REFUSED, C_READER_FAILED_OTHER, C_READER_ERR
 C_STALL_OPENS, C_STALL_REFUSED, C_STALL_CUT, C_STALL_OTHER, C_STALL_GAVE_UP = 5, 6, 7, 8, 9
 C_REFUSED_AT_OPEN, C_REFUSED_WAITING = 10, 11  # RESOURCE_EXHAUSTED: admission, or a running stream's budget wait
 NUM_COUNTERS = 12
+
+
+class Deadline:
+    """The end of the run, a monotonic time shared with the client processes (``--quick`` sets it
+    once the first microbatch has arrived, so that a slow start leaves the run its seconds)."""
+
+    def __init__(self, ctx, at: float):
+        self._at = ctx.Value("d", at, lock=False)
+
+    def get(self) -> float:
+        return self._at.value
+
+    def set(self, at: float) -> None:
+        self._at.value = at
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self._at.value
+
+    def left(self) -> float:
+        return max(0.0, self._at.value - time.monotonic())
 
 
 def _refusal_kind(details: str) -> int:
@@ -177,12 +202,12 @@ def scrape(url: str) -> dict[str, float]:
 class _StreamFailures(logging.Handler):
     """Counts DataClient's "stream from %s failed: CODE details" lines (it retries them itself)."""
 
-    def __init__(self, counters, deadline: float):
+    def __init__(self, counters, deadline: Deadline):
         super().__init__(logging.INFO)
         self.counters, self.deadline = counters, deadline
 
     def emit(self, record: logging.LogRecord) -> None:
-        if time.monotonic() >= self.deadline:  # streams cancelled by close() at the end are not failures
+        if self.deadline.passed():  # streams cancelled by close() at the end are not failures
             return
         if isinstance(record.msg, str) and record.msg.startswith("stream from") and len(record.args or ()) >= 2:
             if record.args[1] == "RESOURCE_EXHAUSTED":
@@ -192,7 +217,7 @@ class _StreamFailures(logging.Handler):
                 _add(self.counters, C_READER_FAILED_OTHER)
 
 
-def reader_process(ranks: list[int], address: str, config: JobConfig, deadline: float, train_s: float,
+def reader_process(ranks: list[int], address: str, config: JobConfig, deadline: Deadline, train_s: float,
                    counters, out) -> None:
     """A thread per reading rank, each iterating its stream until the deadline."""
     from trainer import DataClient
@@ -214,19 +239,20 @@ def reader_process(ranks: list[int], address: str, config: JobConfig, deadline: 
                     counters[C_MICROBATCHES] += 1
                     counters[C_SAMPLES] += len(mb.sample_keys)
                 del mb
-                if time.monotonic() >= deadline:
+                if deadline.passed():
                     break
                 if train_s:
                     time.sleep(train_s)
         except Exception as exc:  # reported, not hidden
-            if time.monotonic() < deadline:
+            if not deadline.passed():
                 result["errors"].append(repr(exc)[:300])
                 _add(counters, C_READER_ERRORS)
 
     threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
-    time.sleep(max(0.0, deadline - time.monotonic()))
+    while not deadline.passed():
+        time.sleep(min(0.5, deadline.left()))
     for t in threads:  # a rank waiting for a refused stream to come back does not see the deadline
         t.join(timeout=1.0)
     for rank, client in list(clients.items()):
@@ -238,7 +264,7 @@ def reader_process(ranks: list[int], address: str, config: JobConfig, deadline: 
     out.put(results)
 
 
-def stalled_process(ranks: list[int], address: str, job_id: str, deadline: float, max_hold_s: float,
+def stalled_process(ranks: list[int], address: str, job_id: str, deadline: Deadline, max_hold_s: float,
                     counters, out) -> None:
     """A thread per stalled rank: a stream whose messages are never read, opened again whenever it ends."""
     import grpc
@@ -256,18 +282,18 @@ def stalled_process(ranks: list[int], address: str, job_id: str, deadline: float
                                       request_serializer=pb.StreamRequest.SerializeToString,
                                       response_deserializer=None)
         try:
-            while time.monotonic() < deadline:
+            while not deadline.passed():
                 call = calls[rank] = stream(pb.StreamRequest(job_id=job_id, dp_rank=rank, start_step=0))
                 _add(counters, C_STALL_OPENS)
                 opened = time.monotonic()
-                while not call.done() and time.monotonic() < min(deadline, opened + max_hold_s):
+                while not call.done() and time.monotonic() < min(deadline.get(), opened + max_hold_s):
                     time.sleep(0.2)
                 if not call.done():
                     # gRPC Python shows a stream's end only to a reader: a stream the server cut
                     # while messages sat unread stays "not done" here. Past the stall timeout
                     # (plus a margin) it is cancelled here and opened again.
                     call.cancel()
-                    if time.monotonic() >= deadline:
+                    if deadline.passed():
                         return
                     _add(counters, C_STALL_GAVE_UP)
                     continue
@@ -281,7 +307,7 @@ def stalled_process(ranks: list[int], address: str, job_id: str, deadline: float
                     for key, value in call.trailing_metadata() or ():
                         if key == "grpc-retry-pushback-ms":
                             pushback = min(30.0, max(0.05, int(value) / 1000))
-                    time.sleep(min(pushback, max(0.0, deadline - time.monotonic())))
+                    time.sleep(min(pushback, deadline.left()))
                 elif code == grpc.StatusCode.CANCELLED:
                     _add(counters, C_STALL_CUT)
                 else:
@@ -294,7 +320,9 @@ def stalled_process(ranks: list[int], address: str, job_id: str, deadline: float
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()) + 5)
+        while t.is_alive() and not deadline.passed():
+            t.join(timeout=0.5)
+        t.join(timeout=5)
     for call in list(calls.values()):
         call.cancel()
     out.put({"codes": codes})
@@ -412,14 +440,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra argument for `serve`, repeatable (e.g. --serve-arg=--memory-wait-s "
                              "--serve-arg=10)")
     parser.add_argument("--workdir", type=Path, help="where the server log goes (default: a new temp directory)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 4 streams (one stalled) in one client process for 6 s from the first "
+                             "microbatch, samples every second, a 3 s stall timeout, one synthetic shard of 40 samples")
     parser.add_argument("--json", type=Path, help="also write the samples and the summary here as JSON")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.minutes, args.streams, args.stalled, args.client_processes = 0.1, 4, 1, 1
+        args.interval_s, args.stall_timeout_s = 1.0, 3.0
     if not 0 <= args.stalled < args.streams:
         parser.error("--stalled must be in [0, --streams)")
     if args.minutes <= 0 or args.interval_s <= 0 or args.client_processes < 1:
         parser.error("--minutes and --interval-s must be positive, --client-processes at least 1")
 
-    shards = str(ensure_demo_dataset(REPO / "data" / "laion-demo")[0].parent)
+    shards = str(Path(benchjson.quick_shards()[0]).parent if args.quick
+                 else ensure_demo_dataset(REPO / "data" / "laion-demo")[0].parent)
     config = JobConfig(shards=(shards,), seq_len=args.seq_len, dp_size=args.streams, num_microbatches=2,
                        seqs_per_microbatch=1, num_epochs=100_000)
     budget = int(args.budget_mib * MIB)
@@ -454,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         job_id = open_job(address, config)
 
         start = time.monotonic()
-        deadline = start + args.minutes * 60
+        # --quick: the seconds count from the first microbatch (or from a start-up timeout without one)
+        deadline = Deadline(ctx, math.inf if args.quick else start + args.minutes * 60)
         groups = [list(range(i, num_readers, args.client_processes)) for i in range(args.client_processes)]
         for group in filter(None, groups):
             procs.append(ctx.Process(target=reader_process, args=(group, address, config, deadline,
@@ -486,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
             gauges = scrape(metrics_url)
             with counters.get_lock():
                 c = list(counters)
+            if deadline.get() == math.inf and (c[C_MICROBATCHES] or now - start > args.startup_timeout_s):
+                deadline.set(now + args.minutes * 60)
             dt = max(1e-9, now - last_t)
             sample = {
                 "t_s": round(now - start, 1), "rss": mem["rss"], "rss_above_idle": mem["rss"] - idle["rss"],
@@ -514,10 +552,10 @@ def main(argv: list[str] | None = None) -> int:
             if server.poll() is not None:
                 raise RuntimeError(f"the server exited with {server.returncode} during the run; "
                                    f"its log:\n{log_path.read_text()[-3000:]}")
-            if now >= deadline:
+            if now >= deadline.get():
                 break
             next_at += args.interval_s
-            time.sleep(max(0.0, min(next_at, deadline) - time.monotonic()))
+            time.sleep(max(0.0, min(next_at, deadline.get()) - time.monotonic()))
         elapsed = time.monotonic() - start
 
         results: dict = {}
@@ -587,8 +625,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:36s} {value}")
     for line in error_lines[:5]:
         print(f"  server: {line[:300]}")
-    if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "samples": samples}, indent=2))
+    doc = benchjson.document("soak", quick=args.quick) | {"summary": summary, "samples": samples}
+    doc["tables"] += [
+        benchjson.table(
+            f"soak: {args.streams} streams ({num_readers} reading, {args.stalled} stalled) on one server for "
+            f"{elapsed:.0f} s, budget {summary['budget_total_mib']:g} MiB, stall timeout {args.stall_timeout_s:g} s",
+            ["figure", "value"],
+            [[key, value if isinstance(value, (int, float, str, bool)) else json.dumps(value)]
+             for key, value in summary.items()],
+            notes=["the budget covers the whole service, its idle footprint included: compare peak_pss_mib (each "
+                   "shared page counted once) with budget_total_mib",
+                   "server, decode workers and clients share this machine's cores"]),
+        benchjson.table("memory over time (MiB; server and decode workers)",
+                        ["t s", "rss", "pss", "anon", "service shm", "budget used", "budget peak", "guard estimate",
+                         "open streams", "microbatches/s", "refused", "stall cuts"],
+                        [[x["t_s"], *(None if x[k] is None else round(x[k] / MIB, 1) for k in (
+                            "rss", "pss", "anon", "shm_service", "budget_used", "budget_peak", "budget_resident")),
+                          x["active_streams"], round(x["microbatches_per_s"], 2), x["refused"], x["stall_cuts"]]
+                         for x in samples])]
+    benchjson.write(args.json, doc)
     return 0 if served else 1
 
 

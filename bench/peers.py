@@ -260,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians and ranges)")
     parser.add_argument("--long", action="store_true", help=f"also a long run: {LONG_PASSES} passes over the corpus")
     parser.add_argument("--long-rounds", type=int, default=1, help="interleaved rounds of the long run")
+    parser.add_argument("--long-systems", nargs="+", choices=list(SYSTEMS),
+                        help="rows of the long run (default: every row but the -nobatch and -nodraft variants)")
     parser.add_argument("--shards", nargs="+", help="tar files (default: the demo set's four clean shards)")
     parser.add_argument("--systems", nargs="*", choices=list(SYSTEMS), help="rows to run (none: only --scale)")
     parser.add_argument("--json", type=Path, help="also write the tables, every run and the goals here")
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         peers_setup.setup()
         return 0
     doc = benchjson.document("peers", quick=args.quick, argv=None if argv is None else ["bench/peers.py", *argv])
-    urls = args.shards or (benchjson.quick_shards() if args.quick else demo_shards())
+    urls = [str(Path(u).resolve()) for u in args.shards or (benchjson.quick_shards() if args.quick else demo_shards())]
     rounds = 1 if args.quick else args.rounds
     wanted = args.systems if args.systems is not None else list(QUICK_SYSTEMS if args.quick else SYSTEMS)
     installed = peers_setup.installed()
@@ -294,22 +296,33 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     per_pass = corpus_samples(urls)
     mark_at = max(1, math.ceil(MARK_FRACTION * per_pass))
-    long_systems = [s for s in systems if SYSTEMS[s][2]] if args.long and not args.quick else []
+    long_wanted = args.long_systems or [s for s in systems if SYSTEMS[s][2]]
+    long_systems = [s for s in systems if s in long_wanted] if args.long and not args.quick else []
     print(f"{len(urls)} shards ({per_pass} samples), {rounds} interleaved rounds of {', '.join(systems)}; "
+          f"long run ({LONG_PASSES} passes): {', '.join(long_systems) or 'none'}; "
           f"window from sample {mark_at}; {cores} cores ({os.cpu_count()} online); load {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="peers-") as workdir:
         inputs = {s: urls for s in systems}
         if "energon-pillow" in systems:
-            inputs["energon-pillow"] = prepare_energon(urls, Path(workdir))
+            try:
+                inputs["energon-pillow"] = prepare_energon(urls, Path(workdir))
+            except subprocess.CalledProcessError as e:
+                skipped["energon-pillow"] = f"energon prepare failed (exit {e.returncode})"
+                systems.remove("energon-pillow")
+                long_systems = [s for s in long_systems if s in systems]
         runs = run_rounds(systems, inputs, Path(workdir), rounds, mark_at, 1)
         long_runs = run_rounds(long_systems, inputs, Path(workdir), args.long_rounds, mark_at, LONG_PASSES)
     rows = {s: figures.summarise(rs) for s, rs in runs.items()}
     long_rows = {s: figures.summarise(rs) for s, rs in long_runs.items()}
     out = tables(rows, f"short runs ({per_pass} samples)")
-    goal_rows = long_rows or rows
+    # The goals and ratios: each row from the long run where it ran, else from the short runs.
+    goal_rows = {s: long_rows.get(s, row) for s, row in rows.items()}
+    from_short = [s for s in rows if s not in long_rows]
     if long_rows:
         out += tables(long_rows, f"long run ({LONG_PASSES} x {per_pass} samples)")
-    out += summary_tables(goal_rows, rows, f"long run ({LONG_PASSES} passes)" if long_rows else "short runs")
+    label = (f"long run ({LONG_PASSES} passes)" + (f"; short runs for {', '.join(from_short)}" if from_short else "")
+             if long_rows else "short runs")
+    out += summary_tables(goal_rows, rows, label)
     out = [table for table in out if table["rows"]]  # e.g. no decoder-gain pairs in --quick
     for table in out:
         print_table(table)

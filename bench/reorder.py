@@ -17,7 +17,8 @@ share no code with them.
    loading from it), and a table with shared replicas (coupled objective; not in --quick).
 
 ``--quick`` runs tiny instances with 0.5 s searches (seconds); ``--json FILE`` writes the tables
-(bench/benchjson.py) and every instance with every planner's plan; ``--plot`` draws one rank's 1F1B
+(bench/benchjson.py) and, under "instances", every instance with every planner's plan in the
+disttrain-reorder-instance/1 and -plan/1 forms; ``--plot`` draws one rank's 1F1B
 timeline under ``paper`` and ``ours`` and the per-rank makespan spread; ``--deep`` adds ``ours-deep``
 (100 times ours' budget). The searches run in ``--jobs`` processes (default 1: a shared machine).
 
@@ -62,7 +63,14 @@ from disttrain_api.config import JobConfig, field_defaults
 from disttrain_api.layout import StageModel
 from preprocess_service.core import simkernels
 from preprocess_service.core.reorder import warm_up
-from preprocess_service.core.reorder.instance import PLANNERS, Instance, check_plan, evaluate, plan_instance
+from preprocess_service.core.reorder.instance import (
+    PLAN_FORMAT,
+    PLANNERS,
+    Instance,
+    check_plan,
+    evaluate,
+    plan_instance,
+)
 from preprocess_service.core.simulate import _topological_order
 
 STAGE_MAPS = {4: ("enc", "bb/2", "bb/2", "gen"), 8: ("enc", *["bb/6"] * 6, "gen")}
@@ -323,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["tables"][-1]["notes"].extend(notes)
     if args.json:
         doc["instances"] = [{"instance": r["instance"].to_json(),
-                             "plans": {a: p.tolist() for a, p in r["plans"].items()},
+                             "plans": {a: {"format": PLAN_FORMAT, "plan": p.tolist(), "meta": {"method": a}}
+                                       for a, p in r["plans"].items()},
                              "independent_s": r["independent_s"], "same_kernel_s": r["same_kernel_s"]} for r in rows]
         benchjson.write(args.json, doc)
         print(f"wrote {args.json}")

@@ -13,9 +13,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
-SUPPORT = {"benchjson", "report", "peers_setup", "peers_systems", "peers_work", "peers_scale"}
-"""Modules of bench/ that other benches import or run, not benches of their own."""
-BENCHES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in SUPPORT and not p.stem.startswith("reference"))
+SUPPORT = {"benchjson", "report"}
+"""Modules of bench/ that other benches import or run, not benches of their own; so are every
+``peers_*.py`` (bench/peers.py's parts) and ``reference_*.py`` (bench/reorder.py's reference)."""
+BENCHES = sorted(p.stem for p in BENCH.glob("*.py")
+                 if p.stem not in SUPPORT and not p.stem.startswith(("peers_", "reference_")))
 
 
 def _module(name: str):

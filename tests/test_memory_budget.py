@@ -21,7 +21,7 @@ from disttrain_api.errors import ConfigError, ResourceExhausted
 from disttrain_api.spec import spec_from_config
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service.adapters.budget import MemoryBudget
-from preprocess_service.adapters.procmem import Calibrated, pss_bytes, resident_bytes
+from preprocess_service.adapters.procmem import Calibrated, descendants, pss_bytes, resident_bytes
 from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
@@ -129,6 +129,34 @@ def test_resident_bytes_counts_private_memory_per_process_and_shared_memory_once
     more = _touch_mib(100)
     assert 90 << 20 < measure() - first < 120 << 20  # the cheap estimate, corrected
     del ballast, more
+
+
+def test_descendants_are_found_at_any_depth_and_from_any_thread():
+    """The server counts its whole process tree: the fork server it starts, the decode workers the
+    fork server forks, and children started by any of its threads."""
+    import os
+    import subprocess
+    import sys
+
+    grandchild_code = "import time; time.sleep(60)"
+    child_code = ("import subprocess, sys, time; "
+                  f"p = subprocess.Popen([sys.executable, '-c', {grandchild_code!r}]); print(p.pid, flush=True); "
+                  "time.sleep(60)")
+    started: list[subprocess.Popen] = []
+    thread = threading.Thread(target=lambda: started.append(
+        subprocess.Popen([sys.executable, "-c", child_code], stdout=subprocess.PIPE, text=True)))
+    thread.start()
+    thread.join()
+    child = started[0]
+    grandchild = int(child.stdout.readline())
+    try:
+        found = descendants(os.getpid())
+        assert {child.pid, grandchild} <= set(found), (child.pid, grandchild, found)
+        assert os.getpid() not in found and descendants(2**22 + 12345) == []
+    finally:
+        os.kill(grandchild, 9)
+        child.kill()
+        child.wait(10)
 
 
 def _map_and_touch(name, ready, done):

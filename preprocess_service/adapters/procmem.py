@@ -1,9 +1,9 @@
 """The resident memory of the service's processes, read cheaply enough to sample twice a second.
 
-``/proc/PID/smaps_rollup`` (PSS) walks every page table: about 6 ms for a 900 MB process. The
-``RssAnon``/``RssFile``/``RssShmem`` lines of ``/proc/PID/status`` are kept by the kernel as
-counters (about 20 us). Summed naively, RSS counts a shared page once per process that maps it,
-so this estimate counts:
+``/proc/PID/smaps_rollup`` (PSS) walks every page table, a cost that grows with the process's
+size. The ``RssAnon``/``RssFile``/``RssShmem`` lines of ``/proc/PID/status`` are kept by the
+kernel as counters, read at a small fixed cost. Summed naively, RSS counts a shared page once
+per process that maps it, so this estimate counts:
 
 - anonymous memory (heap, stacks, Python objects): private to each process, summed;
 - file pages (the interpreter and libraries, mapped by the server and every decode worker alike):
@@ -19,6 +19,7 @@ None and the budget counts its charges alone.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -59,9 +60,32 @@ def resident_bytes(pids: Iterable[int]) -> int | None:
     return (anon + file + shmem) * 1024 if seen else None
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process started by ``pid`` or by one of its descendants, at any depth (the decode
+    workers, forked by the fork server, which the server started); [] where /proc has no
+    ``children`` lists. A process that ends meanwhile is left out."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:  # children are listed under the thread that started them
+            try:
+                with open(f"/proc/{parent}/task/{task}/children", "rb") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
+
+
 def pss_bytes(pids: Iterable[int]) -> int | None:
     """The exact proportional set size of ``pids`` together (a page shared by n processes counts
-    1/n in each), bytes; about 6 ms per 900 MB process. None when none can be read."""
+    1/n in each), bytes; it walks every page table (smaps_rollup). None when none can be read."""
     total = 0
     seen = False
     for pid in pids:

@@ -464,11 +464,22 @@ def _warm(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health
     workers = decoder.idle_memory() if isinstance(decoder, DecodePool) else 0
     if own is not None and limits.memory_sample_s > 0:
         try:
-            budget.set_baseline(own + (workers or 0))
+            budget.set_baseline(own + (workers or 0) + _helpers_memory(decoder))
         except ConfigError as exc:
             log.error("%s", exc)
             _not_serving(health_servicer)
     return own
+
+
+def _helpers_memory(decoder) -> int:
+    """The idle memory of this process's other descendants: the fork server the decode workers
+    fork from and multiprocessing's resource tracker. They hold no data, but they are part of the
+    service the budget bounds."""
+    import os
+
+    workers = set(decoder.worker_pids()) if isinstance(decoder, DecodePool) else set()
+    helpers = [pid for pid in procmem.descendants(os.getpid()) if pid not in workers]
+    return procmem.pss_bytes(helpers) or 0
 
 
 def _not_serving(health_servicer) -> None:
@@ -479,18 +490,18 @@ def _not_serving(health_servicer) -> None:
 TRIM_ABOVE_BYTES = 32 << 20
 """Free heap the server gives back at its next memory sample (heap.trim_malloc). tune_malloc keeps
 freed memory for reuse, but the shard readers' encoded bytes come and go in pieces that fragment
-the heap: without trimming, the server held 40-50 MiB more at its peak in bench/peers.py."""
+the heap, which trimming gives back (bench/peers.py shows the server's peak; docs/benchmarks.md)."""
 
 
 def _sample_memory(decoder, budget: MemoryBudget, limits: Limits, own: int | None, stop: threading.Event) -> None:
-    """Feeds the budget a sample of the service's memory every ``limits.memory_sample_s`` until
-    ``stop``, giving the heap's free memory back first when it passes TRIM_ABOVE_BYTES."""
+    """Feeds the budget a sample of the service's memory (this process and all its descendants:
+    decode workers, fork server, resource tracker) every ``limits.memory_sample_s`` until ``stop``,
+    giving the heap's free memory back first when it passes TRIM_ABOVE_BYTES."""
     import os
 
     if own is None or limits.memory_sample_s <= 0:
         return
-    measure = procmem.Calibrated(
-        lambda: [os.getpid(), *(decoder.worker_pids() if isinstance(decoder, DecodePool) else ())])
+    measure = procmem.Calibrated(lambda: [os.getpid(), *procmem.descendants(os.getpid())])
     while not stop.wait(limits.memory_sample_s):
         free = heap.free_heap_bytes()
         if free is not None and free > TRIM_ABOVE_BYTES:

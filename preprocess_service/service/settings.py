@@ -64,8 +64,9 @@ class ServiceSettings:
                                     "container's memory", 0)
     memory_wait_s: float = _doc("seconds a running stream waits for room in the memory budget before it fails "
                                 "RESOURCE_EXHAUSTED (its client resumes it later)", 30.0)
-    memory_sample_s: float = _doc("seconds between samples of the service's resident memory (server and decode "
-                                  "workers), which the memory budget counts beyond its charges; 0: charges only", 0.5)
+    memory_sample_s: float = _doc("seconds between samples of the service's resident memory (the server's whole "
+                                  "process tree: decode workers, fork server), which the memory budget counts "
+                                  "beyond its charges; 0: charges only", 0.5)
     max_seq_len: int = _doc("longest packed sequence a job may ask for, tokens", 131_072)
     max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest), "
                                      "bytes", 512 << 20)

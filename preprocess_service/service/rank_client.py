@@ -1,7 +1,7 @@
 """The body of one client rank of ``run`` (runner.py): a separate process that iterates the
 whole job with trainer.DataClient and reports what arrived. A module of its own, light on
-imports: each rank process imports only this and the client (not the service, its shard readers
-and media libraries), which was about a tenth of a demo run's CPU."""
+imports: each rank process imports only this and the client, not the service, its shard readers
+and media libraries, whose imports would cost every rank process CPU that a trainer's would not."""
 
 from __future__ import annotations
 

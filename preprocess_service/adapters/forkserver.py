@@ -1,7 +1,7 @@
 """The decode pool's fork server (decode.py), startable before anything heavy is imported.
 
-The fork server imports torch and the decoders once (the longest step of a start), and the pool's workers
-fork from it. It is the longest step before a service's first microbatch, so a process that will
+The fork server imports torch and the decoders once, and the pool's workers fork from it. It is
+the longest step before a service's first microbatch, so a process that will
 serve (``serve``, ``run``, an embedded service) calls ``start()`` first thing: the fork server's
 imports then overlap the process's own (gRPC, numpy, the planner's JIT kernels) instead of
 following them. This module imports nothing but multiprocessing, so calling it costs nothing.

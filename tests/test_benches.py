@@ -85,3 +85,7 @@ def test_report_refuses_quick_runs(report, tmp_path):
     _result(tmp_path, "stream", quick=True)
     with pytest.raises(ValueError, match="--quick run"):
         report.load_results(tmp_path)
+
+
+def test_the_committed_benchmarks_page_is_what_the_committed_results_give(report):
+    assert report.main(["--check"]) == 0, "docs/benchmarks.md is stale or hand-edited: run python bench/report.py"

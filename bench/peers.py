@@ -196,23 +196,43 @@ def print_table(table: dict) -> None:
         print(f"  ({note})")
 
 
-def summary_tables(rows: dict, startup_rows: dict, label: str) -> list[dict]:
-    """Decoder-normalised ratios (the headline), the decoder's own gain, the floor and the goals."""
-    pairs = zip(figures.ratios(rows, "run"), figures.ratios(rows, "window"))
-    headline = [[peer, f"{cpu:.2f}", f"{rate:.2f}", f"{wcpu:.2f}", f"{wrate:.2f}"]
-                for (peer, cpu, rate), (_, wcpu, wrate) in pairs]
-    gain = [[pair, f"{value:.2f}"] for pair, value in figures.decoder_gain(rows)]
-    goals = [[name, f"{value:.3f}", f"{target:g}", figures.verdict(value, target, met)]
-             for name, value, target, met in figures.goals(rows, startup_rows)]
-    floor = figures.med(rows, "floor", "run_cpu_per_sample")
-    columns = ["peer", "samples per CPU-s (run)", "samples/s (run)", "samples per CPU-s (window)",
+def _like_with_like(make, rows: dict, long_rows: dict) -> list[list]:
+    """The rows ``make`` builds (a key first, a figure second) from the short runs, replaced by those
+    from the long run where both sides of a comparison ran long: disttrain is compared with a peer
+    over the same number of samples."""
+    out = {row[0]: [row[0], "short", *row[1:]] for row in make(rows)}
+    for row in make(long_rows) if long_rows else []:
+        if row[1] == row[1]:  # nan: a side that did not run long
+            out[row[0]] = [row[0], "long", *row[1:]]
+    return list(out.values())
+
+
+def summary_tables(rows: dict, long_rows: dict) -> list[dict]:
+    """Decoder-normalised ratios (the headline), the decoder's own gain and the goals, each from the
+    long run where both sides ran long, else from the short runs (the "run" column)."""
+    def headline(rs):
+        return [[peer, cpu, rate, wcpu, wrate]
+                for (peer, cpu, rate), (_, wcpu, wrate) in zip(figures.ratios(rs, "run"), figures.ratios(rs, "window"))]
+
+    def goals(rs):
+        return [[name, value, target, figures.verdict(value, target, met)]
+                for name, value, target, met in figures.goals(rs, rows)]
+
+    def fmt(table: list[list], digits: int) -> list[list]:
+        return [[c if isinstance(c, str) else f"{c:.{digits}f}" for c in row] for row in table]
+
+    floor = figures.med(long_rows if "floor" in long_rows else rows, "floor", "run_cpu_per_sample")
+    columns = ["peer", "run", "samples per CPU-s (whole run)", "samples/s (whole run)", "samples per CPU-s (window)",
                "samples/s (window)"]
-    return [benchjson.table(f"{label}: disttrain / peer, our decoder on both sides", columns, headline,
+    goal_rows = [[name, "short" if name.startswith("start-up") else run, f"{value:.3f}", f"{target:g}", verdict]
+                 for name, run, value, target, verdict in _like_with_like(goals, rows, long_rows)]
+    return [benchjson.table("disttrain / peer, our decoder on both sides", columns,
+                            fmt(_like_with_like(headline, rows, long_rows), 2),
                             notes=["decoder-normalised: the same decoder (ours) in disttrain and the peer"]),
-            benchjson.table(f"{label}: the decoder's own gain, Pillow's CPU per sample / ours in one harness",
-                            ["rows", "ratio"], gain),
-            benchjson.table(f"{label}: goals (issue 33), disttrain against each, whole run", [
-                "goal", "measured", "target", "verdict"], goals,
+            benchjson.table("the decoder's own gain: Pillow's CPU per sample / ours in one harness",
+                            ["rows", "run", "ratio"], fmt(_like_with_like(figures.decoder_gain, rows, long_rows), 2)),
+            benchjson.table("goals (issue 33): disttrain against each, whole run", [
+                "goal", "run", "measured", "target", "verdict"], goal_rows,
                 notes=[f"true floor: {1 / floor:.1f} samples per CPU-second" if floor == floor else "floor not run",
                        "start-up from the short runs"])]
 
@@ -252,6 +272,29 @@ def demo_shards() -> list[str]:
     return [str(p) for p in sorted(demo.glob("0000[0-9].tar"))]
 
 
+def report(doc: dict, runs: dict, long_runs: dict, meta: dict) -> list[str]:
+    """Prints the tables of the runs and adds them to ``doc``; returns the impossible figures."""
+    rows = {s: figures.summarise(rs) for s, rs in runs.items()}
+    long_rows = {s: figures.summarise(rs) for s, rs in long_runs.items()}
+    out = tables(rows, f"short runs ({meta['samples_per_pass']} samples)")
+    if long_rows:
+        out += tables(long_rows, f"long run ({meta['long_passes']} x {meta['samples_per_pass']} samples)")
+    out += summary_tables(rows, long_rows)
+    out = [table for table in out if table["rows"]]  # e.g. no decoder-gain pairs in --quick
+    for table in out:
+        print_table(table)
+    for system, reason in doc["skipped"].items():
+        print(f"{system}: skipped: {reason}")
+    bad = impossible_runs(runs, meta["cores"]) + impossible_runs(long_runs, meta["cores"])
+    for why in bad:
+        print(f"WARNING: impossible figure (more cores than this machine's {meta['cores']}): {why}", flush=True)
+    doc["tables"] += out
+    goals = _like_with_like(lambda rs: [list(g) for g in figures.goals(rs, rows)], rows, long_rows)
+    doc |= meta | {"runs": runs, "rows": rows, "long_runs": long_runs, "long_rows": long_rows, "impossible": bad,
+                   "goals": [{"goal": g, "run": r, "value": v, "target": t, "met": m} for g, r, v, t, m in goals]}
+    return bad
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true", help="create .venv-peers/ with the peers, then exit")
@@ -265,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shards", nargs="+", help="tar files (default: the demo set's four clean shards)")
     parser.add_argument("--systems", nargs="*", choices=list(SYSTEMS), help="rows to run (none: only --scale)")
     parser.add_argument("--json", type=Path, help="also write the tables, every run and the goals here")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="measure nothing: the tables of the runs a previous --json wrote (its command kept)")
     parser.add_argument("--scale", action="store_true",
                         help="also: the service's planning + layout CPU per sample and memory for 2..128 DP "
                              "ranks, samples per sequence and images per sample (bench/peers_scale.py)")
@@ -277,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         peers_setup.setup()
         return 0
     doc = benchjson.document("peers", quick=args.quick, argv=None if argv is None else ["bench/peers.py", *argv])
+    if args.render:
+        old = json.loads(args.render.read_text())
+        doc |= {k: old[k] for k in ("command", "machine", "date", "quick", "urls", "skipped")}
+        meta = {k: old[k] for k in ("cores", "window_from_sample", "samples_per_pass", "long_passes")}
+        bad = report(doc, old["runs"], old.get("long_runs", {}), meta)
+        rendered_by = benchjson.command(sys.argv if argv is None else ["bench/peers.py", *argv])
+        benchjson.write(args.json, doc | {"rendered_by": rendered_by})
+        return 1 if bad else 0
     urls = [str(Path(u).resolve()) for u in args.shards or (benchjson.quick_shards() if args.quick else demo_shards())]
     rounds = 1 if args.quick else args.rounds
     wanted = args.systems if args.systems is not None else list(QUICK_SYSTEMS if args.quick else SYSTEMS)
@@ -312,30 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                 long_systems = [s for s in long_systems if s in systems]
         runs = run_rounds(systems, inputs, Path(workdir), rounds, mark_at, 1)
         long_runs = run_rounds(long_systems, inputs, Path(workdir), args.long_rounds, mark_at, LONG_PASSES)
-    rows = {s: figures.summarise(rs) for s, rs in runs.items()}
-    long_rows = {s: figures.summarise(rs) for s, rs in long_runs.items()}
-    out = tables(rows, f"short runs ({per_pass} samples)")
-    # The goals and ratios: each row from the long run where it ran, else from the short runs.
-    goal_rows = {s: long_rows.get(s, row) for s, row in rows.items()}
-    from_short = [s for s in rows if s not in long_rows]
-    if long_rows:
-        out += tables(long_rows, f"long run ({LONG_PASSES} x {per_pass} samples)")
-    label = (f"long run ({LONG_PASSES} passes)" + (f"; short runs for {', '.join(from_short)}" if from_short else "")
-             if long_rows else "short runs")
-    out += summary_tables(goal_rows, rows, label)
-    out = [table for table in out if table["rows"]]  # e.g. no decoder-gain pairs in --quick
-    for table in out:
-        print_table(table)
-    for system, reason in skipped.items():
-        print(f"{system}: skipped: {reason}")
-    bad = impossible_runs(runs, cores) + impossible_runs(long_runs, cores)
-    for why in bad:
-        print(f"WARNING: impossible figure (more cores than this machine's {cores}): {why}", flush=True)
-    doc["tables"] += out
-    doc |= {"cores": cores, "window_from_sample": mark_at, "samples_per_pass": per_pass, "long_passes": LONG_PASSES,
-            "runs": runs, "rows": rows, "long_runs": long_runs, "long_rows": long_rows, "impossible": bad,
-            "goals": [{"goal": g, "value": v, "target": t, "met": m}
-                      for g, v, t, m in figures.goals(goal_rows, rows)]}
+    meta = {"cores": cores, "window_from_sample": mark_at, "samples_per_pass": per_pass, "long_passes": LONG_PASSES}
+    bad = report(doc, runs, long_runs, meta)
     if args.scale:
         doc["scale"] = run_scale(urls, args.quick)
     benchjson.write(args.json, doc)

@@ -159,12 +159,25 @@ def test_the_tables_follow_the_bench_json_shape():
             row[key] = {"median": 1.0, "min": 1.0, "max": 1.0}
     rows["ray-ours"] = {"error": "exit 1: boom"}
     doc = benchjson.document("peers", argv=["bench/peers.py", "--quick"])
-    doc["tables"] += peers.tables(rows, "short") + peers.summary_tables(rows, rows, "short")
+    doc["tables"] += peers.tables(rows, "short") + peers.summary_tables(rows, {})
     benchjson.check(doc)
     run, window = doc["tables"][:2]
     assert [r[0] for r in run["rows"]] == ["floor", "disttrain", "dl-ours", "ray-ours"]
     assert run["rows"][-1][1] == "FAILED"
     assert [r[0] for r in window["rows"]] == ["floor", "disttrain", "dl-ours"]
+
+
+def test_comparisons_are_long_only_where_both_sides_ran_long():
+    short = _rows(floor=_run(0.010, 50), disttrain=_run(0.020, 60), **{"dl-ours": _run(0.022, 55),
+                                                                       "ray-ours": _run(0.030, 40)})
+    long = _rows(floor=_run(0.009, 50), disttrain=_run(0.010, 100), **{"dl-ours": _run(0.012, 80)})
+    ratios = peers._like_with_like(lambda rs: [list(r) for r in figures.ratios(rs)], short, long)
+    assert ratios == [["dl-ours", "long", pytest.approx(1.2), pytest.approx(100 / 80)],
+                      ["ray-ours", "short", pytest.approx(1.5), pytest.approx(1.5)]]
+    goals = {row[0]: row[1:3] for row in peers.summary_tables(short, long)[2]["rows"]}
+    assert goals["all CPU per sample / true floor"] == ["long", "1.111"]
+    assert goals["samples/s / ray-ours"] == ["short", "1.500"]
+    assert goals["start-up s: launch to first sample"][0] == "short"
 
 
 def test_consumers_mark_the_kth_sample_once_across_processes():

@@ -151,7 +151,11 @@ def measure(system: str, urls: list[str], workdir: Path, mark_at: int, passes: i
     processes = sorted(((tree.names.get(k, "?"), round(c, 2), round(tree.pss.get(k, 0.0)))
                         for k, c in tree.seen.items()), key=lambda p: -p[1])
     print(f"    per process (role, CPU s, peak PSS MiB): {processes[:8]}", flush=True)
-    run = figures.run_figures([tuple(e) for e in got["events"]], sorted(series), cpu_total, mark_at, launch, exit_time)
+    try:
+        run = figures.run_figures([tuple(e) for e in got["events"]], sorted(series), cpu_total, mark_at, launch,
+                                  exit_time)
+    except ValueError as e:  # it delivered too few samples to be compared
+        return {"error": str(e)}
     return run | {"peak_pss_mib": tree.peak_pss_mib}
 
 

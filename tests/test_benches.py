@@ -16,8 +16,10 @@ BENCH = REPO / "bench"
 SUPPORT = {"benchjson", "report"}
 """Modules of bench/ that other benches import or run, not benches of their own; so are every
 ``peers_*.py`` (bench/peers.py's parts) and ``reference_*.py`` (bench/reorder.py's reference)."""
+COVERED = {"train": "tests/test_bench_train.py runs its --quick and checks each step against its plan"}
+"""Benches whose --quick run another test makes already (each a torchrun training: a minute)."""
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py")
-                 if p.stem not in SUPPORT and not p.stem.startswith(("peers_", "reference_")))
+                 if p.stem not in SUPPORT | set(COVERED) and not p.stem.startswith(("peers_", "reference_")))
 
 
 def _module(name: str):

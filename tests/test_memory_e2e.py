@@ -199,7 +199,7 @@ def test_sixteen_streams_keep_the_whole_service_within_its_budget(tmp_path, serv
 
     def rank(r: int) -> None:
         try:
-            with DataClient(address, job_id, r, prefetch=PREFETCH, reconnect_timeout_s=120) as client:
+            with DataClient(address, job_id, r, prefetch=PREFETCH, reconnect_timeout_s=240) as client:
                 for mb in client:
                     delivered.update(mb.sample_keys)
                     time.sleep(max(TRAIN_S, started + FIRST_STEP_S - time.monotonic()))

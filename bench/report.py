@@ -49,7 +49,7 @@ def cell(value) -> str:
     if isinstance(value, float):
         if value != value:
             return "n/a"
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:,.1f}" if abs(value) < 1e5 else f"{value:,.0f}"
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
     if value is None:
         return "-"
     return str(value).replace("|", "\\|").replace("\n", " ")

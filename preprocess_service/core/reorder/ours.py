@@ -28,7 +28,7 @@ so a sequence is a vector of loads, one per term, and the makespan is close to t
 5. When the search reaches a local optimum before its budget is spent (small batches), it restarts
    from the best plan with a few random swaps between ranks (iterated local search), until the
    budget is spent or RESTARTS_WITHOUT_GAIN restarts in a row found nothing better.
-   The budget is a fixed number of simulated ops (about 15 ms per 1024 sequences on one core), and
+   The budget is a fixed number of simulated ops per 1024 sequences (bench/reorder.py times it), and
    every random draw comes from the rng, so the plan is a function of the instance and the seed.
 """
 
@@ -124,8 +124,8 @@ def _scalar_start(instance, intra: str) -> np.ndarray:
 
 SEARCH_OPS = 6_000_000
 """Default search budget per 1024 sequences of the batch (at least this much for smaller ones), in
-simulated ops (2 P M per rank and candidate move, a few ns each): about 15 ms per 1024 sequences on
-one core whatever the batch's shape, the service's planning budget."""
+simulated ops (2 P M per rank and candidate move): the same work per 1024 sequences whatever the
+batch's shape, the service's planning budget (bench/reorder.py prints its milliseconds)."""
 EVAL_OVERHEAD_OPS = 160
 """What drawing and applying one candidate move costs besides its simulation, in simulated ops."""
 

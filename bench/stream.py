@@ -12,8 +12,9 @@ stream; process start-up and imports left out everywhere):
    and decoding, so on a small machine it is decode-bound; decoding alone is measured by
    bench/decode.py. Reported: samples/s, sequences/s, MB/s of tensor payload.
 2. wire path (what ">= 0.8 of the bare gRPC ceiling" is judged on): a service process started by
-   this script (``--prepared-server``) runs the real create_server() (default decode workers) with
-   two changes: its decoder is wrapped in a replay decoder (the first request for a microbatch
+   this script (``--prepared-server``) runs the real create_server() (default decode workers, and
+   same-host shared-memory delivery off, so the microbatches cross gRPC as they do to another host)
+   with two changes: its decoder is wrapped in a replay decoder (the first request for a microbatch
    layout, keyed by its sample keys and buffer size, is decoded by the real decoder and a copy of
    the buffer is kept; later requests for that layout get the kept buffer at once, with no copy),
    and every job it opens keeps its encoded bytes (``retain_steps`` = 2**30, and nothing dropped
@@ -259,7 +260,7 @@ def prepared_serve() -> None:
     kept per pass; SIGUSR1 starts the next pass; on SIGTERM it prints one stats line and exits."""
     from preprocess_service.adapters import shards
     from preprocess_service.service.job import Job
-    from preprocess_service.service.server import PreprocessServicer, create_server
+    from preprocess_service.service.server import Limits, PreprocessServicer, create_server
     from preprocess_service.service.streams import MicrobatchStream
 
     timers = SectionTimers()
@@ -315,7 +316,10 @@ def prepared_serve() -> None:
 
     PreprocessServicer.StreamMicrobatches = timed_stream
 
-    server, port, servicer = create_server("127.0.0.1:0")
+    # Over gRPC, as a client on another host gets it: same-host clients would be lent the decode
+    # arenas in shared memory (shm_delivery), which carries no payload through gRPC at all, and the
+    # ratio to the bare gRPC ceiling would say nothing about the wire path.
+    server, port, servicer = create_server("127.0.0.1:0", limits=Limits(shm_delivery=False))
     replay = ReplayDecoder(servicer.decoder)
     servicer.decoder = replay
     open_job = servicer.jobs.open

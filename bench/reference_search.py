@@ -63,6 +63,31 @@ def _apply(F, B, r, m, sf, sb, new, old):
         B[r, p, m] += sb[p, new] - sb[p, old]
 
 
+@nb.njit(cache=True)
+def _move_times(F, B, kind, r, w, i, j, x, y, sf, sb, colF, colB):
+    """Applies one move of smooth_descent to the stage times F, B [D, P, M] (the plan is changed by
+    the caller only if the move is kept): 0 swaps rank r's microbatches i and j, 1 moves its i-th to
+    place j, 2 and 3 put sequence y where x was (rank r, microbatch i) and x where y was (rank w,
+    microbatch j), 4 swaps rank r's microbatch i with rank w's j."""
+    P = F.shape[1]
+    if kind == 0 or kind == 4:
+        for p in range(P):
+            F[r, p, i], F[w, p, j] = F[w, p, j], F[r, p, i]
+            B[r, p, i], B[w, p, j] = B[w, p, j], B[r, p, i]
+    elif kind == 1:
+        step = 1 if i < j else -1
+        for p in range(P):
+            colF[p], colB[p] = F[r, p, i], B[r, p, i]
+            k = i
+            while k != j:
+                F[r, p, k], B[r, p, k] = F[r, p, k + step], B[r, p, k + step]
+                k += step
+            F[r, p, j], B[r, p, j] = colF[p], colB[p]
+    else:
+        _apply(F, B, r, i, sf, sb, y, x)
+        _apply(F, B, w, j, sf, sb, x, y)
+
+
 def _kick(plan: np.ndarray, rng: np.random.Generator, fraction: float) -> np.ndarray:
     """A copy of ``plan`` with about ``fraction`` of its sequences swapped pairwise between random
     places of random ranks."""
@@ -120,28 +145,7 @@ def smooth_descent(plan, F, B, spans, sf, sb, sched, latency, max_evals, seed, p
             w += w >= r
             j = np.random.randint(M)
         a, b = np.random.randint(S), np.random.randint(S)
-        # apply
-        if kind == 0:
-            for p in range(P):
-                F[r, p, i], F[r, p, j] = F[r, p, j], F[r, p, i]
-                B[r, p, i], B[r, p, j] = B[r, p, j], B[r, p, i]
-        elif kind == 1:
-            step = 1 if i < j else -1
-            for p in range(P):
-                colF[p], colB[p] = F[r, p, i], B[r, p, i]
-                k = i
-                while k != j:
-                    F[r, p, k], B[r, p, k] = F[r, p, k + step], B[r, p, k + step]
-                    k += step
-                F[r, p, j], B[r, p, j] = colF[p], colB[p]
-        elif kind == 2 or kind == 3:
-            x, y = plan[r, i, a], plan[w, j, b]
-            _apply(F, B, r, i, sf, sb, y, x)
-            _apply(F, B, w, j, sf, sb, x, y)
-        else:
-            for p in range(P):
-                F[r, p, i], F[w, p, j] = F[w, p, j], F[r, p, i]
-                B[r, p, i], B[w, p, j] = B[w, p, j], B[r, p, i]
+        _move_times(F, B, kind, r, w, i, j, plan[r, i, a], plan[w, j, b], sf, sb, colF, colB)
         new_r = replay(F[r], B[r], latency, sched, end, last)
         new_w = replay(F[w], B[w], latency, sched, end, last) if w != r else new_r
         old = (spans[r] / top) ** power + ((spans[w] / top) ** power if w != r else 0.0)
@@ -170,28 +174,9 @@ def smooth_descent(plan, F, B, spans, sf, sb, sched, latency, max_evals, seed, p
                 best_span = slowest
                 best[:] = plan
             continue
-        # undo
-        if kind == 0:
-            for p in range(P):
-                F[r, p, i], F[r, p, j] = F[r, p, j], F[r, p, i]
-                B[r, p, i], B[r, p, j] = B[r, p, j], B[r, p, i]
-        elif kind == 1:
-            step = 1 if j < i else -1
-            for p in range(P):
-                colF[p], colB[p] = F[r, p, j], B[r, p, j]
-                k = j
-                while k != i:
-                    F[r, p, k], B[r, p, k] = F[r, p, k + step], B[r, p, k + step]
-                    k += step
-                F[r, p, i], B[r, p, i] = colF[p], colB[p]
-        elif kind == 2 or kind == 3:
-            x, y = plan[r, i, a], plan[w, j, b]
-            _apply(F, B, r, i, sf, sb, x, y)
-            _apply(F, B, w, j, sf, sb, y, x)
-        else:
-            for p in range(P):
-                F[r, p, i], F[w, p, j] = F[w, p, j], F[r, p, i]
-                B[r, p, i], B[w, p, j] = B[w, p, j], B[r, p, i]
+        # undo: a swap is its own inverse, a move goes back from j to i, an exchange of x for y back
+        _move_times(F, B, kind, r, w, j if kind == 1 else i, i if kind == 1 else j, plan[w, j, b],
+                    plan[r, i, a], sf, sb, colF, colB)
     return best_span
 
 

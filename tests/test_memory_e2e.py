@@ -169,6 +169,11 @@ def _stop(proc: subprocess.Popen) -> None:
 def server():
     """(process, port, budget in MiB): BUDGET_MIB, or a tenth above the least the server accepts."""
     budget_mib = BUDGET_MIB
+    # The planner's kernels compiled once per installation (numba's on-disk cache), as in any
+    # deployment after its first start: a first-ever compile leaves LLVM's memory resident in the
+    # server, above the idle footprint this tight budget is sized for.
+    subprocess.run([sys.executable, "-c", "from preprocess_service.core import reorder; reorder.warm_up()"],
+                   check=True, timeout=600)
     proc, port, log = _start_server(budget_mib)
     least = re.search(r"raise it to at least (\d+)", "".join(log))
     if least:
@@ -183,6 +188,7 @@ def server():
         _stop(proc)
 
 
+@pytest.mark.timeout(600)
 def test_sixteen_streams_keep_the_whole_service_within_its_budget(tmp_path, server, caplog):
     proc, port, budget_mib = server
     keys = _write_shards(tmp_path)

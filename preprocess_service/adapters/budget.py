@@ -60,7 +60,7 @@ CACHE_SHARE = 0.25
 HEADROOM = 0.10
 """With memory measured, charges stop this fraction of the data room short of the budget: memory
 nobody charges (decode workers' scratch, gRPC's copies) grows between two samples."""
-PSS_HEADROOM = 0.05
+PSS_HEADROOM = 0.10
 """How far the service's whole PSS (server, fork server, decode workers) may pass the budget, as a
 fraction of it. The budget sees the memory only at samples (memory_sample_s apart, a cheap estimate
 calibrated against PSS now and then), and memory nobody charges can grow between two of them before

@@ -57,6 +57,10 @@ MAX_LENT = 256
 """Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
 and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
 costs the server no file descriptors or mappings."""
+TRIM_EVERY_S = 5.0
+"""A busy decode worker gives its freed heap back to the system this often."""
+IDLE_TRIM_S = 0.2
+"""A decode worker with nothing to do for this long gives its freed heap back at once."""
 TASK_INPUT_BYTES = 1 << 20
 """Encoded bytes a decode task aims at: a microbatch's documents go to the workers in tasks of
 about this much, at least one per worker, so each message's round trip (pickling, pipes and
@@ -242,12 +246,19 @@ def _worker_main(conn, worker_id: int) -> None:
 
     arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
     conn.send(("ready", worker_id, os.getpid()))
-    last_trim = time.monotonic()
+    last_trim, dirty = time.monotonic(), False
     while True:
-        if time.monotonic() - last_trim > 5.0:  # decoders free large buffers; give the heap back
+        # Decoders free large buffers; the heap goes back to the system every TRIM_EVERY_S while
+        # busy and as soon as the worker idles (an idle worker holding freed heap would keep the
+        # server's memory budget from ever seeing it again, and streams waiting for it starve).
+        if dirty and time.monotonic() - last_trim > TRIM_EVERY_S:
             trim_malloc()
-            last_trim = time.monotonic()
+            last_trim, dirty = time.monotonic(), False
         try:
+            if dirty and not conn.poll(IDLE_TRIM_S):
+                trim_malloc()
+                last_trim, dirty = time.monotonic(), False
+                continue
             message = conn.recv()
         except (EOFError, KeyboardInterrupt):
             return
@@ -257,6 +268,11 @@ def _worker_main(conn, worker_id: int) -> None:
             for name in message[1]:
                 _detach(arenas, name)
             continue
+        if message[0] == "trim":  # the server is short of memory
+            trim_malloc()
+            last_trim, dirty = time.monotonic(), False
+            continue
+        dirty = True
         task_id, arena_name, documents = message
         errors = []
         try:
@@ -376,6 +392,7 @@ class DecodePool:
         """Arena name -> this process's descriptor for flock (the client's lock shows on it)."""
         self._lent: collections.OrderedDict[str, _LentArena] = collections.OrderedDict()
         self._to_drop: list[str] = []
+        self._trim_requested = False
         """Arenas destroyed or given away that the workers still map (the dispatcher tells them)."""
         self._reclaiming = threading.Lock()
         """One _reclaim at a time (two could both lock an arena through the one descriptor)."""
@@ -524,6 +541,13 @@ class DecodePool:
         if charged:
             self.budget.release(size)
         os.write(self._wake_w, b"x")  # the dispatcher tells the workers
+
+    def trim_workers(self) -> None:
+        """Asks every decode worker to give its freed heap back to the system now (the server is
+        short of memory); they also do at once whenever they idle."""
+        with self._lock:
+            self._trim_requested = True
+        os.write(self._wake_w, b"x")
 
     def _release(self, arena: shared_memory.SharedMemory) -> None:
         with self._lock:
@@ -769,12 +793,18 @@ class DecodePool:
     def _send_pending(self) -> None:
         """Hands waiting tasks to workers with room (caller holds the lock). Messages are a few
         hundred bytes, far below the pipe's buffer, so send never blocks on a busy worker."""
+        messages = []
         if self._to_drop:
-            drop, self._to_drop = self._to_drop, []
+            messages.append(("drop", self._to_drop))
+            self._to_drop = []
+        if self._trim_requested:
+            messages.append(("trim",))
+            self._trim_requested = False
+        for message in messages:
             for worker in self._workers:
                 if worker.ready:  # one that is starting maps none yet
                     try:
-                        worker.conn.send(("drop", drop))
+                        worker.conn.send(message)
                     except (BrokenPipeError, OSError):
                         pass
         for worker in sorted(self._workers, key=lambda w: len(w.in_flight)):

@@ -425,6 +425,14 @@ def _own_baseline(budget: MemoryBudget) -> int | None:
     return own
 
 
+def _trim_all(pool: DecodePool):
+    """The budget's pressure callback: the server and its decode workers give freed heap back."""
+    def trim() -> None:
+        heap.trim_malloc()
+        pool.trim_workers()
+    return trim
+
+
 def _warm_up(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health_servicer, jobs: JobRegistry,
              warmed: threading.Event, stop: threading.Event) -> None:
     """After the server started, on a daemon thread: loads the planner's compiled kernels, waits for
@@ -581,6 +589,8 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
     if limits.memory_sample_s > 0:
         try:
             own = _own_baseline(budget)
+            if isinstance(decoder, DecodePool):
+                budget.on_pressure = _trim_all(decoder)
         except ConfigError:
             jobs.close()
             raise

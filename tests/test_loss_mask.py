@@ -27,7 +27,7 @@ from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.sample import Document, ImageRef, TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 from trainer.client import to_microbatch
-from trainer.models.backbone import lm_loss
+from trainer.models.backbone import lm_loss, trained_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -218,7 +218,7 @@ def test_labels_are_derived_by_the_client_and_drive_the_trainers_loss():
     assert int(trained.sum()) == len("a catE") * 2 + len("A cat.Black.E")
 
     logits = torch.randn(mb.tokens.numel(), TOK.vocab_size)
-    total, count = lm_loss(logits, mb.labels)
+    total, count = lm_loss(logits, mb.labels), trained_tokens(mb.labels)
     assert count == int(trained.sum())
     flat = trained.reshape(-1)
     expected = F.cross_entropy(logits[flat], mb.labels.reshape(-1)[flat])  # mean over trained tokens only

@@ -108,3 +108,42 @@ def test_loss_decreases_when_training_on_a_few_microbatches(microbatches):
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
     assert spans_index(torch.zeros(0, 2, dtype=torch.int32)).numel() == 0
+
+
+def test_a_step_on_another_device_keeps_every_tensor_there(microbatches):
+    """The whole model's forward and backward on the meta device (no data, but every op checks that
+    its inputs share one device), fed a host microbatch as the trainer is: the host facts (document
+    boundaries, spans) read on the host, the tensors moved. An index, a constant or the noise built
+    on the CPU and mixed into the step fails here as it would on a GPU."""
+    model = MultimodalModel(CONFIG).to("meta")
+    mb = next(mb for mb in microbatches if len(mb.images) and len(mb.mels) and mb.gen_spans.shape[0])
+    parts = model(mb, torch.Generator().manual_seed(0), device="meta")
+    loss = step_loss([parts], 1.0)
+    assert loss.device.type == "meta" and parts.lm_count > 0 and parts.gen_count > 0
+    loss.backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.generator.parameters())
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 1, 1), (1, 1, 2, 1), (0, 1, 2, 0), (0, 1, 1, 0)],
+                         ids=["disaggregated", "disaggregated-pp2", "monolithic-pp2", "monolithic"])
+def test_each_worker_moves_only_its_own_modules_to_its_device(layout):
+    """A rank holds on its device the modules it runs and nothing else of the model (an encoder
+    rank holds no backbone), and what it holds is what it trains (parameters())."""
+    from disttrain_api.layout import PipelineLayout
+    from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
+
+    layout = PipelineLayout(*layout)
+    for rank in range(layout.world_size):
+        model, role = MultimodalModel(ModelConfig(layers=2, max_positions=2048)), layout.role(rank)
+        common = (model, layout, 4, 0)
+        if role[0] == "enc":
+            worker = EncoderWorker(*common, replica=role[1], device="meta")
+        elif role[0] == "gen":
+            worker = GeneratorWorker(*common, replica=role[1], gen_weight=1.0, device="meta")
+        else:
+            worker = BackboneWorker(*common, dp=role[1], stage=role[2], device="meta")
+        worker.to_device()
+        own = {id(p) for p in worker.parameters()}
+        assert own and len(own) == len(worker.parameters())
+        moved = {id(p) for p in model.parameters() if p.device.type == "meta"}
+        assert moved == own, f"rank {rank} ({role}) holds {len(moved)} parameters on its device, trains {len(own)}"

@@ -107,3 +107,20 @@ def test_layout_with_tensor_parallel_groups():
     assert layout.group_of(9) == "bb1.tp1" and layout.group_of(11) == "gen.tp1"
     every = sorted(r for ranks in layout.groups().values() for r in ranks)
     assert every == list(range(layout.world_size))  # each rank reduces in exactly one group
+
+
+@pytest.mark.unit
+def test_half_precision_partial_sums_are_reduced_in_fp32(monkeypatch):
+    """Under bf16 autocast a row-parallel layer's partial outputs are bf16; adding TP ranks' partials
+    in bf16 rounds at every addition (1 + 3 x 2^-9 ... stays 1), so they are reduced in fp32 and
+    rounded once."""
+    from trainer.runtime import tensor_parallel
+
+    reduced = []
+    monkeypatch.setattr(tensor_parallel.dist, "all_reduce",
+                        lambda tensor, group=None: reduced.append(tensor.dtype) or tensor.mul_(4))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.full((3,), 1.0, dtype=dtype)
+        y = tensor_parallel._ReduceFromTP.apply(x, None)
+        assert y.dtype == dtype and torch.equal(y, torch.full((3,), 4.0, dtype=dtype))
+    assert reduced == [torch.float32] * 3

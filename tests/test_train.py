@@ -39,12 +39,12 @@ def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.Com
     return done
 
 
-def _args(address, shards, tmp_path, steps, layout=("1", "2", "1", "1"), extra=()):
+def _args(address, shards, tmp_path, steps, layout=("1", "2", "1", "1"), extra=(), microbatches=3):
     """layout: enc DP, bb DP, bb PP, gen DP[, enc TP, bb TP, gen TP]."""
     tp = layout[4:] or ("1", "1", "1")
     return ["--address", address, "--shards", shards, "--enc-dp", layout[0], "--bb-dp", layout[1],
             "--bb-pp", layout[2], "--gen-dp", layout[3], "--enc-tp", tp[0], "--bb-tp", tp[1], "--gen-tp", tp[2],
-            "--steps", str(steps), "--num-microbatches", "3",
+            "--steps", str(steps), "--num-microbatches", str(microbatches),
             "--seq-len", "2048", "--model-layers", "2", "--log-json", str(tmp_path / "log.jsonl"),
             "--profile-microbatches", "0", *extra]
 
@@ -102,13 +102,21 @@ def test_one_f_one_b_order():
                          ids=["enc-dp2-gen-shared", "bb-dp2-pp2", "monolithic-pp2", "tp2-every-module",
                               "monolithic-dp2-tp2"])
 def test_disaggregated_run_matches_the_single_process_reference(service, tmp_path, layout):
+    """Twice as many microbatches as pipeline stages (at least 4), so stage 0 posts several
+    microbatches' media before the encoder returns its first gradient: with messages matched in
+    posting order (p2p.py: no tags, as NCCL) a wrong order between two ranks would hand a
+    receiver another kind's tensors. The step's ops make no host sync, its end one."""
     address, shards, servicer = service
     steps = 2
-    argv = _args(address, shards, tmp_path, steps, layout, ["--save-params", str(tmp_path / "params")])
+    stages = PipelineLayout(*(int(v) for v in layout)).num_stages
+    argv = _args(address, shards, tmp_path, steps, layout, ["--save-params", str(tmp_path / "params"),
+                                                             "--count-host-syncs"], microbatches=max(2 * stages, 4))
     tp = [int(t) for t in layout[4:] or ("1", "1", "1")]
     nproc = int(layout[0]) * tp[0] + int(layout[1]) * int(layout[2]) * tp[1] + int(layout[3]) * tp[2]
     _torchrun(nproc, argv)
-    logged = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["host_syncs_max"] for r in records] == [1] * steps, "one host sync per step (reading the loss)"
+    logged = [r["loss"] for r in records]
     model, losses, args = _reference(argv, steps)
     sharded = 0
     assert logged == pytest.approx(losses, rel=1e-5)
@@ -123,6 +131,21 @@ def test_disaggregated_run_matches_the_single_process_reference(service, tmp_pat
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 if tp == [1, 1, 1] else 5e-5)
         sharded += sum(spec is not None for spec in saved["shards"])
     assert (sharded > 0) == (tp != [1, 1, 1])
+
+
+def test_one_channel_for_every_message_kind_fails_as_nccl_would(service, tmp_path):
+    """What the per-kind channels prevent, shown on gloo: with every kind on one channel and no tags
+    (NCCL's matching), backbone stage 0 posts all its microbatches' media before the encoder asks
+    for the first embedding gradient, so once M > P the encoder receives media where it expects a
+    gradient and the run fails. (With gloo's tags it passed: the CPU tests could not see this.)"""
+    address, shards, _ = service
+    argv = _args(address, shards, tmp_path, 1, ("1", "1", "1", "1"), ["--p2p-channels", "shared", "--seed", "12"],
+                 microbatches=6)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "trainer.train", *argv]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0, "one shared channel at M > P should mismatch messages"
+    assert "Mismatch in shape" in done.stderr, done.stderr[-3000:]  # media where embed_grad was expected
 
 
 def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):

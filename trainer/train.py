@@ -24,6 +24,7 @@ continues from the newest complete checkpoint with exactly the data it would hav
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -39,6 +40,8 @@ from disttrain_api.config import CostConfig, JobConfig
 from disttrain_api.layout import PipelineLayout
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel
+from trainer.runtime.p2p import Channels
+from trainer.runtime.syncs import HostSyncCounter
 from trainer.runtime.tensor_parallel import TPGroup
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 
@@ -73,6 +76,16 @@ def parse(argv):
                    help="cpu: gloo; cuda: NCCL, one GPU per process (LOCAL_RANK), pinned-memory prefetch and "
                         "non_blocking copies")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward passes (CPU or GPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="on a GPU: no TF32 matmuls or convolutions, deterministic cuDNN algorithms (what a "
+                        "comparison with a CPU reference needs); slower")
+    p.add_argument("--count-host-syncs", action="store_true",
+                   help="count the host syncs (.item(), .tolist(), synchronize, ...) of each step's ops and of its "
+                        "end, and log the largest count over the ranks (host_syncs_max); for tests")
+    p.add_argument("--p2p-channels", choices=("per-kind", "shared"), default="per-kind",
+                   help="per-kind: one communicator per message kind (messages of a kind are posted in the order "
+                        "they are received); shared: one for all (they would match across kinds in posting order, "
+                        "as NCCL matches: only to show that the per-kind channels are needed)")
     p.add_argument("--trace", type=Path, help="every rank writes the ops it ran per step here (rank{R}.json)")
     p.add_argument("--enc-dp", type=int, default=1)
     p.add_argument("--bb-dp", type=int, default=1)
@@ -124,20 +137,21 @@ def runtime_layout(args) -> PipelineLayout:
 
 
 def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: CostConfig | None = None,
-                 device: torch.device | None = None):
-    """This rank's worker, its module sharded for its TP rank."""
+                 device: torch.device | None = None, channels: Channels | None = None, stage0_group=None):
+    """This rank's worker, its module sharded for its TP rank and (only its own modules) on ``device``.
+    ``stage0_group``: a CPU group of the backbone's stage-0 TP leaders (the step's counts)."""
     vocab_size = job_vocab_size(args, cost)
     torch.manual_seed(args.seed)  # the same initial weights on every rank; each keeps its module
     model = MultimodalModel(ModelConfig(layers=args.model_layers, max_positions=args.seq_len, vocab_size=vocab_size))
     ranks = layout.tp_ranks(rank)
     tp = TPGroup(layout.tp_rank(rank), len(ranks), groups.get(tuple(ranks)), tuple(ranks))
     common = (model, layout, args.num_microbatches, args.seed)
+    options = {"tp": tp, "device": device or "cpu", "channels": channels}
     role = layout.role(rank)
     if role[0] == "enc":
-        worker = EncoderWorker(*common, replica=role[1], tp=tp, device=device or "cpu")
+        worker = EncoderWorker(*common, replica=role[1], **options)
     elif role[0] == "gen":
-        worker = GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight, tp=tp,
-                                 device=device or "cpu")
+        worker = GeneratorWorker(*common, replica=role[1], gen_weight=model.config.gen_loss_weight, **options)
     else:
         _, dp, stage = role
         client = None
@@ -146,9 +160,8 @@ def build_worker(args, layout: PipelineLayout, rank: int, groups: dict, cost: Co
 
             client = DataClient(args.address, job_config(args, cost), dp, prefetch=args.num_microbatches,
                                 pin_memory=device is not None and device.type == "cuda")
-        worker = BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=groups["bb0.tp0"], tp=tp,
-                                device=device or "cpu")
-    model.to(device or "cpu")  # after sharding: each rank holds its slices
+        worker = BackboneWorker(*common, dp=dp, stage=stage, client=client, stage0_group=stage0_group, **options)
+    worker.to_device()  # after sharding: each rank holds its slices of its own modules
     return worker
 
 
@@ -189,8 +202,8 @@ def latest_checkpoint(directory: Path | None, world: int) -> int:
 LAYOUT_FIELDS = ("enc_dp", "bb_dp", "bb_pp", "gen_dp", "enc_tp", "bb_tp", "gen_tp")
 
 
-def settle_layout(args, rank: int, world: int, start: int,
-                  control=None) -> tuple[PipelineLayout, CostConfig | None, list[float]]:
+def settle_layout(args, rank: int, world: int, start: int, control=None,
+                  device: torch.device | None = None) -> tuple[PipelineLayout, CostConfig | None, list[float]]:
     """Rank 0 settles the layout and the measured costs (from the checkpoint at ``start`` if any,
     else by measuring and, with --orchestrate, planning) and broadcasts them; every rank sets them
     in ``args``. Returns (layout, costs or None, the broadcast vector the checkpoints keep)."""
@@ -199,12 +212,12 @@ def settle_layout(args, rank: int, world: int, start: int,
     n = len(LAYOUT_FIELDS)
     vec = torch.zeros(n + 2 + Measured.SIZE, dtype=torch.float64)
     if rank == 0:
-        saved = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False).get(
-            "orchestration") if start else None
+        saved = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False,
+                           map_location="cpu", mmap=True).get("orchestration") if start else None
         if saved is not None:
             vec = torch.tensor(saved, dtype=torch.float64)
         else:
-            vec = torch.tensor(_decide(args, world), dtype=torch.float64)
+            vec = torch.tensor(_decide(args, world, device), dtype=torch.float64)
     dist.broadcast(vec, src=0, group=control)
     values = vec.tolist()
     for name, value in zip(LAYOUT_FIELDS, values):
@@ -217,7 +230,7 @@ def settle_layout(args, rank: int, world: int, start: int,
     return layout, cost, values
 
 
-def _decide(args, world: int) -> list[float]:
+def _decide(args, world: int, device: torch.device | None = None) -> list[float]:
     from trainer.orchestration.measure import Measured, measure
     from trainer.orchestration.planner import search_exact
 
@@ -228,7 +241,8 @@ def _decide(args, world: int) -> list[float]:
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--costs: {exc}") from None
     elif args.profile_microbatches > 0 or args.orchestrate or args.costs:
-        measured = measure(args.address, job_config(args), args.model_layers, max(args.profile_microbatches, 1))
+        measured = measure(args.address, job_config(args), args.model_layers, max(args.profile_microbatches, 1),
+                           device=device or "cpu", bf16=args.bf16)
         if args.costs:
             measured.save(args.costs)
     if measured is not None:
@@ -261,6 +275,10 @@ def init_distributed(args) -> tuple[torch.device, object]:
             raise SystemExit("--device cuda: no CUDA device is visible to this process")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        if args.deterministic:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         dist.init_process_group("nccl", device_id=device)
         return device, dist.new_group(backend="gloo")
     dist.init_process_group("gloo")
@@ -273,41 +291,51 @@ def main(argv=None) -> int:
     device, control = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = latest_checkpoint(args.checkpoint_dir, world)
-    layout, cost, settled = settle_layout(args, rank, world, start, control)
+    layout, cost, settled = settle_layout(args, rank, world, start, control, device)
     # every rank creates every group, in the same order
     groups = {name: dist.new_group(ranks) for name, ranks in layout.groups().items()}
     groups.update({tuple(ranks): dist.new_group(ranks) for ranks in layout.tp_groups()})
+    stage0 = dist.new_group(layout.groups()["bb0.tp0"], backend="gloo") if device.type != "cpu" else groups["bb0.tp0"]
+    channels = Channels.create(device) if args.p2p_channels == "per-kind" else Channels.shared(device)
     sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
-    worker = build_worker(args, layout, rank, groups, cost, device)
+    worker = build_worker(args, layout, rank, groups, cost, device, channels, stage0)
     group = layout.group_of(rank)
     params = worker.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     source = layout.bb_rank(0, 0)  # reads the first microbatch of every step
     traces = {}
     if start:
-        state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False, map_location=device)
+        # on the host: load_state_dict moves AdamW's moments to their parameters' device and keeps its
+        # step counts on the host (on a GPU they would cost a sync each per parameter and step)
+        state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False, map_location="cpu")
         for p, saved in zip(params, state["params"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         if getattr(worker, "client", None) is not None:
             worker.client.load_state_dict(state["data"])
+    counter = HostSyncCounter().install() if args.count_host_syncs else None
+    counting = counter.counting if counter else contextlib.nullcontext
     for step in range(start, args.steps):
-        worker.busy_s, worker.loss_parts, worker.per_microbatch = 0.0, torch.zeros(2, dtype=torch.float64), {}
         began = time.perf_counter()
         # every rank runs the step's 1F1B over the number of microbatches the service planned for it
         num = torch.tensor([worker.peek_num_microbatches(step) if rank == source else 0])
         dist.broadcast(num, src=source, group=control)
-        worker.M = int(num)
-        worker.trace = []
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        worker.begin_step(int(num.numpy()[0]))
+        with counting(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             worker.run_step(step)
+            worker.outbox.wait()
         traces[step] = {"num_microbatches": worker.M, "ops": worker.trace}
-        worker.outbox.wait()
         reduce_gradients(params, groups[group], sizes[group])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        with counting():
+            loss_parts = worker.loss_parts.tolist()  # the step's one host sync: the device has finished it
+        worker.finish_step()
         elapsed = time.perf_counter() - began
-        stats = torch.tensor([*worker.loss_parts.tolist(), elapsed, worker.busy_s], dtype=torch.float64)
+        syncs = counter.take() if counter else []
+        if syncs and args.count_host_syncs and len(syncs) > 1:
+            print(f"rank {rank} step {step}: {len(syncs)} host syncs: {syncs[:20]}", file=sys.stderr, flush=True)
+        stats = torch.tensor([*loss_parts, elapsed, worker.busy_s, len(syncs)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats, group=control)
         record = _record(step, layout, gathered)
@@ -385,7 +413,8 @@ def _record(step: int, layout: PipelineLayout, gathered: list[torch.Tensor]) -> 
         busy.setdefault(name, []).append(float(rows[r, 3]))
     bubble = {name: 1 - sum(v) / len(v) / step_s for name, v in busy.items()}
     return {"step": step, "loss": loss, "step_s": step_s, "bubble": bubble,
-            "bubble_mean": 1 - float(rows[:, 3].sum()) / (step_s * layout.world_size)}
+            "bubble_mean": 1 - float(rows[:, 3].sum()) / (step_s * layout.world_size),
+            "host_syncs_max": int(rows[:, 4].max())}
 
 
 def _log(args, record: dict) -> None:

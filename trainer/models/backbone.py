@@ -11,21 +11,27 @@ token (the LM loss is computed from the logits and the service's labels, see ``l
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.config import ModelConfig
+from trainer.models.device import host_to
 from trainer.models.layers import Block
 
 IGNORE_INDEX = -100
 
 
-def spans_index(spans: torch.Tensor) -> torch.Tensor:
-    """int64 positions covered by [start, end) spans, in order."""
-    if spans.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.arange(int(s), int(e)) for s, e in spans.tolist()])
+def spans_index(spans, device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 positions covered by [start, end) spans, in order, on ``device``. ``spans``: (start,
+    end) pairs, built on the host and copied without a sync; or a host [K, 2] tensor (the
+    single-process reference's microbatch)."""
+    if isinstance(spans, torch.Tensor):
+        spans = spans.numpy().reshape(-1, 2).tolist()
+    index = (np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in spans]) if spans
+             else np.zeros(0, dtype=np.int64))
+    return host_to(torch.from_numpy(index), device or "cpu")
 
 
 class Backbone(nn.Module):
@@ -43,7 +49,7 @@ class Backbone(nn.Module):
         """[1, S*L, D] input embeddings; ``media`` [K, D] replaces the K flattened positions ``media_index``."""
         x = self.embed(tokens.reshape(-1).long()) + self.pos(position_ids.reshape(-1).long())
         if media_index.numel():
-            x = x.index_copy(0, media_index, media.to(x.dtype))
+            x = x.index_copy(0, media_index.to(x.device), media.to(x.dtype))
         return x[None]
 
     def run_blocks(self, x: torch.Tensor, cu_seqlens: list[int], first: int, last: int) -> torch.Tensor:
@@ -65,11 +71,14 @@ def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(summed cross-entropy over the trained positions, their count): sums, so microbatches and
-    ranks add up to the mean over all the trained tokens of a step. ``labels`` is the microbatch's
-    (the service's loss mask applied: -100 on placeholders, padding, across documents and on
-    untrained text such as a conversation's user turns)."""
-    count = int((labels != IGNORE_INDEX).sum())
-    loss = F.cross_entropy(logits.float(), labels.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, count
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the trained positions: sums, so microbatches and ranks add up to
+    the mean over all the trained tokens of a step (``trained_tokens`` counts them, on the host).
+    ``labels`` is the microbatch's (the service's loss mask applied: -100 on placeholders, padding,
+    across documents and on untrained text such as a conversation's user turns)."""
+    return F.cross_entropy(logits.float(), labels.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def trained_tokens(labels: torch.Tensor) -> int:
+    """Positions a host ``labels`` tensor trains."""
+    return int((labels.numpy() != IGNORE_INDEX).sum())

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.config import ModelConfig
+from trainer.models.device import host_to
 
 
 def cosine_alphas(steps: int) -> torch.Tensor:
@@ -28,7 +29,7 @@ def cosine_alphas(steps: int) -> torch.Tensor:
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     angles = t.float()[:, None] * freqs[None]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
@@ -86,9 +87,10 @@ class DiffusionGenerator(nn.Module):
         x0 = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
         if x0.shape[-1] != r:
             x0 = F.interpolate(x0, size=(r, r), mode="area")
-        # drawn on the CPU from the caller's generator (the same numbers on every device), then moved
-        t = torch.randint(0, self.config.diffusion_steps, (x0.shape[0],), generator=generator).to(x0.device)
-        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+        # drawn on the CPU from the caller's generator (the same numbers on every device), then
+        # copied without a host sync
+        t = host_to(torch.randint(0, self.config.diffusion_steps, (x0.shape[0],), generator=generator), x0.device)
+        eps = host_to(torch.randn(x0.shape, generator=generator), x0.device)
         a = self.alphas[t][:, None, None, None]
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * eps
         predicted = self.predict_noise(x_t, self.condition(query_states, t))

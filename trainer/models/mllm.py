@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.models.backbone import Backbone, lm_loss, spans_index
+from trainer.models.backbone import Backbone, lm_loss, spans_index, trained_tokens
 from trainer.models.config import ModelConfig
 from trainer.models.encoder import AudioEncoder, ImageEncoder
 from trainer.models.generator import DiffusionGenerator
@@ -35,9 +35,10 @@ def microbatch_seed(seed: int, step: int, rank: int, index: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank * 101 + index) % (2 ** 63)
 
 
-def media_index(mb) -> torch.Tensor:
-    """Flattened positions of the encoders' outputs: image spans, then audio spans."""
-    return torch.cat([spans_index(mb.image_spans), spans_index(mb.audio_spans)])
+def media_index(mb, device: torch.device | str | None = None) -> torch.Tensor:
+    """Flattened positions of the encoders' outputs (image spans, then audio spans) of a host
+    microbatch, on ``device``."""
+    return torch.cat([spans_index(mb.image_spans, device), spans_index(mb.audio_spans, device)])
 
 
 def step_loss(parts: list[LossParts], gen_weight: float) -> torch.Tensor:
@@ -58,13 +59,17 @@ class MultimodalModel(nn.Module):
     def encode(self, mb) -> torch.Tensor:
         return torch.cat([self.image_encoder(mb.images), self.audio_encoder(mb.mels)])
 
-    def forward(self, mb, noise: torch.Generator) -> LossParts:
-        cu = mb.cu_seqlens.tolist()
-        x = self.backbone.embed_inputs(mb.tokens, mb.position_ids, self.encode(mb), media_index(mb))
+    def forward(self, mb, noise: torch.Generator, device: torch.device | str | None = None) -> LossParts:
+        """The losses of a host microbatch ``mb``, computed on ``device`` (default: the host)."""
+        cu = mb.cu_seqlens.numpy().tolist()
+        index, gen_index = media_index(mb, device), spans_index(mb.gen_spans, device)
+        lm_count, num_gen = trained_tokens(mb.labels), int(mb.gen_spans.shape[0])
+        if device is not None:
+            mb = mb.to(device)
+        x = self.backbone.embed_inputs(mb.tokens, mb.position_ids, self.encode(mb), index)
         x = self.backbone.run_blocks(x, cu, 0, self.config.layers)
         hidden, logits = self.backbone.logits(x)
-        lm_sum, lm_count = lm_loss(logits, mb.labels)
-        num_gen = mb.gen_spans.shape[0]
-        queries = hidden[spans_index(mb.gen_spans)].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
+        lm_sum = lm_loss(logits, mb.labels)
+        queries = hidden[gen_index].reshape(num_gen, -1 if num_gen else 0, hidden.shape[-1])
         gen_sum = self.generator.loss(queries, mb.gen_images, noise)
-        return LossParts(lm_sum, lm_count, gen_sum, int(mb.gen_spans.shape[0]))
+        return LossParts(lm_sum, lm_count, gen_sum, num_gen)

@@ -97,54 +97,74 @@ class Measured:
         return cls.from_list([float(data[k]) for k in cls.FIELDS])
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+def _timer(device: torch.device):
+    """fn -> (its result, its seconds): on a GPU after the device finished its kernels (profiling,
+    not the training loop: a sync per op is what makes the timing true)."""
+    def timed(fn):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out, time.perf_counter() - start
+    return timed
 
 
 def _ratio(num: float, den: float, default: float = 0.0) -> float:
     return num / den if den > 0 else default
 
 
-def measure(address: str | list[str], config: JobConfig, model_layers: int, microbatches: int = 3) -> Measured:
-    """Times each module on ``microbatches`` microbatches of a probe job (dp_size 1, arrival order)."""
+def measure(address: str | list[str], config: JobConfig, model_layers: int, microbatches: int = 3,
+            device: torch.device | str = "cpu", bf16: bool = False) -> Measured:
+    """Times each module on ``microbatches`` microbatches of a probe job (dp_size 1, arrival order),
+    on the training's ``device`` and precision (``bf16``: the training's autocast), so the service
+    and the planner price the hardware the run uses."""
+    device = torch.device(device)
+    _timed = _timer(device)
     probe = dataclasses.replace(config, dp_size=1, num_microbatches=1, reorder_algorithm="arrival",
                                 seed=config.seed + PROBE_SEED_OFFSET, enc_shared_by=1, gen_shared_by=1,
                                 stage_map=("enc", "bb", "gen"), cost_feedback=False)
-    model = MultimodalModel(ModelConfig(layers=model_layers, max_positions=config.seq_len))
+    model = MultimodalModel(ModelConfig(layers=model_layers, max_positions=config.seq_len)).to(device)
     sums = torch.zeros(3, 3, dtype=torch.float64)  # rows enc, bb, gen; columns forward s, backward s, work
     content = torch.zeros(3, dtype=torch.float64)
     from trainer import DataClient  # the client (gRPC) only where a probe runs
 
     with DataClient(address, probe, 0, prefetch=2) as client:
         for i in range(microbatches + 1):
-            mb = next(client)
-            media, enc_f = _timed(lambda: model.encode(mb))  # noqa: B023 (called at once)
+            host = next(client)
+            cu, index = host.cu_seqlens.numpy().tolist(), media_index(host, device)
+            enc_tokens = len(spans_index(host.image_spans)) + len(spans_index(host.audio_spans))
+            text, num_gen = int((host.modality.numpy() != 0).sum()), int(host.gen_spans.shape[0])
+            span = int(host.gen_spans[0, 1] - host.gen_spans[0, 0]) if num_gen else 0  # query tokens per image
+            mb = host.to(device, non_blocking=False)
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+            with autocast:
+                media, enc_f = _timed(lambda: model.encode(mb))  # noqa: B023 (called at once)
             enc_b = 0.0
             if media.shape[0]:
-                _, enc_b = _timed(lambda: media.sum().backward())  # noqa: B023
+                _, enc_b = _timed(lambda: media.float().sum().backward())  # noqa: B023
             bb = model.backbone
-            x = bb.embed_inputs(mb.tokens, mb.position_ids, media.detach(), media_index(mb))
+            with autocast:
+                x = bb.embed_inputs(mb.tokens, mb.position_ids, media.detach(), index)
 
             def backbone_loss():
-                return lm_loss(bb.logits(bb.run_blocks(x, mb.cu_seqlens.tolist(), 0, model_layers))[1],  # noqa: B023
-                               mb.labels)[0]  # noqa: B023
+                with autocast:  # noqa: B023
+                    return lm_loss(bb.logits(bb.run_blocks(x, cu, 0, model_layers))[1], mb.labels)  # noqa: B023
             loss, bb_f = _timed(backbone_loss)
             _, bb_b = _timed(loss.backward)
             gen_f = gen_b = 0.0
-            num_gen = mb.gen_spans.shape[0]
             if num_gen:
-                span = int(mb.gen_spans[0, 1] - mb.gen_spans[0, 0])  # query tokens per image to generate
-                queries = torch.randn(num_gen, span, model.config.dim, requires_grad=True)
-                gen_loss, gen_f = _timed(lambda: model.generator.loss(queries, mb.gen_images,  # noqa: B023
-                                                                      torch.Generator().manual_seed(0)))
+                queries = torch.randn(num_gen, span, model.config.dim, device=device, requires_grad=True)
+
+                def generator_loss():
+                    with autocast:  # noqa: B023
+                        return model.generator.loss(queries, mb.gen_images, torch.Generator().manual_seed(0))  # noqa: B023
+                gen_loss, gen_f = _timed(generator_loss)
                 _, gen_b = _timed(gen_loss.backward)
             model.zero_grad(set_to_none=True)
             if i == 0:
                 continue  # warm-up: first-call allocations
-            enc_tokens = len(spans_index(mb.image_spans)) + len(spans_index(mb.audio_spans))
-            text = int((mb.modality != 0).sum())
             sums += torch.tensor([[enc_f, enc_b, enc_tokens], [bb_f, bb_b, text], [gen_f, gen_b, num_gen]],
                                  dtype=torch.float64)
             content += torch.tensor([text, enc_tokens, num_gen], dtype=torch.float64)

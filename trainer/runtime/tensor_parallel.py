@@ -75,13 +75,14 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward; identity backward."""
+    """g: all-reduce forward (half-precision partial sums are added in fp32, then rounded once);
+    identity backward."""
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        total = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,0 +1,68 @@
+"""Counting the host syncs a training step makes (``train.py --count-host-syncs``).
+
+A host sync is a call that makes the host wait for the device: reading a tensor's value
+(``item``, ``tolist``, ``int()``, ``float()``, ``bool()``, ``cpu``) or waiting for its queue
+(``torch.cuda.synchronize``, an event's or a stream's ``synchronize``). On a CPU run these calls
+cost nothing, but counting them there shows what a GPU run would pay, so the CPU tests bound the
+GPU path: a step of the workers makes none, and the step's end one (reading the loss). Host
+values are read with ``.numpy()`` instead, which fails on a device tensor rather than waiting.
+
+The count is of calls from the counting thread, from Python: a client's background threads and
+torch's own C++ internals are not seen.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+TENSOR_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu")
+
+
+class HostSyncCounter:
+    """Patches the sync points while ``counting()`` is entered on this thread; ``calls`` lists them."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self._thread = threading.get_ident()
+        self._active = False
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+        counter = self
+
+        def counted(*args, **kwargs):
+            if counter._active and threading.get_ident() == counter._thread:
+                counter.calls.append(f"{getattr(owner, '__name__', owner)}.{name}")
+            return original(*args, **kwargs)
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def install(self) -> HostSyncCounter:
+        for name in TENSOR_METHODS:
+            self._wrap(torch.Tensor, name)
+        self._wrap(torch.cuda, "synchronize")
+        self._wrap(torch.cuda.Event, "synchronize")
+        self._wrap(torch.cuda.Stream, "synchronize")
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    @contextmanager
+    def counting(self):
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def take(self) -> list[str]:
+        """The calls counted since the last take."""
+        calls, self.calls = self.calls, []
+        return calls

@@ -120,7 +120,7 @@ def service(tmp_path_factory):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("argv,nproc", [
-    (["--enc-dp", "4", "--bb-dp", "2", "--bb-pp", "1", "--gen-dp", "1", "--num-microbatches", "3"], 7),
+    (["--enc-dp", "4", "--bb-dp", "2", "--bb-pp", "1", "--gen-dp", "1", "--num-microbatches", "6"], 7),
     (["--orchestrate", "--global-batch", "4"], 4),
 ], ids=["split-encoder-shared-generator", "orchestrated"])
 def test_the_runtime_runs_the_work_the_simulator_predicts(service, tmp_path, argv, nproc):

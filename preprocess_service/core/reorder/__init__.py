@@ -15,9 +15,9 @@ Costs are the scalar fwd+bwd seconds of cost.SequenceCost.total_s.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
+import numba as nb
 import numpy as np
 
 IntraAlgorithm = Callable[[np.ndarray, int, int, int, np.random.Generator], np.ndarray]
@@ -48,21 +48,31 @@ def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: 
     order, so plans are deterministic), each to the least-loaded bin that still has room (ties: the
     lowest bin). ``loads`` (float[bins], default zeros): the bins' loads before these items; updated
     in place when given. Returns int[bins, per_bin] item ids."""
+    if len(items) > bins * per_bin:
+        raise ValueError(f"{len(items)} items do not fit {bins} bins of {per_bin}")
     out = np.empty((bins, per_bin), dtype=np.int64)
-    start = [0.0] * bins if loads is None else loads.tolist()
-    heap = [(start[b], b) for b in range(bins)]  # (load, bin) of the bins with room
-    heapq.heapify(heap)
-    count = [0] * bins
-    ordered = items[np.argsort(-costs[items], kind="stable")]
-    for item, cost in zip(ordered.tolist(), costs[ordered].tolist()):
-        load, chosen = heapq.heappop(heap)
-        out[chosen, count[chosen]] = item
-        count[chosen] += 1
-        if loads is not None:
-            loads[chosen] += cost
-        if count[chosen] < per_bin:
-            heapq.heappush(heap, (load + cost, chosen))
+    ordered = np.ascontiguousarray(items[np.argsort(-costs[items], kind="stable")], dtype=np.int64)
+    work = np.zeros(bins) if loads is None else loads
+    if work.dtype != np.float64 or not work.flags.c_contiguous:
+        raise ValueError("loads must be a contiguous float64 array")
+    _lpt_kernel(ordered, np.ascontiguousarray(costs[ordered], dtype=np.float64), work, per_bin, out)
     return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _lpt_kernel(ordered, ordered_costs, loads, per_bin, out):
+    """The greedy of _lpt_equal_counts: each item to the bin with the lowest load among those with
+    room, the lowest bin on a tie (the order a heap of (load, bin) pops)."""
+    bins = loads.shape[0]
+    count = np.zeros(bins, dtype=np.int64)
+    for k in range(ordered.shape[0]):
+        best = -1
+        for b in range(bins):
+            if count[b] < per_bin and (best < 0 or loads[b] < loads[best]):
+                best = b
+        out[best, count[best]] = ordered[k]
+        count[best] += 1
+        loads[best] += ordered_costs[k]
 
 
 def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:

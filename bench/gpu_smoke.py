@@ -8,7 +8,8 @@ Against a local service (in this process, on synthetic LAION-style shards), with
 ``--device cuda --bf16``:
 
 1. one GPU, the layout that fits one device (monolithic: encoder and generator inside the
-   backbone's rank), M = 4, 2k steps;
+   backbone's rank), M = 4, 2k steps, ``--deterministic``; it measures the modules' costs, which
+   every later run reuses (``--costs``), so all runs plan their steps with the same prices;
 2. four GPUs (when there are four), the disaggregated layout with P = 4 stages (encoder, two
    backbone stages, generator: one GPU each) and M = 8 microbatches;
 3. a checkpoint and a resume: the same job to step k with a checkpoint there, then a run that
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,15 +51,20 @@ def _torchrun(nproc: int, args: list[str], timeout_s: float, log: Path) -> tuple
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "trainer.train", *args, "--log-json", str(log)]
     started = time.monotonic()
+    # a session of its own: on a timeout torchrun and every worker it started go, freeing their GPUs
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-3000:]
-        raise SystemExit(f"HANG: {' '.join(args[:12])} ... did not finish in {timeout_s:g} s\n{tail!r}") from None
-    if done.returncode:
-        raise SystemExit(f"FAILED ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise SystemExit(f"HANG: {' '.join(args[:12])} ... did not finish in {timeout_s:g} s\n"
+                         f"{stderr[-3000:]}") from None
+    if proc.returncode:
+        raise SystemExit(f"FAILED ({proc.returncode}): {' '.join(cmd)}\n{stdout[-2000:]}\n{stderr[-4000:]}")
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return time.monotonic() - started, records, done.stdout[-2000:]
+    return time.monotonic() - started, records, stdout[-2000:]
 
 
 def _params() -> int:
@@ -104,18 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     rows, notes = [], []
     precision = ["--bf16"] if device == "cuda" else []
 
-    def common(layout: list[str], microbatches: int, seed: int, n: int) -> list[str]:
-        return ["--address", address, "--shards", *shards, "--device", device, *precision, "--count-host-syncs",
-                "--seq-len", str(SEQ_LEN), "--model-layers", str(LAYERS), "--num-microbatches", str(microbatches),
-                "--profile-microbatches", "2" if device == "cuda" else "0", "--seed", str(seed), "--steps", str(n),
-                "--enc-dp", layout[0], "--bb-dp", layout[1], "--bb-pp", layout[2], "--gen-dp", layout[3]]
-
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
+            # on a GPU the first run measures the modules' costs and the others reuse them, so every
+            # run's job is planned with the same prices (the resumed run must see the same steps)
+            costs = ["--costs", str(work / "costs.json")] if device == "cuda" else ["--profile-microbatches", "0"]
+
+            def common(layout: list[str], microbatches: int, seed: int, n: int) -> list[str]:
+                return ["--address", address, "--shards", *shards, "--device", device, *precision, *costs,
+                        "--count-host-syncs", "--seq-len", str(SEQ_LEN), "--model-layers", str(LAYERS),
+                        "--num-microbatches", str(microbatches), "--seed", str(seed), "--steps", str(n),
+                        "--enc-dp", layout[0], "--bb-dp", layout[1], "--bb-pp", layout[2], "--gen-dp", layout[3]]
+
             # 1. one device, monolithic, M = 4 (also the uninterrupted run of 3)
             k = steps // 2
-            whole = common(["0", "1", "1", "0"], 4, 21, 2 * k)
+            # deterministic kernels: run 3 compares the resumed losses with these
+            whole = common(["0", "1", "1", "0"], 4, 21, 2 * k) + ["--deterministic"]
             _, uninterrupted, out = _torchrun(1, whole, args.timeout_s, work / "one.jsonl")
             rows.append(_figures("1 GPU, monolithic, M=4" if gpus else "1 CPU process, monolithic, M=4",
                                  uninterrupted, gpus, 4 * SEQ_LEN, args.peak_tflops))
@@ -131,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"the 4-GPU disaggregated run needs 4 GPUs; {gpus} visible: not run")
             # 3. checkpoint at k and resume to 2k, against the uninterrupted run
             ckpt = ["--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(k)]
-            _torchrun(1, common(["0", "1", "1", "0"], 4, 21, k) + ckpt, args.timeout_s, work / "first.jsonl")
+            _torchrun(1, common(["0", "1", "1", "0"], 4, 21, k) + ["--deterministic"] + ckpt, args.timeout_s,
+                      work / "first.jsonl")
             _, resumed, _ = _torchrun(1, whole + ckpt, args.timeout_s, work / "resumed.jsonl")
             expected = {r["step"]: r["loss"] for r in uninterrupted}
             got = {r["step"]: r["loss"] for r in resumed}

@@ -18,6 +18,7 @@ from disttrain_api.layout import PipelineLayout, StageModel
 from preprocess_service.adapters import synth
 from preprocess_service.core.simulate import component_makespans, replica_ops, simulate_1f1b, simulate_coupled
 from preprocess_service.service.server import create_server
+from trainer.runtime.workers import message_pairs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,6 +143,11 @@ def test_the_runtime_runs_the_work_the_simulator_predicts(service, tmp_path, arg
     assert (max(1, job["enc_split_by"]), max(1, job["gen_split_by"])) == (model.split_by[0], model.split_by[2])
     assert job["cost"]["bb_linear_s"] > 0 and job["cost"]["bb_linear_s"] != JobConfig(shards=("s",)).cost.bb_linear_s
     assert job["cost"]["enc_quadratic_s"] == 0.0  # the trainer's linear fit, sent as is
+    # every message went over a connection opened at start-up (NCCL connects lazily, and a first send
+    # inside a step blocks its host until the receiver posts: p2p.connect)
+    opened = set(message_pairs(layout, max(traces[0]["steps"][s]["num_microbatches"] for s in ("0", "1"))))
+    sent = {(kind, rank, dst) for rank, trace in traces.items() for kind, dst in trace["sent"]}
+    assert sent <= opened and bool(sent) == bool(opened), sorted(sent - opened)
     rng = np.random.default_rng(0)
     for step in ("0", "1"):
         M = traces[0]["steps"][step]["num_microbatches"]

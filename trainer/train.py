@@ -40,10 +40,10 @@ from disttrain_api.config import CostConfig, JobConfig
 from disttrain_api.layout import PipelineLayout
 from trainer.models.config import ModelConfig
 from trainer.models.mllm import MultimodalModel
-from trainer.runtime.p2p import Channels
+from trainer.runtime.p2p import Channels, connect
 from trainer.runtime.syncs import HostSyncCounter
 from trainer.runtime.tensor_parallel import TPGroup
-from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
+from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker, message_pairs
 
 TRAINER_JOB_ARGUMENTS = ("seq_len", "num_microbatches", "seqs_per_microbatch", "seed", "reorder_algorithm",
                          "shuffle_buffer", "pack_window", "max_consecutive_errors", "max_error_fraction", "tokenizer")
@@ -77,8 +77,8 @@ def parse(argv):
                         "non_blocking copies")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward passes (CPU or GPU)")
     p.add_argument("--deterministic", action="store_true",
-                   help="on a GPU: no TF32 matmuls or convolutions, deterministic cuDNN algorithms (what a "
-                        "comparison with a CPU reference needs); slower")
+                   help="on a GPU: no TF32 matmuls or convolutions, deterministic cuDNN and cuBLAS, deterministic "
+                        "algorithms where torch has them (what comparing two runs or a CPU reference needs); slower")
     p.add_argument("--count-host-syncs", action="store_true",
                    help="count the host syncs (.item(), .tolist(), synchronize, ...) of each step's ops and of its "
                         "end, and log the largest count over the ranks (host_syncs_max); for tests")
@@ -242,7 +242,9 @@ def _decide(args, world: int, device: torch.device | None = None) -> list[float]
             raise SystemExit(f"--costs: {exc}") from None
     elif args.profile_microbatches > 0 or args.orchestrate or args.costs:
         measured = measure(args.address, job_config(args), args.model_layers, max(args.profile_microbatches, 1),
-                           device=device or "cpu", bf16=args.bf16)
+                           device=device or "cpu", bf16=args.bf16, vocab_size=job_vocab_size(args))
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # the probe model's memory goes back before the run's model is built
         if args.costs:
             measured.save(args.costs)
     if measured is not None:
@@ -276,9 +278,11 @@ def init_distributed(args) -> tuple[torch.device, object]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         if args.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+            torch.use_deterministic_algorithms(True, warn_only=True)  # index_copy, embedding backward, ...
         dist.init_process_group("nccl", device_id=device)
         return device, dist.new_group(backend="gloo")
     dist.init_process_group("gloo")
@@ -298,6 +302,7 @@ def main(argv=None) -> int:
     stage0 = dist.new_group(layout.groups()["bb0.tp0"], backend="gloo") if device.type != "cpu" else groups["bb0.tp0"]
     channels = Channels.create(device) if args.p2p_channels == "per-kind" else Channels.shared(device)
     sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
+    connect(channels, message_pairs(layout, args.num_microbatches), device)  # NCCL connects lazily: not in a step
     worker = build_worker(args, layout, rank, groups, cost, device, channels, stage0)
     group = layout.group_of(rank)
     params = worker.parameters()
@@ -365,7 +370,8 @@ def _write_trace(directory: Path, rank: int, layout: PipelineLayout, worker, tra
     """What this rank ran: its role, the layout, the ops of every step; a data-reading rank adds the
     pipeline the service planned for (its JobInfo)."""
     record = {"rank": rank, "role": list(layout.role(rank)), "tp_rank": layout.tp_rank(rank),
-              "layout": {f: getattr(layout, f) for f in LAYOUT_FIELDS}, "steps": traces}
+              "layout": {f: getattr(layout, f) for f in LAYOUT_FIELDS}, "steps": traces,
+              "sent": sorted([kind, dst] for kind, dst in worker.outbox.sent)}
     client = getattr(worker, "client", None)
     if client is not None:
         spec = client.info.spec

@@ -116,7 +116,7 @@ def _ratio(num: float, den: float, default: float = 0.0) -> float:
 
 
 def measure(address: str | list[str], config: JobConfig, model_layers: int, microbatches: int = 3,
-            device: torch.device | str = "cpu", bf16: bool = False) -> Measured:
+            device: torch.device | str = "cpu", bf16: bool = False, vocab_size: int | None = None) -> Measured:
     """Times each module on ``microbatches`` microbatches of a probe job (dp_size 1, arrival order),
     on the training's ``device`` and precision (``bf16``: the training's autocast), so the service
     and the planner price the hardware the run uses."""
@@ -125,7 +125,8 @@ def measure(address: str | list[str], config: JobConfig, model_layers: int, micr
     probe = dataclasses.replace(config, dp_size=1, num_microbatches=1, reorder_algorithm="arrival",
                                 seed=config.seed + PROBE_SEED_OFFSET, enc_shared_by=1, gen_shared_by=1,
                                 stage_map=("enc", "bb", "gen"), cost_feedback=False)
-    model = MultimodalModel(ModelConfig(layers=model_layers, max_positions=config.seq_len)).to(device)
+    sizes = {"vocab_size": vocab_size} if vocab_size else {}
+    model = MultimodalModel(ModelConfig(layers=model_layers, max_positions=config.seq_len, **sizes)).to(device)
     sums = torch.zeros(3, 3, dtype=torch.float64)  # rows enc, bb, gen; columns forward s, backward s, work
     content = torch.zeros(3, dtype=torch.float64)
     from trainer import DataClient  # the client (gRPC) only where a probe runs

@@ -78,6 +78,22 @@ class Channels:
         return cls({kind: channel for kind in KINDS})
 
 
+def connect(channels: Channels, pairs: list[tuple[str, int, int]], device: torch.device | str) -> None:
+    """Opens every (kind, sender, receiver) connection a run uses with one tiny message each, every
+    rank walking the same sorted list with blocking sends and receives (deadlock-free: the first
+    pending pair always has both ends waiting on it). NCCL connects a pair lazily, and a first send
+    blocks the host until the receiver posts its receive; inside a step that turns any rank that
+    is busy elsewhere (in a collective, say) into a wait for it. Every rank must call this with the
+    same pairs."""
+    rank = dist.get_rank()
+    token = torch.zeros(1, device=device)
+    for kind, src, dst in sorted(set(pairs)):
+        if rank == src:
+            dist.send(token, dst, group=channels[kind].data)
+        elif rank == dst:
+            dist.recv(token, src, group=channels[kind].data)
+
+
 def _header(tensors: list[torch.Tensor], meta: list[int]) -> np.ndarray:
     values = [len(tensors)]
     for t in tensors:
@@ -91,6 +107,8 @@ class Outbox:
 
     def __init__(self, channels: Channels, device: torch.device | str = "cpu"):
         self._pending: list[tuple[object, object]] = []
+        self.sent: set[tuple[str, int]] = set()
+        """(kind, receiver) of every message sent (the connections p2p.connect must have opened)."""
         self.channels = channels
         self.device = torch.device(device)
 
@@ -98,6 +116,7 @@ class Outbox:
         """Posts ``tensors`` (moved to this outbox's device) and ``meta`` to ``dst`` on ``kind``'s channel."""
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         channel = self.channels[kind]
+        self.sent.add((kind, dst))
         head = torch.from_numpy(_header(tensors, [int(v) for v in meta]))
         length = torch.tensor([head.numel()], dtype=torch.int64)
         self._pending.append((dist.isend(length, dst, group=channel.header), length))

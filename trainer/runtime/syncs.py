@@ -7,13 +7,15 @@ cost nothing, but counting them there shows what a GPU run would pay, so the CPU
 GPU path: a step of the workers makes none, and the step's end one (reading the loss). Host
 values are read with ``.numpy()`` instead, which fails on a device tensor rather than waiting.
 
-The count is of calls from the counting thread, from Python: a client's background threads and
-torch's own C++ internals are not seen.
+Those are the calls from the counting thread, from Python. On a GPU the CUDA runtime's own view is
+counted too (``torch.cuda.set_sync_debug_mode``: every synchronizing CUDA call, from C++ as well,
+such as a boolean-mask index or a copy to a host tensor); a step's count is the larger of the two.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -26,6 +28,8 @@ class HostSyncCounter:
 
     def __init__(self):
         self.calls: list[str] = []
+        self.device_calls: list[str] = []
+        """Synchronizing CUDA calls the runtime reported while counting (GPU only)."""
         self._thread = threading.get_ident()
         self._active = False
         self._saved: list[tuple[object, str, object]] = []
@@ -56,13 +60,26 @@ class HostSyncCounter:
 
     @contextmanager
     def counting(self):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._active = True
         try:
-            yield
+            if not cuda:
+                yield
+                return
+            previous = torch.cuda.get_sync_debug_mode()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+            self.device_calls += [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)]
         finally:
             self._active = False
 
     def take(self) -> list[str]:
-        """The calls counted since the last take."""
-        calls, self.calls = self.calls, []
-        return calls
+        """The calls counted since the last take: the Python-level ones, or on a GPU the CUDA
+        runtime's if it saw more."""
+        calls, device, self.calls, self.device_calls = self.calls, self.device_calls, [], []
+        return device if len(device) > len(calls) else calls

@@ -75,6 +75,29 @@ def _pairs(spans: torch.Tensor) -> list[tuple[int, int]]:
     return [(int(s), int(e)) for s, e in spans.numpy().reshape(-1, 2)]
 
 
+def message_pairs(layout: PipelineLayout, num_microbatches: int) -> list[tuple[str, int, int]]:
+    """(kind, sender, receiver) of every point-to-point message the workers of ``layout`` exchange
+    in a step of up to ``num_microbatches`` microbatches (p2p.connect opens them at start-up)."""
+    pairs = []
+    last = layout.bb_pp - 1
+    for d in range(layout.bb_dp):
+        stage0 = layout.bb_rank(d, 0)
+        if layout.enc_dp:
+            for e in {layout.enc_of(d, m) for m in range(num_microbatches)}:
+                enc = layout.enc_rank(e)
+                pairs += [("media", stage0, enc), ("embed", enc, stage0), ("embed_grad", stage0, enc)]
+        for s in range(last):
+            a, b = layout.bb_rank(d, s), layout.bb_rank(d, s + 1)
+            pairs += [("act", a, b), ("act_grad", b, a)]
+        if layout.gen_dp:
+            for g in {layout.gen_of(d, m) for m in range(num_microbatches)}:
+                tail, gen = layout.bb_rank(d, last), layout.gen_rank(g)
+                pairs += [("gen", tail, gen), ("gen_grad", gen, tail)]
+    for ranks in layout.tp_groups():
+        pairs += [("tp", ranks[0], peer) for peer in ranks[1:]]
+    return pairs
+
+
 class Worker:
     def __init__(self, model: MultimodalModel, layout: PipelineLayout, num_microbatches: int, seed: int,
                  tp: TPGroup = SOLO, device: torch.device | str = "cpu", channels: Channels | None = None):
@@ -287,16 +310,24 @@ class BackboneWorker(Worker):
         if not self.tp.leader:
             return [self._peer_meta(m, *recv(self.channels, self.tp.ranks[0], "tp", self.device))
                     for m in range(self.M)]
-        out, counts = [], np.zeros(2, dtype=np.int64)
+        hosts, counts = [], np.zeros(2, dtype=np.int64)
         for m in range(self.M):
             mb, self._first = (self._first, None) if m == 0 and self._first is not None else (next(self.client), None)
             if (mb.step, mb.microbatch_index) != (step, m):
                 raise RuntimeError(f"rank {self.dp} expected step {step} microbatch {m}, the service sent "
                                    f"step {mb.step} microbatch {mb.microbatch_index}")
+            hosts.append(mb)
+            counts += (int((mb.labels.numpy() != IGNORE_INDEX).sum()), int(mb.gen_spans.shape[0]))
+        # the step's counts first, then the media: a rank never sits in this collective with sends
+        # to an encoder posted that the encoder's other chains may be waiting behind
+        totals = torch.from_numpy(counts)
+        dist.all_reduce(totals, group=self.stage0_group)  # a CPU group: no device round trip
+        lm_total, gen_total = (int(v) for v in totals.numpy())
+        out = []
+        for m, mb in enumerate(hosts):
             # host facts from the client's host tensors, before anything moves to the device
             meta = MicrobatchMeta(self.dp, m, microbatch_seed(self.seed, step, self.dp, m),
-                                  mb.cu_seqlens.numpy().tolist(), _pairs(mb.gen_spans))
-            counts += (int((mb.labels.numpy() != IGNORE_INDEX).sum()), len(meta.gen_spans))
+                                  mb.cu_seqlens.numpy().tolist(), _pairs(mb.gen_spans), lm_total, gen_total)
             index = spans_index(_pairs(mb.image_spans) + _pairs(mb.audio_spans))
             if self.device.type != "cpu":
                 mb = mb.to(self.device, non_blocking=True)  # from the client's pinned buffers
@@ -307,11 +338,7 @@ class BackboneWorker(Worker):
                 self._send([*mb.images, *mb.mels], self.layout.enc_rank(self.layout.enc_of(self.dp, m)), "media",
                            [len(mb.images), len(mb.mels), self.dp, m])
             out.append(([mb.tokens, mb.position_ids, mb.labels, index, mb.gen_images], meta))
-        totals = torch.from_numpy(counts)
-        dist.all_reduce(totals, group=self.stage0_group)  # a CPU group: no device round trip
-        lm_total, gen_total = (int(v) for v in totals.numpy())
         for m, (tensors, meta) in enumerate(out):
-            meta.lm_total, meta.gen_total = lm_total, gen_total
             images, mels = self._media.get(m, ([], []))
             self._to_peers([*tensors, *images, *mels], [len(images), len(mels), *meta.to_ints()])
         return out

@@ -62,7 +62,7 @@ def task_bytes(request, monkeypatch):
     """The documents of a microbatch go to the workers one per task (these are 17 MB each), or
     as two tasks of four: a worker that dies then loses four documents at once."""
     if request.param == "tasks of four documents":
-        monkeypatch.setattr(decode, "TASK_INPUT_BYTES", 1 << 40)  # one per worker
+        monkeypatch.setattr(decode.pool, "TASK_INPUT_BYTES", 1 << 40)  # one per worker
     return request.param
 
 
@@ -461,7 +461,7 @@ def test_a_client_that_keeps_every_microbatch_gets_them_given_away_past_max_lent
     from preprocess_service.adapters.shmdelivery import SHM_DIR
     from preprocess_service.core.assemble import finish
 
-    monkeypatch.setattr(decode, "MAX_LENT", 1)
+    monkeypatch.setattr(decode.pool, "MAX_LENT", 1)
     small = _small_layout(1)
     pool = DecodePool(1)
     held = []
@@ -505,7 +505,7 @@ def test_closing_the_pool_fails_the_microbatches_still_in_decode(layout):
 ])
 def test_a_microbatch_is_cut_into_consecutive_tasks_of_about_equal_bytes(sizes, workers, target, expected):
     documents = [(f"k{i}", [i], n) for i, n in enumerate(sizes)]
-    chunks = decode._chunks(documents, workers, target)
+    chunks = decode.pool._chunks(documents, workers, target)
     assert [len(c) for c in chunks] == expected
     assert [key for chunk in chunks for key, _ in chunk] == [key for key, _, _ in documents]  # once each, in order
     assert all(items == [int(key[1:])] for chunk in chunks for key, items in chunk)

@@ -1,4 +1,4 @@
-"""The decode pool's fork server (decode.py), startable before anything heavy is imported.
+"""The decode pool's fork server (decode/pool.py), startable before anything heavy is imported.
 
 The fork server imports torch and the decoders once, and the pool's workers fork from it. It is
 the longest step before a service's first microbatch, so a process that will

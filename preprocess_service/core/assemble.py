@@ -2,7 +2,7 @@
 
 Every size is known from planning, so ``layout_microbatch`` computes the token arrays and, for
 each document, where each decoded image, mel and generation target goes in one flat output
-buffer. A decode stage (decode.py) then fills that buffer: workers write straight into their
+buffer. A decode stage (adapters/decode/) then fills that buffer: workers write straight into their
 slots, so the result is the same whatever order they finish in. A document that fails to decode
 is left out by laying the microbatch out again without it (its tokens become padding, its loss
 mask 0) and moving the other documents' decoded bytes over (``compact``); it is reported, and

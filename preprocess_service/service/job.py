@@ -394,7 +394,7 @@ class Job:
 
     def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder,
                          stop: threading.Event | None = None) -> PendingMicrobatch:
-        """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (decode.py),
+        """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (adapters/decode/),
         which may wait for room in the memory budget until ``stop`` is set."""
         sequences, skipped = self._resolve(plan.microbatch(rank, index))
         layout = self._layout(sequences)

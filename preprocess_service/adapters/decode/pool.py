@@ -1,37 +1,16 @@
-"""The decode stage: fills a microbatch's output buffer (assemble.Layout) with decoded media.
-
-Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
-
-- ``DecodePool`` (the service default): one worker process per core, forked from a fork server
-  that imported torch and the decoders once (so a worker starts in milliseconds and shares those
-  pages with its siblings, where spawning each would import torch again, in CPU and memory per
-  worker). Workers start in the background; work waits for a ready one, and
-  ``wait_ready()`` blocks until all are up. Encoded bytes go into a
-  shared-memory arena beside the microbatch's output slots; a task (one document) is a few
-  numbers through a pipe, and the worker writes its arrays straight into their slots, so nothing
-  large is pickled and the output does not depend on which worker finishes first. Each worker
-  holds at most ``max_in_flight`` tasks; the rest wait in the pool, and a stream submits at most
-  two microbatches ahead, so memory is bounded. Waiting work is served fairly across streams
-  (fairqueue.py): each waiting stream gets one microbatch decoded per round, whatever it
-  queued. A worker that dies is replaced at once and its in-flight documents are retried once
-  (ahead of later work) on another worker; a document that kills a worker twice is reported
-  as failed (``DecodeError.worker_died``), never lost and never delivered twice.
-- ``InlineDecoder``: the same decoding in the calling process on a thread pool (tests, debugging,
-  ``--decode-workers 0``).
-"""
+"""DecodePool: the worker processes, their dispatch and supervision, and the shared-memory arenas
+(acquired, lent to same-host clients, reclaimed)."""
 
 from __future__ import annotations
 
 import collections
 import fcntl
-import importlib
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from multiprocessing import connection, shared_memory
@@ -40,276 +19,27 @@ import numpy as np
 
 from preprocess_service.adapters import forkserver, procmem
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.adapters.decode.items import Decoded, Lent, missing_reason
+from preprocess_service.adapters.decode.worker import worker_main
 from preprocess_service.adapters.fairqueue import FairQueue, Order
 from preprocess_service.adapters.shmdelivery import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
-from preprocess_service.core.assemble import Layout, MediaItem, aligned
+from preprocess_service.core.assemble import Layout, aligned
 
 log = logging.getLogger(__name__)
 WORKER_DIED = "decode worker died twice while decoding this sample"
 MAX_START_FAILURES = 3
 """Workers that exit (or time out) one after another before ever reporting ready: the pool is
 broken (an installation problem) and fails its work instead of restarting them forever."""
-MAX_ATTACHED = 64
-"""Arenas a worker keeps mapped (reused arenas then cost no page faults); the pool names those it drops."""
 RECLAIM_EVERY_S = 0.5
 """How often the pool looks for lent arenas their clients let go of, besides at every new microbatch."""
 MAX_LENT = 256
 """Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
 and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
 costs the server no file descriptors or mappings."""
-TRIM_EVERY_S = 5.0
-"""A busy decode worker gives its freed heap back to the system this often."""
-IDLE_TRIM_S = 0.2
-"""A decode worker with nothing to do for this long gives its freed heap back at once."""
 TASK_INPUT_BYTES = 1 << 20
 """Encoded bytes a decode task aims at: a microbatch's documents go to the workers in tasks of
 about this much, at least one per worker, so each message's round trip (pickling, pipes and
 waking) is small against the decoding it carries."""
-
-
-def decode_item(kind: str, data: bytes, params: tuple, out: np.ndarray | None = None) -> np.ndarray:
-    """One member decoded to the array its slot holds (shape and dtype fixed by the layout). Images
-    are written into ``out`` (uint8 [h, w, 3]) when given, which is returned; audio ignores it."""
-    if kind == "image":
-        from preprocess_service.adapters.imaging import decode_image
-
-        height, width, orientation = params
-        return decode_image(data, (height, width), orientation, out)
-    if kind == "gen":
-        from preprocess_service.adapters.imaging import decode_square
-
-        size, orientation = params
-        return decode_square(data, size, orientation, out)
-    if kind == "audio":
-        from preprocess_service.adapters.audio import decode_audio
-
-        frames, config = params
-        return decode_audio(data, config, frames)
-    raise ValueError(f"unknown media kind {kind!r}")
-
-
-def warm_up_decoders() -> None:
-    """Runs every decoder once on small generated media (a JPEG, a PNG, a WAV clip), so their
-    lazily built state (codec tables, resize kernels, resamplers, mel filters) exists before the
-    first real sample: the first microbatch is not slower, and the server measures its idle memory
-    (budget.py's baseline) with that state in it. Failures are left to the first real sample."""
-    import io
-
-    from PIL import Image
-
-    from disttrain_api.config import AudioConfig
-
-    try:
-        pixels = (np.arange(96 * 128 * 3) % 251).astype(np.uint8).reshape(96, 128, 3)
-        for fmt in ("JPEG", "PNG"):
-            out = io.BytesIO()
-            Image.fromarray(pixels).save(out, format=fmt)
-            decode_item("image", out.getvalue(), (48, 64, 1))
-            decode_item("gen", out.getvalue(), (32, 1))
-        import soundfile
-
-        config = AudioConfig()
-        out = io.BytesIO()
-        soundfile.write(out, np.zeros(8000, dtype=np.float32), 8000, format="WAV")
-        decode_item("audio", out.getvalue(), (8, config))
-    except Exception:  # a warm-up only; real samples report their own errors
-        log.debug("decoder warm-up failed", exc_info=True)
-
-
-def _decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
-    """Decodes one member into its slot of the output buffer that starts at byte ``base`` of
-    ``buffer``: an image is resized straight into it, audio is decoded and copied in."""
-    slot = None
-    if item.kind in ("image", "gen"):
-        slot = np.ndarray(item.shape, dtype=np.uint8, buffer=buffer, offset=base + item.offset)
-    array = decode_item(item.kind, data, item.params, slot)
-    if array is not slot:
-        _write(buffer, item, array, base)
-
-
-def _write(buffer, item: MediaItem, array: np.ndarray, base: int = 0) -> None:
-    """Writes ``array`` into its slot of the output buffer that starts at byte ``base`` of ``buffer``."""
-    if array.nbytes != item.nbytes:
-        raise ValueError(f"{item.kind} {item.member} decoded to {array.shape} {array.dtype} "
-                         f"({array.nbytes} bytes), its slot holds {item.nbytes}")
-    np.frombuffer(buffer, dtype=np.uint8, count=item.nbytes, offset=base + item.offset)[:] = \
-        np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
-
-@dataclass(slots=True)
-class Decoded:
-    """A filled output buffer and the documents that failed."""
-
-    buffer: np.ndarray
-    """uint8 [layout.nbytes]; valid until release()."""
-    errors: dict[str, str]
-    """Document key -> why it failed (its slots hold garbage)."""
-    _release: Callable[[], None] = field(default=lambda: None, repr=False)
-    lend: Callable[[dict[str, np.ndarray]], Lent | None] | None = field(default=None, repr=False)
-    """Where the buffer is a shared-memory object a client on this host may map (DecodePool, no
-    document failed): lend(arrays) puts the arrays not already in it into its spare room and lends
-    it (see Lent); release() is then a no-op. None where it cannot be lent."""
-
-    def release(self) -> None:
-        """Hands the buffer back for reuse; views of it must not be used afterwards."""
-        self._release()
-
-
-@dataclass(slots=True)
-class Lent:
-    """A decode arena lent to a same-host client instead of copied into a message for it
-    (shmdelivery.py, Microbatch.shm_token). The client maps the object ``name``, checks its first
-    TOKEN_BYTES equal ``token`` (else the arena was reused and the microbatch is lost to it), holds
-    a shared flock on it while its arrays live and sets byte TAKEN_AT once it has them. The pool
-    reuses the arena once it is taken and unlocked, or abandoned (its stream ended before the
-    client took it) and unlocked; a new token makes a stale message fail its check."""
-
-    name: str
-    token: bytes
-    nbytes: int
-    """Bytes the client maps: the end of the last tensor."""
-    tensors: list[tuple[str, np.dtype, tuple[int, ...], int]]
-    """(name, dtype, shape, byte offset in the object) of each array."""
-    taken: Callable[[], bool] = field(repr=False)
-    """True once the client has set the taken byte (or the pool has already taken the arena back)."""
-    abandon: Callable[[], None] = field(repr=False)
-    """The stream ended before the client took it: reuse it once nobody holds its lock."""
-
-
-def _missing(doc) -> str | None:
-    data = doc.media_bytes or {}
-    absent = [s.member for s in doc.media if data.get(s.member) is None]
-    if absent:
-        return (f"encoded member(s) {absent} not found when re-reading the shard "
-                "(did it change after planning?)")
-    return None
-
-
-class InlineDecoder:
-    """Decodes in this process on ``num_threads`` threads (the decoders release the GIL)."""
-
-    def __init__(self, num_threads: int = 1, budget: MemoryBudget = UNLIMITED):
-        self._threads = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="decode")
-        self.budget = budget
-
-    @staticmethod
-    def others_decoding(stop: threading.Event | None) -> bool:
-        """Never: submit decodes before it returns (DecodePool.others_decoding)."""
-        return False
-
-    def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
-        self.budget.reserve(layout.nbytes, what="a microbatch's decode buffer", stop=stop)
-        try:
-            buffer = np.zeros(layout.nbytes, dtype=np.uint8)
-            errors = dict(self._threads.map(lambda pair: self._decode_document(buffer, *pair), layout.documents))
-        except BaseException:
-            self.budget.release(layout.nbytes)
-            raise
-        done = futures.Future()
-        done.set_result(Decoded(buffer, {key: e for key, e in errors.items() if e},
-                                call_once(lambda: self.budget.release(layout.nbytes))))
-        return done
-
-    @staticmethod
-    def _decode_document(buffer, doc, items) -> tuple[str, str | None]:
-        problem = _missing(doc)
-        if problem:
-            return doc.key, problem
-        try:
-            for item in items:
-                _decode_into(buffer, item, doc.media_bytes[item.member])
-        except (MemoryError, ImportError):
-            raise
-        except Exception as exc:  # any decoder failure means this sample is unusable
-            return doc.key, f"{type(exc).__name__}: {exc}"
-        return doc.key, None
-
-    def stats(self) -> dict:
-        return {"workers": 0}
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
-
-
-# --- the process pool -----------------------------------------------------------------------------
-
-def _worker_main(conn, worker_id: int) -> None:
-    """Body of a decode worker: receive (task id, arena, items), decode into the arena, reply."""
-    import torch
-
-    torch.set_num_threads(1)  # one process per core: intra-op threads would only contend
-    for module in ("preprocess_service.adapters.audio", "preprocess_service.adapters.imaging", "torchaudio"):
-        importlib.import_module(module)  # every decoder loaded before "ready"
-    warm_up_decoders()
-
-    from disttrain_api.heap import trim_malloc
-
-    arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
-    conn.send(("ready", worker_id, os.getpid()))
-    last_trim, dirty = time.monotonic(), False
-    while True:
-        # Decoders free large buffers; the heap goes back to the system every TRIM_EVERY_S while
-        # busy and as soon as the worker idles (an idle worker holding freed heap would keep the
-        # server's memory budget from ever seeing it again, and streams waiting for it starve).
-        if dirty and time.monotonic() - last_trim > TRIM_EVERY_S:
-            trim_malloc()
-            last_trim, dirty = time.monotonic(), False
-        try:
-            if dirty and not conn.poll(IDLE_TRIM_S):
-                trim_malloc()
-                last_trim, dirty = time.monotonic(), False
-                continue
-            message = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
-        if message is None:
-            return
-        if message[0] == "drop":  # arenas the parent destroyed or gave away: let their memory go
-            for name in message[1]:
-                _detach(arenas, name)
-            continue
-        if message[0] == "trim":  # the server is short of memory
-            trim_malloc()
-            last_trim, dirty = time.monotonic(), False
-            continue
-        dirty = True
-        task_id, arena_name, documents = message
-        errors = []
-        try:
-            buffer = _attach(arenas, arena_name).buf
-        except Exception as exc:  # every document of the task fails with it; the worker carries on
-            conn.send((task_id, [(key, f"{type(exc).__name__}: {exc}") for key, _ in documents]))
-            continue
-        for key, items in documents:
-            try:
-                for in_offset, in_nbytes, item in items:
-                    data = bytes(buffer[in_offset:in_offset + in_nbytes])
-                    _decode_into(buffer, item, data, CONTROL_BYTES)
-            except (MemoryError, ImportError):
-                raise
-            except Exception as exc:  # reported for this document; the worker carries on
-                errors.append((key, f"{type(exc).__name__}: {exc}"))
-        del buffer
-        conn.send((task_id, errors))
-
-
-def _attach(arenas: collections.OrderedDict, name: str) -> shared_memory.SharedMemory:
-    shm = arenas.get(name)
-    if shm is None:
-        shm = arenas[name] = shared_memory.SharedMemory(name=name)
-        while len(arenas) > MAX_ATTACHED:  # the parent tells us what it drops; this bounds the rest
-            _detach(arenas, next(iter(arenas)))
-    arenas.move_to_end(name)
-    return shm
-
-
-def _detach(arenas: collections.OrderedDict, name: str) -> None:
-    shm = arenas.pop(name, None)
-    if shm is not None:
-        try:
-            shm.close()
-        except BufferError:
-            pass
 
 
 @dataclass(slots=True)
@@ -436,7 +166,7 @@ class DecodePool:
 
     def _start_worker(self, slot: int) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child, slot), name=f"decode-{slot}", daemon=True)
+        process = self._ctx.Process(target=worker_main, args=(child, slot), name=f"decode-{slot}", daemon=True)
         process.start()
         child.close()
         return _Worker(slot, process, parent, time.monotonic())
@@ -569,14 +299,15 @@ class DecodePool:
         and streams are served in turn (fairqueue.py); without one, each is its own stream."""
         future: futures.Future = futures.Future()
         inputs = [(doc, items) for doc, items in layout.documents if items]
-        in_nbytes = sum(len(doc.media_bytes[i.member]) for doc, items in inputs if not _missing(doc) for i in items)
+        in_nbytes = sum(len(doc.media_bytes[i.member])
+                        for doc, items in inputs if not missing_reason(doc) for i in items)
         spare = sum(aligned(a.nbytes) for a in layout.arrays.values())
         arena = self._acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
         batch = _Batch(arena, layout.nbytes, 0, future, spare=spare)
         view = arena.buf
         cursor, documents = CONTROL_BYTES + layout.nbytes + spare, []
         for doc, items in inputs:
-            problem = _missing(doc)
+            problem = missing_reason(doc)
             if problem:
                 batch.errors[doc.key] = problem
                 continue

@@ -1,0 +1,132 @@
+"""Decoding one media item into its slot of a microbatch's output buffer, and what a decode
+stage hands back (Decoded, Lent)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from preprocess_service.core.assemble import MediaItem
+
+log = logging.getLogger(__name__)
+
+
+def decode_item(kind: str, data: bytes, params: tuple, out: np.ndarray | None = None) -> np.ndarray:
+    """One member decoded to the array its slot holds (shape and dtype fixed by the layout). Images
+    are written into ``out`` (uint8 [h, w, 3]) when given, which is returned; audio ignores it."""
+    if kind == "image":
+        from preprocess_service.adapters.imaging import decode_image
+
+        height, width, orientation = params
+        return decode_image(data, (height, width), orientation, out)
+    if kind == "gen":
+        from preprocess_service.adapters.imaging import decode_square
+
+        size, orientation = params
+        return decode_square(data, size, orientation, out)
+    if kind == "audio":
+        from preprocess_service.adapters.audio import decode_audio
+
+        frames, config = params
+        return decode_audio(data, config, frames)
+    raise ValueError(f"unknown media kind {kind!r}")
+
+
+def warm_up_decoders() -> None:
+    """Runs every decoder once on small generated media (a JPEG, a PNG, a WAV clip), so their
+    lazily built state (codec tables, resize kernels, resamplers, mel filters) exists before the
+    first real sample: the first microbatch is not slower, and the server measures its idle memory
+    (budget.py's baseline) with that state in it. Failures are left to the first real sample."""
+    import io
+
+    from PIL import Image
+
+    from disttrain_api.config import AudioConfig
+
+    try:
+        pixels = (np.arange(96 * 128 * 3) % 251).astype(np.uint8).reshape(96, 128, 3)
+        for fmt in ("JPEG", "PNG"):
+            out = io.BytesIO()
+            Image.fromarray(pixels).save(out, format=fmt)
+            decode_item("image", out.getvalue(), (48, 64, 1))
+            decode_item("gen", out.getvalue(), (32, 1))
+        import soundfile
+
+        config = AudioConfig()
+        out = io.BytesIO()
+        soundfile.write(out, np.zeros(8000, dtype=np.float32), 8000, format="WAV")
+        decode_item("audio", out.getvalue(), (8, config))
+    except Exception:  # a warm-up only; real samples report their own errors
+        log.debug("decoder warm-up failed", exc_info=True)
+
+
+def decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
+    """Decodes one member into its slot of the output buffer that starts at byte ``base`` of
+    ``buffer``: an image is resized straight into it, audio is decoded and copied in."""
+    slot = None
+    if item.kind in ("image", "gen"):
+        slot = np.ndarray(item.shape, dtype=np.uint8, buffer=buffer, offset=base + item.offset)
+    array = decode_item(item.kind, data, item.params, slot)
+    if array is not slot:
+        _write(buffer, item, array, base)
+
+
+def _write(buffer, item: MediaItem, array: np.ndarray, base: int = 0) -> None:
+    """Writes ``array`` into its slot of the output buffer that starts at byte ``base`` of ``buffer``."""
+    if array.nbytes != item.nbytes:
+        raise ValueError(f"{item.kind} {item.member} decoded to {array.shape} {array.dtype} "
+                         f"({array.nbytes} bytes), its slot holds {item.nbytes}")
+    np.frombuffer(buffer, dtype=np.uint8, count=item.nbytes, offset=base + item.offset)[:] = \
+        np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+@dataclass(slots=True)
+class Decoded:
+    """A filled output buffer and the documents that failed."""
+
+    buffer: np.ndarray
+    """uint8 [layout.nbytes]; valid until release()."""
+    errors: dict[str, str]
+    """Document key -> why it failed (its slots hold garbage)."""
+    _release: Callable[[], None] = field(default=lambda: None, repr=False)
+    lend: Callable[[dict[str, np.ndarray]], Lent | None] | None = field(default=None, repr=False)
+    """Where the buffer is a shared-memory object a client on this host may map (DecodePool, no
+    document failed): lend(arrays) puts the arrays not already in it into its spare room and lends
+    it (see Lent); release() is then a no-op. None where it cannot be lent."""
+
+    def release(self) -> None:
+        """Hands the buffer back for reuse; views of it must not be used afterwards."""
+        self._release()
+
+
+@dataclass(slots=True)
+class Lent:
+    """A decode arena lent to a same-host client instead of copied into a message for it
+    (shmdelivery.py, Microbatch.shm_token). The client maps the object ``name``, checks its first
+    TOKEN_BYTES equal ``token`` (else the arena was reused and the microbatch is lost to it), holds
+    a shared flock on it while its arrays live and sets byte TAKEN_AT once it has them. The pool
+    reuses the arena once it is taken and unlocked, or abandoned (its stream ended before the
+    client took it) and unlocked; a new token makes a stale message fail its check."""
+
+    name: str
+    token: bytes
+    nbytes: int
+    """Bytes the client maps: the end of the last tensor."""
+    tensors: list[tuple[str, np.dtype, tuple[int, ...], int]]
+    """(name, dtype, shape, byte offset in the object) of each array."""
+    taken: Callable[[], bool] = field(repr=False)
+    """True once the client has set the taken byte (or the pool has already taken the arena back)."""
+    abandon: Callable[[], None] = field(repr=False)
+    """The stream ended before the client took it: reuse it once nobody holds its lock."""
+
+
+def missing_reason(doc) -> str | None:
+    data = doc.media_bytes or {}
+    absent = [s.member for s in doc.media if data.get(s.member) is None]
+    if absent:
+        return (f"encoded member(s) {absent} not found when re-reading the shard "
+                "(did it change after planning?)")
+    return None

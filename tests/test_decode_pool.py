@@ -14,7 +14,7 @@ from PIL import Image
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
 from helpers import write_tiny_shards
 from preprocess_service.adapters import decode, forkserver
-from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, InlineDecoder
+from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, Decoder, InlineDecoder
 from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.assemble import layout_microbatch
 from preprocess_service.core.packing import PackedSequence
@@ -229,6 +229,7 @@ def test_the_pool_tells_a_stream_whether_other_streams_have_work_in_it(layout):
         third.result(timeout=30)
     assert _eventually(lambda: not pool.others_decoding(a)), "failed work left the pool too"
     assert not InlineDecoder().others_decoding(a)
+    assert isinstance(pool, Decoder) and isinstance(InlineDecoder(), Decoder), "both offer what streams call"
 
 
 def test_work_submitted_while_workers_start_waits_for_them(layout, expected):

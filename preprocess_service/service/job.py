@@ -35,7 +35,7 @@ from disttrain_api.errors import (
 )
 from preprocess_service.adapters import img2dataset, metrics, shards, sources, text_tokenizers
 from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
-from preprocess_service.adapters.decode import WORKER_DIED, Decoded
+from preprocess_service.adapters.decode import WORKER_DIED, Decoded, Decoder
 from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
@@ -392,7 +392,7 @@ class Job:
         if not 0 <= rank < self.config.dp_size:
             raise ConfigError(f"dp_rank {rank} is outside this job's dp_size {self.config.dp_size}")
 
-    def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder,
+    def start_microbatch(self, plan: StepPlan, rank: int, index: int, decoder: Decoder,
                          stop: threading.Event | None = None) -> PendingMicrobatch:
         """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder`` (adapters/decode/),
         which may wait for room in the memory budget until ``stop`` is set."""

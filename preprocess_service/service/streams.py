@@ -33,6 +33,7 @@ from disttrain_api.errors import (
 )
 from preprocess_service.adapters import metrics
 from preprocess_service.adapters.budget import MemoryBudget, call_once
+from preprocess_service.adapters.decode import Decoder
 from preprocess_service.adapters.shmdelivery import SegmentLedger, same_host
 from preprocess_service.service.job import Job
 from preprocess_service.service.security import StallWatchdog
@@ -104,8 +105,8 @@ def _has_media(pending) -> bool:
 class MicrobatchStream:
     """Serves ``request`` (a StreamRequest) of ``job`` until the end, a failure, or ``stop``."""
 
-    def __init__(self, job: Job, request, stop: threading.Event, *, decoder, budget: MemoryBudget, prefetch: int,
-                 watchdog: StallWatchdog, lag: metrics.StreamLag, count: Callable[..., None],
+    def __init__(self, job: Job, request, stop: threading.Event, *, decoder: Decoder, budget: MemoryBudget,
+                 prefetch: int, watchdog: StallWatchdog, lag: metrics.StreamLag, count: Callable[..., None],
                  shm_delivery: bool = True):
         self.job, self.request, self.stop = job, request, stop
         self.decoder, self.budget, self.prefetch = decoder, budget, prefetch
@@ -182,7 +183,7 @@ class MicrobatchStream:
         else it would join the pool's rounds a round late and the stream would get two
         microbatches at once, then wait two rounds."""
         in_decode: collections.deque = collections.deque()
-        others_decoding = getattr(self.decoder, "others_decoding", lambda stop: False)
+        others_decoding = self.decoder.others_decoding
         lease = None
         try:
             lease = job.open_stream(request.dp_rank, request.start_step, stop)

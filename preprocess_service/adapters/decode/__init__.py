@@ -20,12 +20,14 @@ Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
   ``--decode-workers 0``).
 
 The package: ``items`` (one item into its slot; Decoded, Lent), ``inline`` (InlineDecoder),
-``worker`` (a worker process's loop), ``pool`` (DecodePool: dispatch, supervision, arenas).
+``worker`` (a worker process's loop), ``pool`` (DecodePool: dispatch, supervision, arenas),
+``protocol`` (Decoder: what the service calls, typed).
 """
 
 from preprocess_service.adapters.decode.inline import InlineDecoder
 from preprocess_service.adapters.decode.items import Decoded, Lent, decode_item, warm_up_decoders
 from preprocess_service.adapters.decode.pool import MAX_START_FAILURES, WORKER_DIED, DecodePool
+from preprocess_service.adapters.decode.protocol import Decoder
 
-__all__ = ["MAX_START_FAILURES", "WORKER_DIED", "DecodePool", "Decoded", "InlineDecoder", "Lent", "decode_item",
-           "warm_up_decoders"]
+__all__ = ["MAX_START_FAILURES", "WORKER_DIED", "DecodePool", "Decoded", "Decoder", "InlineDecoder", "Lent",
+           "decode_item", "warm_up_decoders"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -36,15 +38,64 @@ def channel_options(keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float
 CHANNEL_OPTIONS = channel_options()
 
 
-def channel_credentials(ca: Path | None = None, cert: Path | None = None, key: Path | None = None):
+def channel_credentials(ca: Path | str | None = None, cert: Path | str | None = None,
+                        key: Path | str | None = None):
     """Client side: trust ``ca`` (default: the system roots); present ``cert``/``key`` for mutual TLS."""
     return grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA") if ca else None,
                                         private_key=_read(key, "client key") if key else None,
                                         certificate_chain=_read(cert, "client certificate") if cert else None)
 
 
-def _read(path: Path, what: str) -> bytes:
+def _read(path: Path | str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
         raise DisttrainError(f"cannot read the TLS {what} {path}: {exc.strerror}") from None
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call."""
+
+    def __init__(self, token: str):
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """How a client proves itself and checks the server. Each field defaults to its environment
+    variable, the names the service's deployment files use."""
+
+    token: str | None = None
+    """Bearer token (DISTTRAIN_AUTH_TOKEN)."""
+    tls_ca: str | None = None
+    """PEM CA that signed the server's certificate; setting it (or tls=True) turns TLS on (DISTTRAIN_TLS_CA)."""
+    tls_cert: str | None = None
+    """PEM client certificate, for mutual TLS (DISTTRAIN_TLS_CERT)."""
+    tls_key: str | None = None
+    """PEM key of tls_cert (DISTTRAIN_TLS_KEY)."""
+    tls: bool = False
+    """TLS with the system's trusted roots."""
+
+    @classmethod
+    def from_env(cls) -> Credentials:
+        env = os.environ.get
+        return cls(token=env("DISTTRAIN_AUTH_TOKEN") or None, tls_ca=env("DISTTRAIN_TLS_CA") or None,
+                   tls_cert=env("DISTTRAIN_TLS_CERT") or None, tls_key=env("DISTTRAIN_TLS_KEY") or None)
+
+    def channel(self, address: str, options: list | None = None):
+        options = channel_options() if options is None else options
+        if self.tls or self.tls_ca or self.tls_cert:
+            creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+            channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        return grpc.intercept_channel(channel, _BearerToken(self.token)) if self.token else channel

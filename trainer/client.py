@@ -40,7 +40,7 @@ import torch
 from disttrain_api import heap, lent, wire
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from disttrain_api.channel import SERVICE_NAME, channel_credentials, channel_options
+from disttrain_api.channel import SERVICE_NAME, Credentials, channel_options
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
 from disttrain_api.spec import spec_from_config
@@ -248,65 +248,17 @@ def _pushback_s(exc: grpc.RpcError) -> float:
     return 1.0
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call."""
-
-    def __init__(self, token: str):
-        self._metadata = (("authorization", f"Bearer {token}"),)
-
-    def _details(self, details):
-        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-
-@dataclass(frozen=True, slots=True)
-class Credentials:
-    """How a client proves itself and checks the server. Each field defaults to its environment
-    variable, the names the service's deployment files use."""
-
-    token: str | None = None
-    """Bearer token (DISTTRAIN_AUTH_TOKEN)."""
-    tls_ca: str | None = None
-    """PEM CA that signed the server's certificate; setting it (or tls=True) turns TLS on (DISTTRAIN_TLS_CA)."""
-    tls_cert: str | None = None
-    """PEM client certificate, for mutual TLS (DISTTRAIN_TLS_CERT)."""
-    tls_key: str | None = None
-    """PEM key of tls_cert (DISTTRAIN_TLS_KEY)."""
-    tls: bool = False
-    """TLS with the system's trusted roots."""
-
-    @classmethod
-    def from_env(cls) -> Credentials:
-        env = os.environ.get
-        return cls(token=env("DISTTRAIN_AUTH_TOKEN") or None, tls_ca=env("DISTTRAIN_TLS_CA") or None,
-                   tls_cert=env("DISTTRAIN_TLS_CERT") or None, tls_key=env("DISTTRAIN_TLS_KEY") or None)
-
-    def channel(self, address: str, options: list | None = None):
-        options = channel_options() if options is None else options
-        if self.tls or self.tls_ca or self.tls_cert:
-            creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key)
-            channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            channel = grpc.insecure_channel(address, options=options)
-        return grpc.intercept_channel(channel, _BearerToken(self.token)) if self.token else channel
-
-
 class _Link:
     """A channel to one of the addresses; connect() moves it to the next reachable one. Each link
     has one owner (the stream thread, or the unary calls under a lock), so closing a channel never
     cuts a call someone else has open on it."""
 
-    def __init__(self, addresses: list[str], start: int = -1, credentials: Credentials = Credentials(),
+    def __init__(self, addresses: list[str], start: int = -1, credentials: Credentials | None = None,
                  options: list | None = None):
         self.addresses = addresses
         self.index = start
         self.channel = None
-        self.credentials = credentials
+        self.credentials = credentials or Credentials()
         self.options = options
 
     @property

@@ -155,7 +155,7 @@ def cmd_status(args) -> int:
 
     from disttrain_api import preprocess_pb2 as pb
     from disttrain_api import preprocess_pb2_grpc as pb_grpc
-    from trainer.client import Credentials
+    from disttrain_api.channel import Credentials
 
     with Credentials.from_env().channel(args.address) as channel:
         stub = pb_grpc.PreprocessStub(channel)
@@ -171,7 +171,7 @@ def cmd_status(args) -> int:
 def cmd_health(args) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from trainer.client import Credentials
+    from disttrain_api.channel import Credentials
 
     with Credentials.from_env().channel(args.address) as channel:
         try:

@@ -235,7 +235,7 @@ def load(config_file: str | Path | None = None, environ=None, overrides: dict | 
 
 
 CLIENT_ENV_NAMES = {"DISTTRAIN_AUTH_TOKEN", "DISTTRAIN_TLS_CA", "DISTTRAIN_ADDRESS", "DISTTRAIN_TRAIN_ARGS"}
-"""Variables the client library and trainer read (trainer.client.Credentials, trainer.train);
+"""Variables the client library and trainer read (disttrain_api.channel.Credentials, trainer.train);
 DISTTRAIN_TLS_CERT / DISTTRAIN_TLS_KEY are shared with the server's names."""
 TOOL_ENV_NAMES = {"DISTTRAIN_VENV", "DISTTRAIN_STREAM_PROFILE"}
 """Read by dev.sh and bench/stream.py, not by the service."""

@@ -1,0 +1,37 @@
+"""docs/ARCHITECTURE.md's package tree stays true: every module of the three packages is named in
+it (or is private: a name starting with an underscore, or generated stubs), and every Python file
+it names exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("disttrain_api", "preprocess_service", "trainer")
+
+
+def _tree() -> str:
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Package tree"):]
+    return section[section.index("```") + 3:section.index("```", section.index("```") + 3)]
+
+
+def _modules() -> list[Path]:
+    return [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))
+            if (p.name != "__init__.py" and not p.name.startswith("_") and "_pb2" not in p.name)
+            or p.name == "__main__.py"]
+
+
+def test_every_package_module_is_in_the_architecture_tree():
+    tree = _tree()
+    named = set(re.findall(r"[\w]+\.py", tree))
+    missing = [str(p.relative_to(REPO)) for p in _modules() if p.name not in named]
+    assert not missing, f"modules docs/ARCHITECTURE.md does not name (add a line, or make them private): {missing}"
+
+
+def test_every_file_the_tree_names_exists():
+    names = set(re.findall(r"[\w]+\.py", _tree())) - {"preprocess_pb2.py"}
+    existing = {p.name for p in REPO.rglob("*.py") if ".venv" not in p.parts}
+    stale = sorted(n for n in names if n not in existing)
+    assert not stale, f"docs/ARCHITECTURE.md names files that do not exist: {stale}"

@@ -1,153 +1,78 @@
-"""Reordering algorithms for one global batch, by name, so baselines and ours sit side by side.
+"""Batch planners, by name: which rank trains on which sequences, in which microbatch and order.
 
-Shapes (D = DP ranks, M = microbatches per rank, S = sequences per microbatch, B = D*M*S):
+One file per planner in this package, each registering itself; adding a planner is adding a file
+(every module here whose name does not start with an underscore is imported below):
 
-* intra algorithm: ``fn(costs: float[B], D, M, S, rng) -> int[D, M, S]``; a permutation of
-  range(B) telling which sequences each rank gets in each microbatch slot. Slot m of the
-  arrival order is sequences [m*D*S, (m+1)*D*S).
-* inter algorithm: ``fn(microbatch_costs: float[D, M], rng) -> int[D, M]``; for each rank a
-  permutation of its M microbatches, in execution order.
+* ``arrival.py``, ``random_order.py`` ("random"): baselines; ``paper.py``: DistTrain's heuristics;
+  ``lpt.py``: the ranks' totals balanced by LPT; ``ours.py`` ("ours", the service default, and
+  "ours-deep"): vector balancing and a local search with the exact 1F1B simulator in the loop.
+* ``instance.py``: instances and plans in their JSON forms, and evaluation (not a planner).
 
-Only ``intra_random`` draws from ``rng``; the others take None as well.
+Registries (a planner file fills them with the decorators below):
 
-Costs are the scalar fwd+bwd seconds of cost.SequenceCost.total_s.
+* ``PLANNERS``: whole-batch planners, ``fn(instance: Instance, rng) -> int[D, M, S]``: sequence ids
+  per rank, microbatches in execution order. The job's ``reorder_algorithm`` names one; the
+  service refuses a name not registered here.
+* ``INTRA_ALGORITHMS``: scalar intra-microbatch heuristics, ``fn(costs: float[B], D, M, S, rng) ->
+  int[D, M, S]``: which sequences each rank gets in each microbatch slot (slot m of the arrival
+  order is sequences [m*D*S, (m+1)*D*S)).
+* ``INTER_ALGORITHMS``: scalar inter-microbatch heuristics, ``fn(microbatch_costs: float[D, M],
+  rng) -> int[D, M]``: each rank's microbatches in execution order.
+  ``scalar_planner(name, intra, inter)`` registers their composition on the scalar fwd+bwd cost
+  (cost.SequenceCost.total_s). Only ``random`` draws from ``rng``; the others take None as well.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
+from typing import TypeVar
 
-import numba as nb
 import numpy as np
 
 IntraAlgorithm = Callable[[np.ndarray, int, int, int, np.random.Generator], np.ndarray]
 InterAlgorithm = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+BatchPlanner = Callable[..., np.ndarray]
+"""fn(instance: instance.Instance, rng: np.random.Generator) -> int[D, M, S]."""
+
+PLANNERS: dict[str, BatchPlanner] = {}
+INTRA_ALGORITHMS: dict[str, IntraAlgorithm] = {}
+INTER_ALGORITHMS: dict[str, InterAlgorithm] = {}
+F = TypeVar("F", bound=Callable)
 
 
-def _check_intra_input(costs: np.ndarray, D: int, M: int, S: int) -> None:
-    if costs.shape != (D * M * S,):
-        raise ValueError(f"costs has shape {costs.shape}, expected ({D * M * S},) = D*M*S for "
-                         f"D={D}, M={M}, S={S}")
+def _registrar(registry: dict, kind: str, name: str) -> Callable[[F], F]:
+    def register(fn: F) -> F:
+        if name in registry:
+            raise ValueError(f"two {kind} named {name!r}")
+        registry[name] = fn
+        return fn
+    return register
 
 
-def intra_arrival(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
-    """No reordering: slot m's sequences go to ranks in arrival order, S each."""
-    _check_intra_input(costs, D, M, S)
-    return np.arange(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
+def planner(name: str) -> Callable[[F], F]:
+    """Registers a whole-batch planner under ``name`` (a job's reorder_algorithm)."""
+    return _registrar(PLANNERS, "planners", name)
 
 
-def intra_random(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator) -> np.ndarray:
-    """A seeded random permutation of the batch, then as arrival."""
-    _check_intra_input(costs, D, M, S)
-    return rng.permutation(D * M * S).reshape(M, D, S).transpose(1, 0, 2).copy()
+def intra(name: str) -> Callable[[F], F]:
+    """Registers a scalar intra-microbatch heuristic under ``name``."""
+    return _registrar(INTRA_ALGORITHMS, "intra-microbatch heuristics", name)
 
 
-def _lpt_equal_counts(costs: np.ndarray, items: np.ndarray, bins: int, per_bin: int,
-                      loads: np.ndarray | None = None) -> np.ndarray:
-    """Greedy LPT under a cardinality constraint: items by descending cost (stable: ties keep their
-    order, so plans are deterministic), each to the least-loaded bin that still has room (ties: the
-    lowest bin). ``loads`` (float[bins], default zeros): the bins' loads before these items; updated
-    in place when given. Returns int[bins, per_bin] item ids."""
-    if len(items) > bins * per_bin:
-        raise ValueError(f"{len(items)} items do not fit {bins} bins of {per_bin}")
-    out = np.empty((bins, per_bin), dtype=np.int64)
-    ordered = np.ascontiguousarray(items[np.argsort(-costs[items], kind="stable")], dtype=np.int64)
-    work = np.zeros(bins) if loads is None else loads
-    if work.dtype != np.float64 or not work.flags.c_contiguous:
-        raise ValueError("loads must be a contiguous float64 array")
-    _lpt_kernel(ordered, np.ascontiguousarray(costs[ordered], dtype=np.float64), work, per_bin, out)
-    return out
+def inter(name: str) -> Callable[[F], F]:
+    """Registers a scalar inter-microbatch heuristic under ``name``."""
+    return _registrar(INTER_ALGORITHMS, "inter-microbatch heuristics", name)
 
 
-@nb.njit(cache=True, nogil=True)
-def _lpt_kernel(ordered, ordered_costs, loads, per_bin, out):
-    """The greedy of _lpt_equal_counts: each item to the bin with the lowest load among those with
-    room, the lowest bin on a tie (the order a heap of (load, bin) pops)."""
-    bins = loads.shape[0]
-    count = np.zeros(bins, dtype=np.int64)
-    for k in range(ordered.shape[0]):
-        best = -1
-        for b in range(bins):
-            if count[b] < per_bin and (best < 0 or loads[b] < loads[best]):
-                best = b
-        out[best, count[best]] = ordered[k]
-        count[best] += 1
-        loads[best] += ordered_costs[k]
-
-
-def intra_paper(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
-    """DistTrain's intra-microbatch reordering, as its talk states it: "sort in descending order;
-    for each data sample, put it in the lowest load DP", to mitigate stragglers across the
-    data-parallel instances (a data sample there is a training sequence: one entry of ``costs``).
-    A rank's load is everything it has been given so far in the global batch, earlier microbatch
-    slots included. Slot by slot (arrival order), the slot's sequences by cost descending, each to
-    the rank with the lowest load so far that still has room (S per rank per slot; ties: the lowest
-    rank). No sequence leaves its microbatch slot (the reordering is intra-microbatch; which
-    microbatch runs when is the inter-microbatch step's).
-
-    Loads are carried across slots, not restarted at zero in each: with one sequence per rank per
-    slot (S = 1) every assignment of a slot is equally balanced within it, so a per-slot greedy
-    only follows its tie-break and deals the largest sequence of every slot to rank 0. The
-    instances the paper balances are the ranks, whose totals the gradient all-reduce waits on.
-    Deterministic: no draws, stable ties."""
-    _check_intra_input(costs, D, M, S)
-    plan = np.empty((D, M, S), dtype=np.int64)
-    loads = np.zeros(D)
-    for m in range(M):
-        plan[:, m, :] = _lpt_equal_counts(costs, np.arange(m * D * S, (m + 1) * D * S), D, S, loads)
-    return plan
-
-
-def intra_lpt(costs: np.ndarray, D: int, M: int, S: int, rng: np.random.Generator | None) -> np.ndarray:
-    """Balances what the ranks wait on at the gradient all-reduce: each rank's total. Whole-batch
-    LPT with equal counts (M*S sequences per rank), then each rank's sequences dealt the same way to
-    its M microbatches so they come out even. Unlike the paper's greedy, which keeps every
-    sequence in its arrival slot, it decides which sequences share a microbatch. Falls back
-    to the arrival plan in the rare batch where that is better balanced."""
-    _check_intra_input(costs, D, M, S)
-    plan = np.empty((D, M, S), dtype=np.int64)
-    for rank, items in enumerate(_lpt_equal_counts(costs, np.arange(D * M * S), D, M * S)):
-        plan[rank] = _lpt_equal_counts(costs, items, M, S)
-    arrival = intra_arrival(costs, D, M, S, rng)
-    return arrival if imbalance(costs, arrival) < imbalance(costs, plan) else plan
-
-
-def inter_arrival(microbatch_costs: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
-    """Slot order as planned."""
-    D, M = microbatch_costs.shape
-    return np.tile(np.arange(M), (D, 1))
-
-
-def inter_paper(microbatch_costs: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
-    """DistTrain's inter-microbatch reordering: 1F1B adds the first and last microbatches' time
-    straight to the iteration (warm-up and cool-down), while steady-state intervals absorb
-    stragglers. So: the cheapest microbatch first, the second cheapest last, and the rest with
-    the most expensive in the middle, decreasing towards both ends."""
-    D, M = microbatch_costs.shape
-    order = np.empty((D, M), dtype=np.int64)
-    for rank in range(D):
-        ascending = list(np.argsort(microbatch_costs[rank], kind="stable"))
-        if M <= 2:
-            order[rank] = ascending
-            continue
-        first, last, rest = ascending[0], ascending[1], ascending[2:]
-        # Organ pipe: alternate the ascending rest to the left and right half, largest ends centred.
-        left, right = rest[0::2], rest[1::2]
-        order[rank] = [first, *left, *reversed(right), last]
-    return order
-
-
-INTRA_ALGORITHMS: dict[str, IntraAlgorithm] = {
-    "arrival": intra_arrival,
-    "random": intra_random,
-    "paper": intra_paper,
-    "lpt": intra_lpt,
-}
-
-INTER_ALGORITHMS: dict[str, InterAlgorithm] = {
-    "arrival": inter_arrival,
-    "paper": inter_paper,
-}
+def scalar_planner(name: str, *, intra: str, inter: str) -> None:
+    """Registers the planner ``name``: heuristics ``intra`` then ``inter`` on the scalar cost."""
+    def plan(instance, rng: np.random.Generator) -> np.ndarray:
+        return plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra=intra, inter=inter,
+                          rng=rng)
+    plan.__doc__ = f"intra {intra!r} + inter {inter!r} on the scalar fwd+bwd cost"
+    planner(name)(plan)
 
 
 def plan_batch(costs: np.ndarray, *, D: int, M: int, S: int, intra: str, inter: str,
@@ -170,6 +95,21 @@ def warm_up() -> None:
     per installation, loaded after; bench/reorder.py times both), by planning two tiny batches with every
     signature the planners use, so that a process plans its first real batch at full speed. Call it
     when a service or CLI starts, not on a job's first step."""
-    from preprocess_service.core.reorder import ours  # imported late: ours imports this package
+    from preprocess_service.core.reorder import ours
 
     ours.warm_up()
+
+
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+# the scalar heuristics by their function names too (tests, benches)
+from preprocess_service.core.reorder.arrival import inter_arrival, intra_arrival  # noqa: E402
+from preprocess_service.core.reorder.lpt import intra_lpt  # noqa: E402
+from preprocess_service.core.reorder.paper import inter_paper, intra_paper  # noqa: E402
+from preprocess_service.core.reorder.random_order import intra_random  # noqa: E402
+
+__all__ = ["INTER_ALGORITHMS", "INTRA_ALGORITHMS", "PLANNERS", "imbalance", "inter", "inter_arrival", "inter_paper",
+           "intra", "intra_arrival", "intra_lpt", "intra_paper", "intra_random", "plan_batch", "planner",
+           "scalar_planner", "warm_up"]

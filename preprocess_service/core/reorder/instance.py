@@ -12,7 +12,6 @@ or slowest coupled component) against the batch lower bound.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -100,40 +99,8 @@ def evaluate(instance: Instance, plan: np.ndarray) -> dict:
     return {"iteration_s": iteration, "lower_bound_s": bound, "ratio_to_bound": iteration / bound if bound else 1.0}
 
 
-BatchPlanner = Callable[[Instance, np.random.Generator], np.ndarray]
-
-
-def _scalar(intra: str, inter: str) -> BatchPlanner:
-    def plan(instance: Instance, rng: np.random.Generator) -> np.ndarray:
-        return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra=intra,
-                                  inter=inter, rng=rng)
-    plan.__doc__ = f"intra {intra!r} + inter {inter!r} on the scalar fwd+bwd cost"
-    return plan
-
-
-PLANNERS: dict[str, BatchPlanner] = {
-    "arrival": _scalar("arrival", "arrival"),
-    "random": _scalar("random", "arrival"),
-    "paper": _scalar("paper", "paper"),
-    "lpt": _scalar("lpt", "paper"),
-    "ours": lambda instance, rng: _ours().plan_ours(instance, rng),
-    "ours-deep": lambda instance, rng: _ours().plan_ours(instance, rng, ops=_deep_ops(instance),
-                                                         patience=200_000),
-}
-"""Whole-batch planners by name. ``ours`` (the service default) searches for a fixed budget of
-simulated ops per 1024 sequences (``ours.SEARCH_OPS``: its CPU time is bench/reorder.py's figure);
-``ours-deep`` for 100 times as many (offline). ``paper`` is DistTrain's two heuristics
-(``reorder.intra_paper``, ``reorder.inter_paper``)."""
-
-
-def _deep_ops(instance: Instance) -> float:
-    return 100 * _ours().SEARCH_OPS * max(1.0, instance.D * instance.M * instance.S / 1024)
-
-
-def _ours():
-    from preprocess_service.core.reorder import ours  # imported late: ours imports this package
-
-    return ours
+PLANNERS = reorder.PLANNERS
+"""The whole-batch planners by name (the registry lives in the package: reorder/__init__.py)."""
 
 
 def plan_instance(instance: Instance, method: str, seed: int = 0) -> dict:

@@ -187,6 +187,20 @@ def _perturb(plan: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.ascontiguousarray(flat.reshape(D, M, S))
 
 
+@reorder.planner("ours")
+def _plan(instance, rng: np.random.Generator) -> np.ndarray:
+    """The service default: a fixed budget of simulated ops per 1024 sequences (SEARCH_OPS; its CPU
+    time is bench/reorder.py's figure)."""
+    return plan_ours(instance, rng)
+
+
+@reorder.planner("ours-deep")
+def _plan_deep(instance, rng: np.random.Generator) -> np.ndarray:
+    """``ours`` with 100 times the budget (offline: what more search buys)."""
+    ops = 100 * SEARCH_OPS * max(1.0, instance.D * instance.M * instance.S / 1024)
+    return plan_ours(instance, rng, ops=ops, patience=200_000)
+
+
 PERTURB_EVERY = 50
 RESTARTS_WITHOUT_GAIN = 8
 """The search ends early once this many restarts in a row found nothing better (tiny batches)."""

@@ -12,9 +12,11 @@ from typing import cast
 
 from disttrain_api.errors import ConfigError
 
-PLANNER_NAMES = ("arrival", "lpt", "ours", "ours-deep", "paper", "random")
-"""The balancing/ordering algorithms a job may name (the service's registry, reorder/instance.py
-PLANNERS, holds exactly these: a test checks)."""
+PLANNER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+"""The form of a planner's name. Which names exist is the service's registry's business
+(preprocess_service/core/reorder: one file per planner); a server refuses a job naming a planner it
+does not have (INVALID_ARGUMENT, listing the ones it has), so a planner added on the service side
+needs no change here."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -246,7 +248,7 @@ class JobConfig:
     shard_shuffle: bool = True
     """Shuffle the shard order per epoch (seeded)."""
     reorder_algorithm: str = "ours"
-    """Registry name of the batch planner (reorder.instance.PLANNERS): which rank trains on which
+    """Registry name of the batch planner (preprocess_service.core.reorder.PLANNERS): which rank trains on which
     sequences, grouped into which microbatches, in which order."""
     stage_map: tuple[str, ...] = ("enc", "bb", "gen")
     """The trainer's pipeline stages, each running a module or a share of one ("bb/2"); the planner
@@ -307,8 +309,9 @@ class JobConfig:
                  f"more than {MAX_GLOBAL_BATCH}")
         _require(len(self.stage_map) <= MAX_STAGES and all(isinstance(s, str) and len(s) <= 32 for s in self.stage_map),
                  f"stage_map may hold at most {MAX_STAGES} stages of at most 32 characters each")
-        _require(self.reorder_algorithm in PLANNER_NAMES,
-                 f"unknown reorder_algorithm {self.reorder_algorithm!r}; known: {list(PLANNER_NAMES)}")
+        _require(isinstance(self.reorder_algorithm, str) and PLANNER_NAME.fullmatch(self.reorder_algorithm) is not None,
+                 f"reorder_algorithm {self.reorder_algorithm!r} is not a planner's name (lowercase letters, digits, "
+                 f"'-' and '_', at most 32)")
         try:
             model = self.stage_model()
         except ValueError as exc:

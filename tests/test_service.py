@@ -264,6 +264,7 @@ def test_bad_requests_get_the_right_status_codes(dataset, service):
     with pytest.raises(grpc.RpcError) as info:
         stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], reorder_algorithm="magic")))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "magic" in info.value.details()
+    assert "'ours'" in info.value.details(), "the refusal lists the planners this server has"
     with pytest.raises(grpc.RpcError) as info:
         stub.OpenJob(pb.OpenJobRequest(spec=pb.JobSpec(shards=[str(dataset["dir"])], dp_size=4, enc_shared_by=3)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -2,7 +2,7 @@
 
 Hook order for every epoch: shard order (seeded) -> read (a SampleSource) -> parse (priced from
 metadata, bad samples skipped) -> shuffle buffer (seeded) -> pack -> price -> group B sequences
-into a global batch -> the job's batch planner (reorder.instance.PLANNERS: which rank, which
+into a global batch -> the job's batch planner (reorder.PLANNERS: which rank, which
 microbatch, which order) -> StepPlan. The plan of step k is a function of the JobConfig and the
 data alone, so it can be rebuilt anywhere.
 
@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import DataQualityError, SampleError
+from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.core import reorder
 from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
 from preprocess_service.core.mixture import Blend, DatasetCursor, epoch_over
@@ -111,6 +111,9 @@ class EpochPlanner:
         """``shard_urls``: each dataset's shard names, in ``config.mixture()`` order (a flat list is
         the one dataset of a plain job)."""
         self.config = config
+        if config.reorder_algorithm not in PLANNERS:
+            raise ConfigError(f"unknown reorder_algorithm {config.reorder_algorithm!r}; this server has "
+                              f"{sorted(PLANNERS)}")
         self.dataset_urls: list[list[str]] = \
             [list(urls) for urls in shard_urls] if shard_urls and not isinstance(shard_urls[0], str) \
             else [list(shard_urls)]  # type: ignore[arg-type]

@@ -41,6 +41,7 @@ from preprocess_service.adapters.shardcache import DEFAULT_CACHE_BYTES, ShardCac
 from preprocess_service.adapters.shards import ShardReader
 from preprocess_service.adapters.sources import ShardPolicy
 from preprocess_service.adapters.tarstream import TarLimits
+from preprocess_service.core.reorder import PLANNERS
 from preprocess_service.service.job import Job, JobRegistry, expand_datasets
 from preprocess_service.service.security import (
     StallWatchdog,
@@ -228,7 +229,10 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         return self._info(job)
 
     def _check_config(self, config) -> None:
-        """The server's own bounds, on top of the ones every JobConfig checks."""
+        """The server's own bounds, on top of the ones every JobConfig checks, and a planner it has."""
+        if config.reorder_algorithm not in PLANNERS:
+            raise ConfigError(f"unknown reorder_algorithm {config.reorder_algorithm!r}; this server has "
+                              f"{sorted(PLANNERS)}")
         if config.seq_len > self.limits.max_seq_len:
             raise ConfigError(f"seq_len {config.seq_len} is more than this server's "
                               f"max_seq_len {self.limits.max_seq_len}")

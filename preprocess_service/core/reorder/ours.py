@@ -116,7 +116,7 @@ def _vector_start(seq_fwd: np.ndarray, seq_bwd: np.ndarray, D: int, M: int, S: i
 
 
 def _scalar_start(instance, intra: str) -> np.ndarray:
-    """The plan of the scalar planner ``intra`` + ``paper`` (instance.PLANNERS' "lpt" or "paper")."""
+    """The plan of the scalar planner ``intra`` + ``paper`` (the registry's "lpt" or "paper")."""
     # lpt and paper never draw from rng (plan_batch's rng is typed for every algorithm, "random" included)
     return reorder.plan_batch(instance.totals, D=instance.D, M=instance.M, S=instance.S, intra=intra,
                               inter="paper", rng=None)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@
 #                            in-process service, 2 trainer-client ranks, one epoch)
 #   ./dev.sh test [ARGS...]  set up, then check the layer contracts and run the test suite (ARGS go to pytest)
 #   ./dev.sh setup           only set up
-# Any other first word is passed to `python -m preprocess_service` (serve, synth, run ...).
+# Any other first word is passed to `python -m disttrain_tools` (serve, synth, run ...).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${DISTTRAIN_VENV:-.venv}
@@ -75,6 +75,6 @@ case "$cmd" in
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
           exec "$VENV/bin/python" -m pytest "$@" ;;
-    run) exec "$VENV/bin/python" -m preprocess_service run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
-    *) exec "$VENV/bin/python" -m preprocess_service "$cmd" "$@" ;;
+    run) exec "$VENV/bin/python" -m disttrain_tools run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
+    *) exec "$VENV/bin/python" -m disttrain_tools "$cmd" "$@" ;;
 esac

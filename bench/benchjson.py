@@ -108,7 +108,7 @@ def _plain(value):
 def quick_shards(num_shards: int = 1, samples_per_shard: int = 40) -> list[str]:
     """A small synthetic LAION-style shard set for ``--quick`` runs (written once under
     data/bench-quick/, deterministic), so that a smoke run never waits for the 1,000-sample demo."""
-    from preprocess_service.adapters import synth  # the project's venv only (quick runs are ours)
+    from disttrain_tools import synth  # the project's venv only (quick runs are ours)
 
     out = REPO / "data" / "bench-quick" / f"{num_shards}x{samples_per_shard}"
     config = synth.SynthConfig(num_shards=num_shards, samples_per_shard=samples_per_shard)

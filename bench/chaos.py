@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 import benchjson  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.localcluster import LocalRedis, Replica  # noqa: E402
 from preprocess_service.service.job import Job  # noqa: E402
-from preprocess_service.service.localcluster import LocalRedis, Replica  # noqa: E402
 
 
 def chaos(*, num_replicas: int = 3, num_ranks: int = 4, duration_s: float = 120.0,

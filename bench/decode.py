@@ -57,6 +57,7 @@ from PIL import Image  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
 from disttrain_api.errors import SampleError  # noqa: E402
+from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
 from preprocess_service.adapters import imaging, shards  # noqa: E402
 from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
 from preprocess_service.adapters.samples import parse_document  # noqa: E402
@@ -64,7 +65,6 @@ from preprocess_service.core.assemble import layout_microbatch  # noqa: E402
 from preprocess_service.core.packing import PackedSequence  # noqa: E402
 from preprocess_service.core.sample import GenImageRef, ImageRef  # noqa: E402
 from preprocess_service.core.tokenizer import ByteTokenizer  # noqa: E402
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
 
 TOKENIZER = ByteTokenizer()
 DOCS_PER_MICROBATCH = 16
@@ -307,7 +307,7 @@ def dataloader_epoch(urls: list[str]) -> tuple[int, float]:
 
 
 def service_epoch(urls: list[str]) -> tuple[int, float]:
-    from preprocess_service.service.runner import run_job
+    from disttrain_tools.runner import run_job
 
     config = JobConfig(shards=tuple(urls), dp_size=1, num_microbatches=4, seqs_per_microbatch=2)
     result = run_job(config, progress=False)
@@ -323,7 +323,7 @@ CONFIG = JobConfig(shards=("unused",))
 def bench_tokenizers(specs: list[str], workdir: Path, num_captions: int = 20000) -> dict:
     """Captions per CPU-second of every tokenizer, per text and in batches of 1,024."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # before the Rust tokenizer's thread pool starts
-    from preprocess_service.adapters import synth
+    from disttrain_tools import synth
     from preprocess_service.adapters.text_tokenizers import load_tokenizer, train_bpe, train_sentencepiece
 
     rng = np.random.default_rng(0)

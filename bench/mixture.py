@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 import benchjson  # noqa: E402
 
 from disttrain_api.config import DatasetConfig, JobConfig  # noqa: E402
-from preprocess_service.adapters import synth  # noqa: E402
+from disttrain_tools import synth  # noqa: E402
 from preprocess_service.service.job import Job  # noqa: E402
 
 DATASETS = {  # name: (synthetic content, weight)

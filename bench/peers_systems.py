@@ -180,7 +180,7 @@ def run_disttrain(urls: list[str], passes: int, dp_size: int = 2) -> dict:
     import grpc
 
     from disttrain_api.config import JobConfig
-    from preprocess_service.service.runner import CHANNEL_OPTIONS, pb, pb_grpc, spec_from_config
+    from disttrain_tools.runner import CHANNEL_OPTIONS, pb, pb_grpc, spec_from_config
     from preprocess_service.service.server import create_server
 
     config = JobConfig(shards=tuple(urls), dp_size=dp_size, num_microbatches=4, seqs_per_microbatch=2,

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 
 def _run(name: str, config: JobConfig, server_and_reader, nginx: Nginx, shard_bytes: int) -> dict:
-    from preprocess_service.service.runner import run_job
+    from disttrain_tools.runner import run_job
 
     server, reader = server_and_reader
     before = reader.cache.stats() if reader else None
@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="smoke run: 3 synthetic shards of 20 samples, one client rank")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
+    from disttrain_tools.cli import ensure_demo_dataset
+    from disttrain_tools.localcluster import LocalRedis
     from preprocess_service.adapters import shards
-    from preprocess_service.service.cli import ensure_demo_dataset
-    from preprocess_service.service.localcluster import LocalRedis
     from preprocess_service.service.server import Limits
 
     paths = ([Path(p) for p in benchjson.quick_shards(3, 20)] if args.quick

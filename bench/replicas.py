@@ -34,8 +34,8 @@ import benchjson  # noqa: E402
 import redis  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
-from preprocess_service.service.localcluster import LocalRedis, Replica  # noqa: E402
+from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.localcluster import LocalRedis, Replica  # noqa: E402
 from preprocess_service.service.server import create_server  # noqa: E402
 
 LEASE_TTL_S = 2.0

@@ -66,8 +66,8 @@ import benchjson  # noqa: E402
 
 from disttrain_api.channel import CHANNEL_OPTIONS  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
-from preprocess_service.service.cli import ensure_demo_dataset  # noqa: E402
-from preprocess_service.service.runner import RunResult, run_job  # noqa: E402
+from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.runner import RunResult, run_job  # noqa: E402
 
 BARE_METHOD = "/bench.Bare/Stream"
 PROFILE_ENV = "DISTTRAIN_STREAM_PROFILE"

@@ -72,7 +72,7 @@ import torch  # noqa: E402
 
 from disttrain_api import preprocess_pb2 as pb  # noqa: E402
 from disttrain_api import preprocess_pb2_grpc as pb_grpc  # noqa: E402
-from preprocess_service.adapters import synth  # noqa: E402
+from disttrain_tools import synth  # noqa: E402
 from preprocess_service.service.server import create_server  # noqa: E402
 from trainer import DataClient  # noqa: E402
 from trainer.models.backbone import spans_index  # noqa: E402

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("disttrain_api", "preprocess_service", "trainer")
+PACKAGES = ("disttrain_api", "preprocess_service", "trainer", "disttrain_tools")
 
 
 def _tree() -> str:

@@ -257,7 +257,7 @@ def test_a_job_with_an_open_stream_does_not_expire(shards, server):
 
 
 def test_with_replicas_a_job_belongs_to_the_token_that_opened_it_on_any_replica(shards, tmp_path):
-    from preprocess_service.service.localcluster import LocalRedis
+    from disttrain_tools.localcluster import LocalRedis
 
     with LocalRedis(tmp_path / "redis") as redis:
         servers = [create_server("127.0.0.1:0", decode_workers=0, redis_url=redis.url, auth_tokens=("alice", "mallory"))
@@ -286,7 +286,7 @@ def test_with_replicas_decode_failures_are_in_every_replicas_report(tmp_path):
 
     import webdataset as wds
 
-    from preprocess_service.service.localcluster import LocalRedis
+    from disttrain_tools.localcluster import LocalRedis
 
     root = tmp_path / "data"
     write_tiny_shards(root, num_shards=1, samples_per_shard=6)

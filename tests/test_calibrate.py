@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from disttrain_api.config import CostConfig
-from preprocess_service.adapters import calibrate
+from disttrain_tools import calibrate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ def test_fit_recovers_known_coefficients_and_keeps_them_nonnegative():
 
 def test_calibrate_command_times_modules_and_writes_a_usable_cost_config(tmp_path):
     out = tmp_path / "cost.json"
-    run = subprocess.run([sys.executable, "-m", "preprocess_service", "calibrate", "--quick", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "disttrain_tools", "calibrate", "--quick", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "enc_quadratic_s" in run.stdout and "mean" in run.stdout and "%" in run.stdout

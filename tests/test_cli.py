@@ -1,4 +1,4 @@
-"""The entry point as a user runs it: `python -m preprocess_service run|serve`, real processes."""
+"""The entry point as a user runs it: `python -m disttrain_tools run|serve`, real processes."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from disttrain_tools import synth
 from helpers import jpeg_bytes, shard_keys, write_tiny_shards
-from preprocess_service.adapters import synth
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "preprocess_service", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "disttrain_tools", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 

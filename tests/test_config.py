@@ -12,7 +12,8 @@ from disttrain_api.cli_args import JOB_ARGUMENTS, add_job_arguments, job_fields
 from disttrain_api.config import CostConfig, JobConfig, field_defaults, field_help
 from disttrain_api.errors import ConfigError
 from disttrain_api.spec import BY_HAND, NESTED, config_from_spec, spec_from_config
-from preprocess_service.service import cli, reorder_cli, settings
+from disttrain_tools import cli, reorder_cli
+from preprocess_service.service import settings
 from trainer import train
 
 _PROTO_KINDS = {int: {FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT32,
@@ -60,7 +61,7 @@ def test_every_cli_offers_the_job_fields_with_the_service_defaults_and_help():
     got = job_fields(run_args)
     assert set(got) == set(JOB_ARGUMENTS)
     expected = {name: defaults[name] for name in JOB_ARGUMENTS}
-    assert got == expected, "python -m preprocess_service run defaults differ from JobConfig's"
+    assert got == expected, "python -m disttrain_tools run defaults differ from JobConfig's"
     trainer_args = train.parse(["--address", "x:1", "--shards", "s.tar"])
     assert job_fields(trainer_args, train.TRAINER_JOB_ARGUMENTS) == \
         {name: defaults[name] for name in train.TRAINER_JOB_ARGUMENTS}, "the trainer's defaults differ"

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
+from disttrain_tools.runner import RunResult, all_keys, consume_rank
 from helpers import write_tiny_shards
 from preprocess_service.adapters import decode, forkserver
 from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, Decoder, InlineDecoder
@@ -19,7 +20,6 @@ from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.assemble import layout_microbatch
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.tokenizer import ByteTokenizer
-from preprocess_service.service.runner import RunResult, all_keys, consume_rank
 
 TOK = ByteTokenizer()
 CFG = ImageConfig(max_pixels=4096 * 28 * 28)

@@ -171,7 +171,7 @@ def test_images_install_the_right_torch_and_run_commands_that_exist():
     assert done.value.code == 0
     demo = _compose()["services"]["demo-data"]
     assert demo["entrypoint"][-1] == "synth"
-    from preprocess_service.adapters import synth
+    from disttrain_tools import synth
 
     flags = synth.build_parser().parse_args(demo["command"])
     assert flags.num_shards == 4 and flags.corrupt

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from disttrain_api.config import CostConfig, JobConfig
+from disttrain_tools import synth
 from helpers import write_tiny_shards
-from preprocess_service.adapters import synth
 from preprocess_service.core.cost import price_sequence
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.core.packing import price
@@ -112,8 +112,8 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
 
     import redis
 
+    from disttrain_tools.localcluster import LocalRedis
     from preprocess_service.core import plan_record
-    from preprocess_service.service.localcluster import LocalRedis
 
     caplog.set_level(logging.INFO, logger="preprocess_service.service.shared_job")
     # a stream reads about 8 one-microbatch steps ahead of its trainer (gRPC buffers) and the

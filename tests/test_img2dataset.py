@@ -174,7 +174,7 @@ def test_cached_by_path_mtime_and_size(tmp_path, rows, monkeypatch):
 
 
 def test_demo_layout_from_synth(tmp_path):
-    from preprocess_service.adapters import synth
+    from disttrain_tools import synth
 
     paths = synth.write_dataset(tmp_path, synth.SynthConfig(num_shards=1, samples_per_shard=6))
     manifest = read_manifest(paths[0])

@@ -1,4 +1,4 @@
-"""Tests for ``python -m preprocess_service inspect`` (service/inspect_cli.py, inspect_plot.py) and the
+"""Tests for ``python -m disttrain_tools inspect`` (disttrain_tools/inspect_cli.py, inspect_plot.py) and the
 statistics under it (core/datastats.py): numbers checked against what tiny shards hold."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from disttrain_tools import cli, datastats, inspect_cli
 from helpers import jpeg_bytes, make_document, write_tiny_shards
-from preprocess_service.core import datastats
 from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
-from preprocess_service.service import cli, inspect_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

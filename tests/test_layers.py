@@ -34,7 +34,7 @@ def test_the_server_process_loads_no_torch_until_it_decodes():
     decoders alone, so the server, the run CLI and the planner's process do not import it."""
     code = ("import json, sys\n"
             "import preprocess_service.service.server, preprocess_service.service.cli\n"
-            "import preprocess_service.service.runner, preprocess_service.adapters.samples\n"
+            "import disttrain_tools.runner, preprocess_service.adapters.samples\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          check=True)

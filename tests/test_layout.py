@@ -15,7 +15,7 @@ import pytest
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError
 from disttrain_api.layout import PipelineLayout, StageModel
-from preprocess_service.adapters import synth
+from disttrain_tools import synth
 from preprocess_service.core.simulate import component_makespans, replica_ops, simulate_1f1b, simulate_coupled
 from preprocess_service.service.server import create_server
 from trainer.runtime.workers import message_pairs

@@ -4,9 +4,9 @@ tokenizer described in JobInfo, every sample tagged with its dataset and deliver
 import pytest
 
 from disttrain_api.config import DatasetConfig, JobConfig
+from disttrain_tools.runner import run_job, summary
 from helpers import write_tiny_shards
 from preprocess_service.adapters.text_tokenizers import train_bpe
-from preprocess_service.service.runner import run_job, summary
 
 pytestmark = pytest.mark.integration
 

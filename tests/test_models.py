@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from disttrain_api.config import JobConfig
-from preprocess_service.adapters import synth
+from disttrain_tools import synth
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 from trainer.models.backbone import Backbone, spans_index, stage_layers

@@ -16,11 +16,11 @@ import pytest
 
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError
+from disttrain_tools import synth
+from disttrain_tools.localcluster import LocalRedis, free_port
 from helpers import write_tiny_shards
-from preprocess_service.adapters import synth
 from preprocess_service.adapters.metrics import REDIS_LATENCY
 from preprocess_service.adapters.store import RedisStore
-from preprocess_service.service.localcluster import LocalRedis, free_port
 from preprocess_service.service.settings import ENV_NAMES, load
 from trainer import Credentials, DataClient
 

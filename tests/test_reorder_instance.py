@@ -60,17 +60,17 @@ def test_cli_plans_and_evaluates(tmp_path):
     path = tmp_path / "inst.json"
     path.write_text(json.dumps(_instance().to_json()))
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "plan", str(path), "--algorithm",
+    run = subprocess.run([sys.executable, "-m", "disttrain_tools", "reorder", "plan", str(path), "--algorithm",
                           "paper", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     figures = json.loads(run.stdout)
     assert figures["planning_s"] >= 0 and figures["jit_s"] >= 0  # planning time reported apart from the JIT
     plan = json.loads(out.read_text())
     assert sorted(np.array(plan["plan"]).ravel().tolist()) == list(range(48))
-    judged = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "evaluate", str(path), str(out)],
+    judged = subprocess.run([sys.executable, "-m", "disttrain_tools", "reorder", "evaluate", str(path), str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert judged.returncode == 0 and json.loads(judged.stdout)["ratio_to_bound"] >= 1.0
-    unknown = subprocess.run([sys.executable, "-m", "preprocess_service", "reorder", "plan", str(path), "--algorithm",
+    unknown = subprocess.run([sys.executable, "-m", "disttrain_tools", "reorder", "plan", str(path), "--algorithm",
                               "magic", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "unknown algorithm 'magic'" in unknown.stderr
 
@@ -170,7 +170,7 @@ def test_warm_up_compiles_every_kernel_signature_planning_uses():
 def test_every_cli_and_bench_plans_with_the_service_default():
     import importlib.util
 
-    from preprocess_service.service import reorder_cli
+    from disttrain_tools import reorder_cli
 
     assert reorder_cli.build_parser().parse_args(["plan", "i.json", "-o", "o.json"]).algorithm == DEFAULT
     spec = importlib.util.spec_from_file_location("bench_reorder", REPO / "bench" / "reorder.py")

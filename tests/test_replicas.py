@@ -15,12 +15,12 @@ from disttrain_api import preprocess_pb2 as pb
 from disttrain_api.channel import CHANNEL_OPTIONS, SERVICE_NAME
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
+from disttrain_tools import synth
+from disttrain_tools.localcluster import LocalRedis, Replica, free_port
 from helpers import write_tiny_shards
-from preprocess_service.adapters import synth
 from preprocess_service.adapters.store import RedisStore
 from preprocess_service.service.cli import main as cli_main
 from preprocess_service.service.job import Job
-from preprocess_service.service.localcluster import LocalRedis, Replica, free_port
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from preprocess_service.service.rank_client import RankResult
-from preprocess_service.service.runner import RunResult, exactly_once_line
+from disttrain_tools.rank_client import RankResult
+from disttrain_tools.runner import RunResult, exactly_once_line
 
 SHARD_KEYS = {f"k{i}" for i in range(6)}
 

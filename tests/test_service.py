@@ -18,8 +18,9 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
+from disttrain_tools import synth
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import imaging, synth
+from preprocess_service.adapters import imaging
 from preprocess_service.core.planner import batch_instance
 from preprocess_service.core.reorder.instance import PLANNERS
 from preprocess_service.service.server import create_server

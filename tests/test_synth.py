@@ -1,4 +1,4 @@
-"""Tests for preprocess_service.adapters.synth: layout, metadata consistency, determinism, skew, corrupt shard,
+"""Tests for disttrain_tools.synth: layout, metadata consistency, determinism, skew, corrupt shard,
 audio / interleaved / generation / conversation samples."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import soundfile
 from PIL import Image
 
 from disttrain_api.config import ImageConfig
-from preprocess_service.adapters import synth
+from disttrain_tools import synth
 from preprocess_service.adapters.samples import parse_document
 from preprocess_service.core.sample import TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer

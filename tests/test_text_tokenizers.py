@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from preprocess_service.adapters import synth
+from disttrain_tools import synth
 from preprocess_service.adapters.text_tokenizers import (
     ADDED_BOS,
     PLACEHOLDERS,

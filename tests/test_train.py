@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from disttrain_api.layout import PipelineLayout, stage_order
-from preprocess_service.adapters import synth
+from disttrain_tools import synth
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 from trainer.models.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Statistics of a job's data as its planner sees it, for ``python -m preprocess_service inspect``.
+"""Statistics of a job's data as its planner sees it, for ``python -m disttrain_tools inspect``.
 
 Three steps, all pure: ``document_facts`` / ``step_facts`` keep the numbers of each planned
 document and step (no bytes); ``series`` turns them, with img2dataset manifests when there are

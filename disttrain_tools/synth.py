@@ -28,7 +28,7 @@ Per shard N (``NNNNN``) the output folder gets ``NNNNN.tar`` (webdataset, one sa
 key ``NNNNNIIII``), ``NNNNN.parquet`` (one row per sample) and ``NNNNN_stats.json``. Everything is
 drawn from ``numpy.random.default_rng`` seeded per sample, so a seed gives byte-identical tars.
 
-Command line: ``python -m preprocess_service.adapters.synth --out DIR [--num-shards 4]
+Command line: ``python -m disttrain_tools.synth --out DIR [--num-shards 4]
 [--samples-per-shard 250] [--seed 0] [--corrupt]``.
 """
 
@@ -693,7 +693,7 @@ def write_corrupt_shard(path: Path, *, seed: int = 0) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m preprocess_service.adapters.synth",
+    parser = argparse.ArgumentParser(prog="python -m disttrain_tools.synth",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder (created if missing)")
     parser.add_argument("--num-shards", type=int, default=4)

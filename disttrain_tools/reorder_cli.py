@@ -1,4 +1,4 @@
-"""``python -m preprocess_service reorder plan INSTANCE.json --algorithm NAME -o PLAN.json``
+"""``python -m disttrain_tools reorder plan INSTANCE.json --algorithm NAME -o PLAN.json``
 and ``... evaluate INSTANCE.json PLAN.json``: plan or judge any instance in the JSON forms of
 preprocess_service.core.reorder.instance. ``plan`` prints the plan's figures with its planning time
 (``planning_s``, warm) and the JIT's (``jit_s``: compiling the kernels or loading their cache, first)."""
@@ -23,7 +23,7 @@ def load_json(path: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m preprocess_service reorder", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m disttrain_tools reorder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan an instance")
     plan.add_argument("instance", type=Path)

@@ -1,4 +1,4 @@
-"""``python -m preprocess_service inspect SHARDS... | --mix FILE [job flags]``: what to check before a run.
+"""``python -m disttrain_tools inspect SHARDS... | --mix FILE [job flags]``: what to check before a run.
 
 Plans the job as the service would (shards expanded and checked, the job's tokenizer, samples
 parsed and priced from headers, packed, costed, batch-planned and simulated; no pixel decoded)
@@ -26,10 +26,7 @@ from pathlib import Path
 from disttrain_api.cli_args import add_job_arguments
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, DisttrainError
-from preprocess_service.adapters.conversations import TextPiece, parse_conversation
-from preprocess_service.adapters.img2dataset import Manifest, read_manifest
-from preprocess_service.adapters.samples import CAPTION_MEMBER
-from preprocess_service.core.datastats import (
+from disttrain_tools.datastats import (
     MODALITY_CLASSES,
     UNKNOWN,
     DocumentFacts,
@@ -39,6 +36,9 @@ from preprocess_service.core.datastats import (
     series,
     step_facts,
 )
+from preprocess_service.adapters.conversations import TextPiece, parse_conversation
+from preprocess_service.adapters.img2dataset import Manifest, read_manifest
+from preprocess_service.adapters.samples import CAPTION_MEMBER
 from preprocess_service.core.sample import Document, TextSegment
 
 DEFAULT_MAX_SAMPLES = 5000
@@ -204,7 +204,7 @@ def _totals(steps: dict, planner: str) -> str:
 # --- command -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m preprocess_service inspect", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m disttrain_tools inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shards", nargs="*", metavar="SHARDS",
                         help="shard paths/URLs, brace patterns (\"data/{00000..00009}.tar\") or directories of tars")
@@ -241,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give SHARDS or --mix FILE (one of them)")
         if args.max_samples < 1:
             raise ConfigError(f"--max-samples must be at least 1, got {args.max_samples}")
-        from preprocess_service.service.cli import _job_config
+        from disttrain_tools.cli import job_config_from_args
 
-        stats, values = inspect(_job_config(args), args.max_samples)
+        stats, values = inspect(job_config_from_args(args), args.max_samples)
     except DisttrainError as exc:  # ConfigError, PermissionDenied, DataQualityError: the user's to fix
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(stats, indent=1))
         print(f"statistics written to {args.json}")
     if not args.no_plot:
-        from preprocess_service.service.inspect_plot import PlotUnavailable, render_png
+        from disttrain_tools.inspect_plot import PlotUnavailable, render_png
 
         try:
             render_png(values, stats, args.plot or DEFAULT_PLOT)

@@ -1,6 +1,6 @@
 """Fits the cost model's coefficients (config.CostConfig) from timings of real torch modules.
 
-    python -m preprocess_service calibrate [--out cost.json] [--quick]
+    python -m disttrain_tools calibrate [--out cost.json] [--quick]
 
 Until the trainer's own modules exist, the timed modules are stand-in blocks of the same shape:
 * encoder: ViT blocks (pre-norm self-attention + MLP) over one image's t tokens;

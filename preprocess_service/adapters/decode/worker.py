@@ -17,6 +17,11 @@ TRIM_EVERY_S = 5.0
 """A busy decode worker gives its freed heap back to the system this often."""
 IDLE_TRIM_S = 0.2
 """A decode worker with nothing to do for this long gives its freed heap back at once."""
+TRIM_ABOVE_BYTES = 16 << 20
+"""A busy decode worker whose malloc holds more than this free after a task gives it back at once:
+between the server's memory samples a busy worker would otherwise keep every buffer its decoders
+freed (glibc raises its mmap threshold after large frees, so they stay in the heap), memory the
+budget sees only at the next sample."""
 
 
 def worker_main(conn, worker_id: int) -> None:
@@ -28,7 +33,7 @@ def worker_main(conn, worker_id: int) -> None:
         importlib.import_module(module)  # every decoder loaded before "ready"
     warm_up_decoders()
 
-    from disttrain_api.heap import trim_malloc
+    from disttrain_api.heap import free_heap_bytes, trim_malloc
 
     arenas: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
     conn.send(("ready", worker_id, os.getpid()))
@@ -37,7 +42,7 @@ def worker_main(conn, worker_id: int) -> None:
         # Decoders free large buffers; the heap goes back to the system every TRIM_EVERY_S while
         # busy and as soon as the worker idles (an idle worker holding freed heap would keep the
         # server's memory budget from ever seeing it again, and streams waiting for it starve).
-        if dirty and time.monotonic() - last_trim > TRIM_EVERY_S:
+        if dirty and (time.monotonic() - last_trim > TRIM_EVERY_S or (free_heap_bytes() or 0) > TRIM_ABOVE_BYTES):
             trim_malloc()
             last_trim, dirty = time.monotonic(), False
         try:

@@ -1,5 +1,5 @@
 """Tests for ``python -m disttrain_tools inspect`` (disttrain_tools/inspect_cli.py, inspect_plot.py) and the
-statistics under it (core/datastats.py): numbers checked against what tiny shards hold."""
+statistics under it (disttrain_tools/datastats.py): numbers checked against what tiny shards hold."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ from preprocess_service.core.reorder.instance import (
     evaluate,
     plan_instance,
 )
-from preprocess_service.core.simulate import _topological_order
+from preprocess_service.core.simulate import topological_order
 
 STAGE_MAPS = {4: ("enc", "bb/2", "bb/2", "gen"), 8: ("enc", *["bb/6"] * 6, "gen")}
 DEFAULT = field_defaults(JobConfig)["reorder_algorithm"]
@@ -157,7 +157,7 @@ def search_reference(args: tuple) -> float:
     model = instance.model
     seq_fwd, seq_bwd = (np.ascontiguousarray(a) for a in model.stage_times(instance.costs))
     L, groups, latency = model.component, model.kernel_groups(), float(model.p2p_latency)
-    order = _topological_order(model.num_stages, M)
+    order = topological_order(model.num_stages, M)
 
     def times(plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return (np.ascontiguousarray(seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)),

@@ -1,6 +1,7 @@
 """The layers a newcomer reads in the tree hold in the imports: the trainer's client loads the
 light API package and none of the service (numba, webdataset, Pillow, Redis, the server); the
-API's list of planner names is the service's registry."""
+API checks a planner name's form, the service's registry which exist; no module takes another's
+private names."""
 
 from __future__ import annotations
 
@@ -63,3 +64,20 @@ def test_the_layer_contracts_hold():
     out = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "broken" not in out.stdout.lower().replace("0 broken", "")
+
+
+def test_no_package_module_takes_another_modules_private_names():
+    """A leading underscore means "this module's own": the runtime and the tools never import one."""
+    import ast
+
+    ours = ("disttrain_api", "preprocess_service", "trainer", "disttrain_tools")
+    taken = []
+    for package in ours:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ours:
+                    taken += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_")]
+    assert not taken, taken

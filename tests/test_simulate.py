@@ -243,12 +243,12 @@ def test_flat_kernel_equals_the_component_kernel(groups, M):
     """The planner's search simulates independent ranks with simkernels.simulate_flat: it must
     give exactly what component_spans (checked against the reference simulator) gives."""
     from preprocess_service.core import simkernels
-    from preprocess_service.core.simulate import _topological_order
+    from preprocess_service.core.simulate import topological_order
 
     rng = np.random.default_rng(M)
     P, D = len(groups), 3
     F, B = rng.random((D, P, M)), rng.random((D, P, M))
-    order = _topological_order(P, M)
+    order = topological_order(P, M)
     g = np.array(groups, dtype=np.int64)
     want = simkernels.component_spans(F, B, 1, g, *order, 1e-3)
     src, dep, lat, prev = simkernels.flat_schedule(g, *order, P, M, 1e-3)

@@ -3,7 +3,7 @@ planner's local search that runs it for every candidate move.
 
 simulate.py holds the readable reference simulator and the definitions; tests check that these
 kernels agree with it exactly. Arrays are float64 seconds; ``order`` is the op order of
-simulate._topological_order as three int arrays (kind 0 = forward / 1 = backward, stage,
+simulate.topological_order as three int arrays (kind 0 = forward / 1 = backward, stage,
 microbatch), valid for coupled components too because coupling only joins ops of the same
 (kind, stage, microbatch).
 """

@@ -153,7 +153,7 @@ def _ready_time(t: Timeline, kind: str, r: int, s: int, m: int, P: int, latency:
 
 
 @lru_cache(maxsize=64)
-def _topological_order(P: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def topological_order(P: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A valid execution order of all ops of a P x M 1F1B schedule as int arrays (kind 0 = F / 1 = B,
     stage, microbatch). The order in which the exact simulator schedules ops depends only on the
     dependency structure, not on durations, so it is computed once per (P, M) with unit times.
@@ -176,7 +176,7 @@ def component_makespans(fwd: np.ndarray, bwd: np.ndarray, model: StageModel) -> 
     D, P, M = fwd.shape
     model.check_ranks(D)
     return simkernels.component_spans(fwd, bwd, model.component, model.kernel_groups(),
-                                      *_topological_order(P, M), float(model.p2p_latency))
+                                      *topological_order(P, M), float(model.p2p_latency))
 
 
 def makespans(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) -> np.ndarray:
@@ -184,7 +184,7 @@ def makespans(fwd: np.ndarray, bwd: np.ndarray, p2p_latency: float = 0.0) -> np.
     fwd = np.ascontiguousarray(fwd, dtype=float)
     R, P, M = fwd.shape
     return simkernels.component_spans(fwd, np.ascontiguousarray(bwd, dtype=float), 1, np.ones(P, dtype=np.int64),
-                                      *_topological_order(P, M), float(p2p_latency))
+                                      *topological_order(P, M), float(p2p_latency))
 
 
 def rank_makespan(module_fwd: np.ndarray, model: StageModel) -> float:

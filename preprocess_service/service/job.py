@@ -642,7 +642,7 @@ class Job:
                 "num_planned_steps": self._next_step,
                 "planning_done": self._planning_done,
                 "num_sent_microbatches": self.num_sent_microbatches,
-                "step_balance": [_balance(self._plans[s]) for s in sorted(self._plans)],
+                "step_balance": [plan_balance(self._plans[s]) for s in sorted(self._plans)],
                 "failure": "" if self._failure is None else str(self._failure),
                 "datasets": self.planner.dataset_counts(),
             }
@@ -675,7 +675,7 @@ class StreamLease:
         pass
 
 
-def _balance(plan: StepPlan) -> dict:
+def plan_balance(plan: StepPlan) -> dict:
     imbalance, arrival = plan.imbalance()
     return {"step": plan.step, "imbalance": imbalance, "arrival_imbalance": arrival,
             "rank_load_s": plan.rank_loads().tolist(), **plan.simulation,

@@ -51,7 +51,7 @@ from preprocess_service.service.security import (
     client_identity,
     server_credentials,
 )
-from preprocess_service.service.streams import MicrobatchStream, StreamCounters, _abort, _status_of
+from preprocess_service.service.streams import MicrobatchStream, StreamCounters, abort_rpc, status_of
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 self._check_job_limits(client, config)
             job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader, client=client)
         except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted) as exc:
-            _abort(context, exc)
+            abort_rpc(context, exc)
         self._check_access(job, client, context)
         return self._info(job)
 
@@ -276,7 +276,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         try:
             return pb.AckResponse(min_next_step=job.acknowledge(request.dp_rank, request.next_step))
         except (ConfigError, ServiceUnavailableError) as exc:
-            context.abort(_status_of(exc), str(exc))
+            context.abort(status_of(exc), str(exc))
 
     def GetReport(self, request, context):
         job = self._job(request.job_id, context)
@@ -327,12 +327,12 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         try:
             end_commitment = self.budget.commit(job.stream_estimate(self.prefetch), f"a stream of job {job.job_id}")
         except ResourceExhausted as exc:
-            _abort(context, exc)
+            abort_rpc(context, exc)
         try:
             self.streams.acquire(client)
         except ResourceExhausted as exc:
             end_commitment()
-            _abort(context, exc)
+            abort_rpc(context, exc)
         context_fields = {"job": job.job_id, "rank": request.dp_rank, "step": request.start_step}
         log.info("stream opened by %s at step %d microbatch %d", client, request.start_step,
                  request.start_microbatch, extra=context_fields)
@@ -358,7 +358,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         try:
             past_end = job.step_plan(request.start_step, stop) is None and request.start_step > job.num_steps()
         except (NotFoundError, ServiceUnavailableError, DataQualityError) as exc:
-            context.abort(_status_of(exc), str(exc))
+            context.abort(status_of(exc), str(exc))
         except Exception as exc:  # a planning bug: INTERNAL, with the cause
             log.error("planning failed", exc_info=exc, extra={"job": job.job_id})
             context.abort(grpc.StatusCode.INTERNAL, f"planning failed: {exc!r}")

@@ -58,7 +58,7 @@ from preprocess_service.core.feedback import (
 )
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
-from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, _balance, download_failures
+from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, download_failures, plan_balance
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,7 @@ class SharedJob(Job):
             "num_planned_steps": shared["frontier"],
             "planning_done": shared["done"] is not None,
             "num_sent_microbatches": shared["counters"].get("sent_microbatches", 0),
-            "step_balance": [_balance(plan) for plan in sorted(cached, key=lambda p: p.step)],
+            "step_balance": [plan_balance(plan) for plan in sorted(cached, key=lambda p: p.step)],
             "failure": "" if self._planner_error is None else str(self._planner_error),
             "datasets": self._dataset_counts,  # only the replica that plans knows them (none: [])
         }

@@ -62,11 +62,11 @@ _STATUS_OF = ((NotFoundError, grpc.StatusCode.OUT_OF_RANGE), (StreamSuperseded, 
               (OSError, grpc.StatusCode.UNAVAILABLE))
 
 
-def _status_of(exc: BaseException) -> grpc.StatusCode:
+def status_of(exc: BaseException) -> grpc.StatusCode:
     return next((code for kind, code in _STATUS_OF if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
 
 
-def _abort(context, exc: BaseException) -> None:
+def abort_rpc(context, exc: BaseException) -> None:
     """Ends the call with ``exc``'s status; a retry hint travels as grpc-retry-pushback-ms (the
     trailer gRPC's own retry policies read) and in the message."""
     retry_after = getattr(exc, "retry_after_s", None)
@@ -74,7 +74,7 @@ def _abort(context, exc: BaseException) -> None:
     if retry_after is not None:
         context.set_trailing_metadata((("grpc-retry-pushback-ms", str(int(retry_after * 1000))),))
         message += f" (retry in {retry_after:g} s)"
-    context.abort(_status_of(exc), message)
+    context.abort(status_of(exc), message)
 
 
 @dataclass(slots=True)
@@ -145,11 +145,11 @@ class MicrobatchStream:
                 if isinstance(item, BaseException):
                     if self.ledger is not None:  # what was sent before the failure still reaches the client
                         self.ledger.wait_taken(lambda: stop.is_set() or not context.is_active())
-                    code = _status_of(item)
+                    code = status_of(item)
                     if code == grpc.StatusCode.INTERNAL:
                         log.error("stream failed", exc_info=item)
                         context.abort(code, f"microbatch preparation failed: {item!r}")
-                    _abort(context, item)
+                    abort_rpc(context, item)
                 metrics.QUEUE_DEPTH.labels("send").dec()
                 self.watchdog.sending(id(stop), context, f"job {job.job_id} rank {request.dp_rank}")
                 try:

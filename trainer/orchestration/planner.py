@@ -96,7 +96,7 @@ class Problem:
     """Latency of one pipeline send between stages."""
 
 
-def _grad_sync_s(problem: Problem, params_per_gpu: float, dp: int) -> float:
+def allreduce_s(problem: Problem, params_per_gpu: float, dp: int) -> float:
     if dp == 1:
         return 0.0
     return 2 * (dp - 1) / dp * params_per_gpu * 2 / problem.accelerator.dp_link_bytes_s
@@ -156,9 +156,9 @@ def disaggregated(problem: Problem, enc: Parallel, bb: Parallel, gen: Parallel) 
     stage_params = [problem.backbone.params * share] * bb.pp
     stage_params[0] += 0 if enc.dp else problem.encoder.params
     stage_params[-1] += 0 if gen.dp else problem.generator.params
-    sync = max(_grad_sync_s(problem, problem.encoder.params / enc.tp, enc.dp) if enc.dp else 0.0,
-               _grad_sync_s(problem, max(stage_params) / bb.tp, bb.dp),
-               _grad_sync_s(problem, problem.generator.params / gen.tp, gen.dp) if gen.dp else 0.0)
+    sync = max(allreduce_s(problem, problem.encoder.params / enc.tp, enc.dp) if enc.dp else 0.0,
+               allreduce_s(problem, max(stage_params) / bb.tp, bb.dp),
+               allreduce_s(problem, problem.generator.params / gen.tp, gen.dp) if gen.dp else 0.0)
     iteration = _pipeline_s(stages, M, problem.p2p_s) + sync
     return _finish(problem, Plan("disaggregated", enc, bb, gen, M, stages, iteration,
                                  enc.gpus + bb.gpus + gen.gpus, max(memory)))
@@ -187,7 +187,7 @@ def monolithic(problem: Problem, grid: Parallel) -> Plan | None:
     if max(memory) > problem.accelerator.memory_bytes:
         return None
     first_params = problem.backbone.params * share + problem.encoder.params
-    sync = _grad_sync_s(problem, first_params / tp, grid.dp)
+    sync = allreduce_s(problem, first_params / tp, grid.dp)
     iteration = _pipeline_s(stages, M, problem.p2p_s) + sync
     return _finish(problem, Plan("monolithic", grid, grid, grid, M, stages, iteration, grid.gpus, max(memory)))
 

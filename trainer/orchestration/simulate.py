@@ -23,7 +23,7 @@ import argparse
 import dataclasses
 import sys
 
-from trainer.orchestration.planner import Plan, Problem, _grad_sync_s, search_disaggregated, search_monolithic
+from trainer.orchestration.planner import Plan, Problem, allreduce_s, search_disaggregated, search_monolithic
 from trainer.orchestration.profile import H100, Accelerator, Content, FlopProfile
 
 VIT_H = FlopProfile("ViT-H/14", params=632e6, layers=32, hidden=1280, accelerator=H100, work_per="image_token",
@@ -48,10 +48,10 @@ def grad_sync_s(problem: Problem, plan: Plan) -> float:
     overlapped with compute), so that an exact simulation of the same layout adds the same."""
     bb_params = problem.backbone.params / plan.bb.pp
     if plan.kind == "monolithic":
-        return _grad_sync_s(problem, (bb_params + problem.encoder.params) / plan.bb.tp, plan.bb.dp)
-    return max(_grad_sync_s(problem, problem.encoder.params / plan.enc.tp, plan.enc.dp),
-               _grad_sync_s(problem, bb_params / plan.bb.tp, plan.bb.dp),
-               _grad_sync_s(problem, problem.generator.params / plan.gen.tp, plan.gen.dp))
+        return allreduce_s(problem, (bb_params + problem.encoder.params) / plan.bb.tp, plan.bb.dp)
+    return max(allreduce_s(problem, problem.encoder.params / plan.enc.tp, plan.enc.dp),
+               allreduce_s(problem, bb_params / plan.bb.tp, plan.bb.dp),
+               allreduce_s(problem, problem.generator.params / plan.gen.tp, plan.gen.dp))
 
 
 def paper_scale(num_gpus: int = 1152, global_batch: int = 1536, backbones=("7B", "13B", "72B")) -> list[dict]:

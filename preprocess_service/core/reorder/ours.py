@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from preprocess_service.core import reorder, simkernels
-from preprocess_service.core.simulate import _topological_order
+from preprocess_service.core.simulate import topological_order
 
 
 def _load_terms(seq_fwd: np.ndarray, seq_bwd: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +144,7 @@ def plan_ours(instance, rng: np.random.Generator, ops: float | None = None, pati
     P, L, groups = model.num_stages, model.component, model.kernel_groups()
     if ops is None:
         ops = SEARCH_OPS * max(1.0, D * M * S / 1024)
-    order = _topological_order(P, M)
+    order = topological_order(P, M)
 
     def times(plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return (np.ascontiguousarray(seq_fwd[:, plan].sum(axis=-1).transpose(1, 0, 2)),

@@ -26,7 +26,7 @@ microbatches a client has taken but not yet released) counts as used until the n
 when uncharged memory grows, new charges wait (and the server trims its heap) instead of passing
 the budget. Streams and the cache share what is left above the baseline, and charges stop
 HEADROOM short of the total; the whole (PSS) may pass the budget by PSS_HEADROOM at most, which
-tests/test_memory_e2e.py checks from outside under 16 streams (bench/soak.py over minutes).
+tests/integration/test_memory_e2e.py checks from outside under 16 streams (bench/soak.py over minutes).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ PSS_HEADROOM = 0.10
 fraction of it. The budget sees the memory only at samples (memory_sample_s apart, a cheap estimate
 calibrated against PSS now and then), and memory nobody charges can grow between two of them before
 charges wait: HEADROOM absorbs that below the budget, this bounds what it does not.
-tests/test_memory_e2e.py holds a server under 16 streams to it, measured from outside."""
+tests/integration/test_memory_e2e.py holds a server under 16 streams to it, measured from outside."""
 
 
 class MemoryBudget:

@@ -298,7 +298,7 @@ def test_chaos_random_replica_kills_lose_and_repeat_nothing(tmp_path):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("bench_chaos",
-                                                  Path(__file__).resolve().parent.parent / "bench/chaos.py")
+                                                  Path(__file__).resolve().parents[2] / "bench/chaos.py")
     bench_chaos = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_chaos)
     chaos = bench_chaos.chaos

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "train.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "train.py"
 
 
 def _load():

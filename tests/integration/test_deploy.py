@@ -18,7 +18,7 @@ from preprocess_service.service import settings
 from preprocess_service.service.cli import main as service_cli
 from trainer.train import parse as trainer_parse
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 K8S = DOCKER / "k8s"
 COMPOSE_BIN = REPO / ".venv-compose" / "bin" / "docker-compose"

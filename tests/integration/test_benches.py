@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 SUPPORT = {"benchjson", "report"}
 """Modules of bench/ that other benches import or run, not benches of their own; so are every
 ``peers_*.py`` (bench/peers.py's parts) and ``reference_*.py`` (bench/reorder.py's reference)."""
-COVERED = {"train": "tests/test_bench_train.py runs its --quick and checks each step against its plan"}
+COVERED = {"train": "tests/integration/test_bench_train.py runs its --quick and checks each step against its plan"}
 """Benches whose --quick run another test makes already (each a torchrun training: a minute)."""
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py")
                  if p.stem not in SUPPORT | set(COVERED) and not p.stem.startswith(("peers_", "reference_")))

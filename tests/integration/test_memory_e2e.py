@@ -35,7 +35,7 @@ from helpers import jpeg_bytes
 from preprocess_service.adapters.budget import PSS_HEADROOM
 from trainer import DataClient
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NUM_RANKS = 16
 NUM_SAMPLES = 192
 SEQ_LEN = 2048

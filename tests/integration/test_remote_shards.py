@@ -29,8 +29,6 @@ from preprocess_service.service import settings
 from preprocess_service.service.job import Job
 from webservers import Nginx, Plan, RangeServer, free_port
 
-pytestmark = pytest.mark.integration
-
 DECODER = InlineDecoder()
 FAST = FetchPolicy(retries=3, backoff_s=0.05, retry_window_s=10)
 

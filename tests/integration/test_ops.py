@@ -24,7 +24,7 @@ from preprocess_service.adapters.store import RedisStore
 from preprocess_service.service.settings import ENV_NAMES, load
 from trainer import Credentials, DataClient
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_settings_file_then_environment_then_flags(tmp_path):

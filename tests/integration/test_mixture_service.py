@@ -1,14 +1,11 @@
 """A mixture and a trained tokenizer through the real service: gRPC, client processes, the
 tokenizer described in JobInfo, every sample tagged with its dataset and delivered as planned."""
 
-import pytest
 
 from disttrain_api.config import DatasetConfig, JobConfig
 from disttrain_tools.runner import run_job, summary
 from helpers import write_tiny_shards
 from preprocess_service.adapters.text_tokenizers import train_bpe
-
-pytestmark = pytest.mark.integration
 
 
 def test_a_mixture_with_a_bpe_tokenizer_runs_end_to_end(tmp_path):

@@ -19,7 +19,7 @@ from trainer.models.mllm import MultimodalModel, microbatch_seed, step_loss
 from trainer.runtime.workers import BackboneWorker, EncoderWorker, GeneratorWorker
 from trainer.train import fill_missing_grads, job_config, parse
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,6 @@ def test_bf16_autocast_runs_the_same_code_and_stays_near_the_fp32_losses(service
     assert runs["bf16"] != runs["fp32"]
 
 
-@pytest.mark.unit
 def test_microbatch_to_moves_every_tensor_and_pinning_needs_cuda(service):
     address, shards, _ = service
     argv = ["--address", address, "--shards", shards, "--seq-len", "2048", "--profile-microbatches", "0"]

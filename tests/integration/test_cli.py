@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from disttrain_tools import synth
 from helpers import jpeg_bytes, shard_keys, write_tiny_shards
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, timeout=240):

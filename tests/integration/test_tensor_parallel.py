@@ -109,7 +109,6 @@ def test_layout_with_tensor_parallel_groups():
     assert every == list(range(layout.world_size))  # each rank reduces in exactly one group
 
 
-@pytest.mark.unit
 def test_half_precision_partial_sums_are_reduced_in_fp32(monkeypatch):
     """Under bf16 autocast a row-parallel layer's partial outputs are bf16; adding TP ranks' partials
     in bf16 rounds at every addition (1 + 3 x 2^-9 ... stays 1), so they are reduced in fp32 and

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, bf16 dense (H100/H200 SXM: 989)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda where a GPU is visible, else cpu (a smoke run of this script)")
-    p.add_argument("--quick", action="store_true", help="4 steps")
+    p.add_argument("--quick", action="store_true", help="2 steps (a smoke run of this script)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     if device == "cuda" and gpus == 0:
         raise SystemExit("--device cuda: no GPU is visible")
-    steps = 4 if args.quick else max(args.steps, 4)
+    steps = 2 if args.quick else max(args.steps, 4)
     shards = benchjson.quick_shards(1, 160)
     server, port, _ = create_server("127.0.0.1:0", decode_workers=2 if device == "cuda" else 0)
     address = f"127.0.0.1:{port}"

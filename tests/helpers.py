@@ -81,3 +81,32 @@ def shard_keys(paths: list[Path]) -> set[str]:
         with tarfile.open(path) as tar:
             keys.update(name.split(".", 1)[0] for name in tar.getnames())
     return keys
+
+
+def check_resumes(make, advance, *, at=None, load=None) -> tuple[list, list[dict]]:
+    """The state round trip every stateful part must pass: ``make()`` builds a fresh one and
+    ``advance(part)`` moves it one step, returning what that step produced (None: finished). The
+    original runs to the end, its ``state_dict()`` taken (through JSON) before every step; then for
+    each resume point k in ``at`` (steps, or a function of their number; default: the second, middle
+    and last) a fresh part loads
+    state k (``load(part, state)``, default ``part.load_state_dict(state)``) and must produce
+    exactly the original's steps from k on. Returns (the steps, the states)."""
+    part, steps, states = make(), [], []
+    while True:
+        states.append(json.loads(json.dumps(part.state_dict())))
+        out = advance(part)
+        if out is None:
+            break
+        steps.append(out)
+    assert steps, "the part produced nothing to resume"
+    n = len(steps)
+    wanted = at(n) if callable(at) else at if at is not None else (1, n // 2, n - 1)
+    points = sorted(set(wanted) & set(range(n)))
+    for k in points:
+        resumed = make()
+        (load or (lambda p, s: p.load_state_dict(s)))(resumed, states[k])
+        again = []
+        while (out := advance(resumed)) is not None:
+            again.append(out)
+        assert again == steps[k:], f"resumed at step {k} of {len(steps)}: the steps differ from the original's"
+    return steps, states

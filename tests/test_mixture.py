@@ -9,8 +9,9 @@ import pytest
 from disttrain_api.config import DatasetConfig, ImageConfig, JobConfig
 from disttrain_api.errors import ConfigError
 from disttrain_api.mixture import load_mixture, parse_mixture
-from helpers import write_tiny_shards
+from helpers import check_resumes, write_tiny_shards
 from preprocess_service.core.mixture import Blend
+from preprocess_service.core.planner import EpochPlanner
 from preprocess_service.service.job import Job
 
 pytestmark = pytest.mark.unit
@@ -194,3 +195,23 @@ def test_a_dataset_s_modalities_hide_the_other_members_even_where_the_json_names
     text_only = parse(conversation, ("text",))
     assert all(isinstance(s, TextSegment) for s in text_only.segments) and text_only.text_tokens > 0
     assert any(isinstance(s, ImageRef) for s in parse(conversation, None).segments)
+
+
+@pytest.mark.parametrize("rule", [{"mix_by": "tokens"}, {"mix_epoch": "all_exhausted"}],
+                         ids=["tokens", "all_exhausted"])
+def test_a_mixture_planner_passes_the_state_round_trip_harness(tmp_path, rule):
+    """The planner of a two-dataset mixture (its blend, per-dataset cursors, shuffle buffers and
+    packer inside its state) resumed from its state at any of several steps plans what the
+    original planned from there, through the harness every stateful part shares."""
+    config = _mixture(tmp_path, sizes=(2, 1), weights=(0.6, 0.4), num_epochs=2, **rule)
+    job = Job(config)  # its shard lists and parse function
+
+    def make():
+        return EpochPlanner(config, job.dataset_urls, job.reader, job._parse, lambda e: None)
+
+    def advance(planner):
+        plan = planner.next_plan()
+        return None if plan is None else [(d.dataset, d.key) for d in plan.documents()]
+
+    steps, states = check_resumes(make, advance, at=lambda n: (1, n // 3, n // 2, n - 1))
+    assert len({d for step in steps for d, _ in step}) == 2 and states[-1]["datasets"]

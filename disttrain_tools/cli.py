@@ -19,11 +19,9 @@ import logging
 import sys
 from pathlib import Path
 
-import grpc
-
 from disttrain_api.cli_args import add_job_arguments, job_fields
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import ConfigError, DisttrainError
+from disttrain_api.errors import ConfigError
 from preprocess_service.service import cli as service_cli
 from preprocess_service.service.cli import cmd_health, cmd_serve, cmd_status
 
@@ -156,20 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         return inspect_cli.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
-        return {"run": cmd_run, "serve": cmd_serve, "calibrate": cmd_calibrate, "status": cmd_status,
-                "health": cmd_health}.get(args.command or "run", cmd_run)(
-            args if args.command else parser.parse_args(["run"]))
-    except (ConfigError, DisttrainError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as exc:
-        if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
-                              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED):
-            raise
-        print(f"error: {exc.details()}", file=sys.stderr)
-        return 2
+    command = {"run": cmd_run, "serve": cmd_serve, "calibrate": cmd_calibrate, "status": cmd_status,
+               "health": cmd_health}.get(args.command or "run", cmd_run)
+    return service_cli.run_command(command, args if args.command else parser.parse_args(["run"]))
 
 
 if __name__ == "__main__":

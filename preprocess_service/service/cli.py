@@ -155,8 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     add_service_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command({"serve": cmd_serve, "status": cmd_status, "health": cmd_health}[args.command], args)
+
+
+def run_command(command, args) -> int:
+    """Runs a CLI command; a bad request or an unreachable, refusing or unauthorised service is a
+    one-line error and exit code 2, not a traceback (both CLIs use this)."""
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "health": cmd_health}[args.command](args)
+        return command(args)
     except (ConfigError, DisttrainError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

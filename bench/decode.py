@@ -49,6 +49,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # benchjson, when loaded from a test rather than run
 
 import benchjson  # noqa: E402
 import simplejpeg  # noqa: E402
@@ -58,9 +59,10 @@ from PIL import Image  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
 from disttrain_api.errors import SampleError  # noqa: E402
 from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
-from preprocess_service.adapters import imaging, shards  # noqa: E402
 from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
-from preprocess_service.adapters.samples import parse_document  # noqa: E402
+from preprocess_service.adapters.io import shards  # noqa: E402
+from preprocess_service.adapters.media import imaging  # noqa: E402
+from preprocess_service.adapters.media.parse import parse_document  # noqa: E402
 from preprocess_service.core.assemble import layout_microbatch  # noqa: E402
 from preprocess_service.core.packing import PackedSequence  # noqa: E402
 from preprocess_service.core.sample import GenImageRef, ImageRef  # noqa: E402
@@ -324,7 +326,7 @@ def bench_tokenizers(specs: list[str], workdir: Path, num_captions: int = 20000)
     """Captions per CPU-second of every tokenizer, per text and in batches of 1,024."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # before the Rust tokenizer's thread pool starts
     from disttrain_tools import synth
-    from preprocess_service.adapters.text_tokenizers import load_tokenizer, train_bpe, train_sentencepiece
+    from preprocess_service.adapters.media.tokenizers import load_tokenizer, train_bpe, train_sentencepiece
 
     rng = np.random.default_rng(0)
     captions = [synth._draw_caption(rng) for _ in range(num_captions)]

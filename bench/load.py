@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # benchjson, when loaded from a test rather than run
 
 import benchjson  # noqa: E402
 from soak import tree_pids  # noqa: E402  (bench/ is on sys.path when this runs as a script)

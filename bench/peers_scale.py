@@ -91,7 +91,7 @@ def measure_shape(dp_size: int, samples_per_seq: int, num_images: int, steps: in
 
 def decode_ms_per_image(urls: list[str], limit: int = 60) -> float:
     """The floor's decode cost: our decode path on the demo's images, CPU ms per image."""
-    from preprocess_service.adapters import shards
+    from preprocess_service.adapters.io import shards
 
     images, cpu = 0, 0.0
     for url in urls:

@@ -118,7 +118,8 @@ def run_floor(urls: list[str], passes: int) -> dict:
     buffer with our decode path; nothing is delivered or copied."""
     import multiprocessing as mp
 
-    from preprocess_service.adapters import decode, imaging, samples  # noqa: F401 (imported once, before the fork)
+    from preprocess_service.adapters import decode  # noqa: F401 (imported once, before the fork)
+    from preprocess_service.adapters.media import imaging, parse  # noqa: F401
 
     _one_thread()
     index = tar_index(urls) * passes
@@ -169,7 +170,7 @@ def _rank(address: str, job_id: str, rank: int, results, tally: Tally) -> None:
 def run_disttrain(urls: list[str], passes: int, dp_size: int = 2) -> dict:
     import multiprocessing as mp
 
-    from preprocess_service.adapters import forkserver
+    from preprocess_service.adapters.decode import forkserver
 
     forkserver.start()  # as `serve` does: the decode workers' fork server imports while we do
     ctx = mp.get_context("spawn")

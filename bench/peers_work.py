@@ -67,7 +67,7 @@ def prepare(sample: dict, decoder: str = "ours", arena: np.ndarray | None = None
     With ``arena`` (uint8, decoder "ours") the images are resized into consecutive slices of it and
     the returned images are views, valid until the next call with the same arena."""
     from preprocess_service.adapters.decode import decode_item
-    from preprocess_service.adapters.samples import parse_document
+    from preprocess_service.adapters.media.parse import parse_document
 
     try:
         doc = parse_document(sample, image_config=CONFIG.image, tokenizer=TOKENIZER, seq_len=CONFIG.seq_len,

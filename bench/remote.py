@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # benchjson, when loaded from a test rather than run
 sys.path.insert(0, str(REPO / "tests"))
 
 import benchjson  # noqa: E402
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from disttrain_tools.cli import ensure_demo_dataset
     from disttrain_tools.localcluster import LocalRedis
-    from preprocess_service.adapters import shards
+    from preprocess_service.adapters.io import shards
     from preprocess_service.service.server import Limits
 
     paths = ([Path(p) for p in benchjson.quick_shards(3, 20)] if args.quick

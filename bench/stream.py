@@ -258,7 +258,7 @@ def prepared_serve() -> None:
     """The wire path's server: the real service, its decoder wrapped in a ReplayDecoder and its jobs
     keeping their encoded bytes. Section timers (and, with DISTTRAIN_STREAM_PROFILE, cProfile) are
     kept per pass; SIGUSR1 starts the next pass; on SIGTERM it prints one stats line and exits."""
-    from preprocess_service.adapters import shards
+    from preprocess_service.adapters.io import shards
     from preprocess_service.service.job import Job
     from preprocess_service.service.server import Limits, PreprocessServicer, create_server
     from preprocess_service.service.streams import MicrobatchStream

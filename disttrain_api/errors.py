@@ -27,7 +27,7 @@ class SampleError(DisttrainError):
     NOT_LOST = ("duplicate_key", "duplicate_member", "download_failed")
     """Kinds that lose nothing the shards hold, so they do not count toward the job's error
     tolerance: a dropped copy (the first copy is delivered), or a row of img2dataset's parquet
-    whose URL it could not download or resize (never in the tar; adapters/img2dataset.py)."""
+    whose URL it could not download or resize (never in the tar; adapters/io/img2dataset.py)."""
 
     def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):
         assert kind in self.KINDS, kind

@@ -77,7 +77,7 @@ def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
 
 def cmd_run(args) -> int:
     if not args.address and args.decode_workers != 0:  # embedded service: its slowest start first
-        from preprocess_service.adapters import forkserver
+        from preprocess_service.adapters.decode import forkserver
 
         forkserver.start()
     from disttrain_tools.runner import run_job, summary, write_report

@@ -36,9 +36,9 @@ from disttrain_tools.datastats import (
     series,
     step_facts,
 )
-from preprocess_service.adapters.conversations import TextPiece, parse_conversation
-from preprocess_service.adapters.img2dataset import Manifest, read_manifest
-from preprocess_service.adapters.samples import CAPTION_MEMBER
+from preprocess_service.adapters.io.img2dataset import Manifest, read_manifest
+from preprocess_service.adapters.media.conversations import TextPiece, parse_conversation
+from preprocess_service.adapters.media.parse import CAPTION_MEMBER
 from preprocess_service.core.sample import Document, TextSegment
 
 DEFAULT_MAX_SAMPLES = 5000

@@ -28,7 +28,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import SampleError, ServiceUnavailableError
 from disttrain_api.spec import spec_from_config
 from disttrain_tools.rank_client import RankResult, consume_rank
-from preprocess_service.adapters import shards
+from preprocess_service.adapters.io import shards
 from preprocess_service.service.server import Limits, create_server
 
 __all__ = ["KEPT_FIRST_COPY_KINDS", "RankResult", "RunResult", "all_keys", "consume_rank", "run_job", "summary",

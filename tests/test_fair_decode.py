@@ -1,4 +1,4 @@
-"""The decode pool's fair queue (adapters/fairqueue.py): streams are served in turn, a microbatch
+"""The decode pool's fair queue (adapters/decode/fairqueue.py): streams are served in turn, a microbatch
 at a time, whatever each queued, so no stream waits behind another's backlog. Pure: no workers,
 no clocks; a unit is a microbatch, its items are its documents, and each encodes its own place."""
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from preprocess_service.adapters.fairqueue import FairQueue
+from preprocess_service.adapters.decode.fairqueue import FairQueue
 
 
 def _unit(stream: str, number: int, size: int) -> list[tuple[str, int, int]]:

@@ -35,9 +35,9 @@ from disttrain_api import wire
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
 from helpers import jpeg_bytes
-from preprocess_service.adapters import audio, imaging
 from preprocess_service.adapters.decode import DecodePool, InlineDecoder
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.media import audio, imaging
+from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.assemble import (
     MODALITY_AUDIO,
     MODALITY_GEN,

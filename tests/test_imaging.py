@@ -6,7 +6,7 @@ from PIL import Image, ImageOps
 
 from disttrain_api.config import ImageConfig
 from helpers import jpeg_bytes
-from preprocess_service.adapters import imaging
+from preprocess_service.adapters.media import imaging
 
 CFG = ImageConfig()
 

@@ -1,4 +1,4 @@
-"""Tests for preprocess_service.adapters.img2dataset: manifests from img2dataset's NNNNN.parquet
+"""Tests for preprocess_service.adapters.io.img2dataset: manifests from img2dataset's NNNNN.parquet
 (successful and failed rows), parquet files that cannot be used (never fatal), bounds and caching."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from disttrain_api.errors import SampleError
 from helpers import write_tiny_shards
-from preprocess_service.adapters import img2dataset
-from preprocess_service.adapters.img2dataset import (
+from preprocess_service.adapters.io import img2dataset
+from preprocess_service.adapters.io.img2dataset import (
     MAX_FAILED_ROWS,
     MAX_TEXT_CHARS,
     MISSING,

@@ -32,8 +32,8 @@ def test_a_job_holds_no_encoded_bytes_of_local_plain_tars_and_delivers_the_same(
     packer or the planned steps) and charges none to the budget: each microbatch's samples are
     read again by pread when it is decoded, and equal those of the same shards compressed, whose
     bytes the job held."""
-    from preprocess_service.adapters.budget import MemoryBudget
-    from preprocess_service.adapters.shards import ShardReader
+    from preprocess_service.adapters.infra.budget import MemoryBudget
+    from preprocess_service.adapters.io.shards import ShardReader
 
     write_tiny_shards(tmp_path / "plain", num_shards=2, samples_per_shard=20)
     write_tiny_shards(tmp_path / "gz", num_shards=2, samples_per_shard=20, compress=True)
@@ -118,7 +118,7 @@ def test_opening_a_job_plans_its_first_step_before_any_stream_asks(tmp_path):
 
 
 def test_a_job_closed_while_it_plans_ahead_keeps_no_bytes_charged(tmp_path):
-    from preprocess_service.adapters.budget import MemoryBudget
+    from preprocess_service.adapters.infra.budget import MemoryBudget
     from preprocess_service.service.job import JobRegistry
 
     write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=8, compress=True)

@@ -35,13 +35,13 @@ def test_the_server_process_loads_no_torch_until_it_decodes():
     decoders alone, so the server, the run CLI and the planner's process do not import it."""
     code = ("import json, sys\n"
             "import preprocess_service.service.server, preprocess_service.service.cli\n"
-            "import disttrain_tools.runner, preprocess_service.adapters.samples\n"
+            "import disttrain_tools.runner, preprocess_service.adapters.media.parse\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          check=True)
     modules = set(json.loads(out.stdout))
     assert not {"torch", "torchaudio", "webdataset"} & modules, sorted({"torch", "torchaudio", "webdataset"} & modules)
-    assert "preprocess_service.adapters.imaging" in modules and "preprocess_service.adapters.audio" in modules
+    assert {"preprocess_service.adapters.media.imaging", "preprocess_service.adapters.media.audio"} <= modules
 
 
 def test_a_planner_is_named_by_the_service_registry_alone():

@@ -20,8 +20,8 @@ from disttrain_api import wire
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
 from helpers import jpeg_bytes
-from preprocess_service.adapters.conversations import MAX_TURNS
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.media.conversations import MAX_TURNS
+from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.assemble import finish, layout_microbatch
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.sample import Document, ImageRef, TextSegment

@@ -173,7 +173,7 @@ def test_a_dataset_s_modalities_hide_the_other_members_even_where_the_json_names
 
     from disttrain_api.config import AudioConfig, GenerationConfig
     from helpers import jpeg_bytes
-    from preprocess_service.adapters.samples import parse_document
+    from preprocess_service.adapters.media.parse import parse_document
     from preprocess_service.core.sample import AudioRef, ImageRef, TextSegment
     from preprocess_service.core.tokenizer import ByteTokenizer
 

@@ -66,7 +66,7 @@ def test_sequences_are_priced_by_the_service_cost_model():
 
 
 def test_image_tokens_follow_the_service_resize_rule():
-    imaging = pytest.importorskip("preprocess_service.adapters.imaging")
+    imaging = pytest.importorskip("preprocess_service.adapters.media.imaging")
     rng = np.random.default_rng(5)
     short, aspect = rng.integers(10, 5000, 500).astype(float), np.exp(np.abs(rng.normal(0, 0.6, 500)))
     landscape = rng.random(500) < 0.5

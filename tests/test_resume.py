@@ -9,7 +9,7 @@ import pytest
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import NotFoundError
 from helpers import check_resumes, jpeg_bytes, write_tiny_shards
-from preprocess_service.adapters.shards import ShardReader
+from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.core.planner import EpochPlanner
 from preprocess_service.core.sample import NEXT_OFFSET
 from preprocess_service.service.job import Job

@@ -5,7 +5,7 @@ import pytest
 from disttrain_api.config import ImageConfig
 from disttrain_api.errors import SampleError
 from helpers import jpeg_bytes
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

@@ -2,8 +2,8 @@ import pytest
 
 from disttrain_api.errors import ConfigError
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import shards
-from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.adapters.io import shards
+from preprocess_service.adapters.io.sources import ShardPolicy
 
 
 def test_directory_expands_to_its_tars_only(tmp_path):
@@ -23,7 +23,7 @@ def test_brace_patterns_expand_like_webdataset(tmp_path):
 def test_member_names_split_like_webdataset(name):
     from webdataset.tariterators import base_plus_ext
 
-    from preprocess_service.adapters.tarstream import split_name
+    from preprocess_service.adapters.io.tarstream import split_name
 
     key, suffix = base_plus_ext(name)
     expected = (None, None) if key is None or suffix.startswith("__") else (key, suffix.lower())

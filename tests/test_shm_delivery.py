@@ -1,4 +1,4 @@
-"""Same-host delivery in shared memory (adapters/shmdelivery.py, trainer/client.py): a real server
+"""Same-host delivery in shared memory (decode/shm.py, trainer/client.py): a real server
 on loopback, real DataClients and raw gRPC calls; the objects are real files in /dev/shm."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.spec import spec_from_config
 from helpers import write_tiny_shards
-from preprocess_service.adapters.shmdelivery import SHM_DIR
+from preprocess_service.adapters.decode.shm import SHM_DIR
 from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
@@ -239,7 +239,7 @@ def test_a_starting_server_sweeps_what_a_killed_server_left():
     import subprocess
     import sys
 
-    from preprocess_service.adapters.shmdelivery import sweep_orphans
+    from preprocess_service.adapters.decode.shm import sweep_orphans
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -19,7 +19,7 @@ from PIL import Image
 
 from disttrain_api.config import ImageConfig
 from disttrain_tools import synth
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.sample import TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 

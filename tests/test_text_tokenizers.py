@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from disttrain_tools import synth
-from preprocess_service.adapters.text_tokenizers import (
+from preprocess_service.adapters.media.tokenizers import (
     ADDED_BOS,
     PLACEHOLDERS,
     HFTokenizer,
@@ -134,8 +134,8 @@ def test_a_tokenizer_path_obeys_the_shard_rules(bpe_path, tmp_path):
     from disttrain_api.config import JobConfig
     from disttrain_api.errors import ConfigError, PermissionDenied
     from helpers import write_tiny_shards
-    from preprocess_service.adapters.shards import ShardReader
-    from preprocess_service.adapters.sources import ShardPolicy
+    from preprocess_service.adapters.io.shards import ShardReader
+    from preprocess_service.adapters.io.sources import ShardPolicy
     from preprocess_service.service.job import Job
 
     write_tiny_shards(tmp_path, num_shards=1)
@@ -189,7 +189,7 @@ def test_placeholders_cannot_be_forged_even_when_the_vocabulary_has_their_names(
 def test_a_tokenizer_file_is_read_within_bounds(tmp_path, monkeypatch):
     import os
 
-    from preprocess_service.adapters import text_tokenizers
+    from preprocess_service.adapters.media import tokenizers as text_tokenizers
 
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)

@@ -324,7 +324,7 @@ class DataClient:
         self.call_timeout_s = call_timeout_s
         """Deadline of every unary call; past it the call is retried on the next address."""
         self.shared_memory = shared_memory
-        """Offer same-host delivery; the service uses it when it is on this host (shmdelivery.py)."""
+        """Offer same-host delivery; the service uses it when it is on this host (decode/shm.py)."""
         self.num_shared_memory = 0
         """Microbatches received in shared memory."""
         self.message_timeout_s = message_timeout_s

@@ -13,7 +13,7 @@ the cost coefficients), and ``load_state_dict()`` continues from there on any no
 equals the one the original planner would have made, with no replanning from step 0. Its cost
 does not grow with the position in the epoch, except the key hashes (8 bytes per sample read this
 epoch, for duplicate detection). Pure: the samples come from an injected SampleSource and are
-parsed by an injected function (adapters/shards.py and adapters/samples.py in the service).
+parsed by an injected function (adapters/io/shards.py and adapters/media/parse.py in the service).
 
 The last global batch of an epoch may be short: it gets ceil(n / (D*S)) microbatches per rank,
 padded with empty sequences, so every sample is delivered (no drop_last).

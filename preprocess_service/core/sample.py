@@ -5,7 +5,7 @@ A document is a sequence of segments laid out as ``[BOS] segment ... segment [EO
   image  pixels for the encoder at a planned (dynamic) resolution
   audio  log-mel frames for the audio encoder
   gen    an image the generator must produce: query tokens in the sequence, pixels at a fixed size
-Every size is fixed when the document is made (adapters/samples.py prices a webdataset sample from
+Every size is fixed when the document is made (adapters/media/parse.py prices a webdataset sample from
 its metadata and media headers) and decoding later produces exactly these sizes. Pure data: no I/O.
 """
 

@@ -31,11 +31,11 @@ def cmd_serve(args) -> int:
 
     cfg = settings.from_args(args)
     if cfg.decode_workers != 0:  # the decode workers' fork server imports torch while this process imports the rest
-        from preprocess_service.adapters import forkserver
+        from preprocess_service.adapters.decode import forkserver
 
         forkserver.start()
-    from preprocess_service.adapters import metrics
-    from preprocess_service.adapters.store import describe
+    from preprocess_service.adapters.infra import metrics
+    from preprocess_service.adapters.infra.store import describe
     from preprocess_service.service import logs
     from preprocess_service.service.security import TlsFiles
     from preprocess_service.service.server import Limits, create_server

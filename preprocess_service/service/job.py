@@ -33,10 +33,12 @@ from disttrain_api.errors import (
     SampleError,
     ServiceUnavailableError,
 )
-from preprocess_service.adapters import img2dataset, metrics, shards, sources, text_tokenizers
-from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded, Decoder
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters.infra import metrics
+from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
+from preprocess_service.adapters.io import img2dataset, shards, sources
+from preprocess_service.adapters.media import tokenizers as text_tokenizers
+from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
 from preprocess_service.core.packing import PackedSequence
@@ -151,7 +153,7 @@ class Job:
         self._largest_message = 0
         self.job_id = config.job_id()
         self.reader = reader.for_owner(self.job_id)
-        """The server's reader, as this job: its share of the remote-shard cache (shardcache.py)."""
+        """The server's reader, as this job: its share of the remote-shard cache (io/cache.py)."""
         self.dataset_urls = shard_urls if shard_urls is not None else expand_datasets(reader, config)
         """Each dataset's shard names (JobConfig.mixture() order)."""
         self.shard_urls = [url for urls in self.dataset_urls for url in urls]

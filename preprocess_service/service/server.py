@@ -33,14 +33,15 @@ from disttrain_api.errors import (
     ServiceUnavailableError,
 )
 from disttrain_api.spec import config_from_spec, spec_from_config
-from preprocess_service.adapters import metrics, procmem, shmdelivery, sources
-from preprocess_service.adapters.budget import MemoryBudget, default_budget_bytes
-from preprocess_service.adapters.decode import MAX_START_FAILURES, DecodePool, InlineDecoder
-from preprocess_service.adapters.remote import FetchPolicy
-from preprocess_service.adapters.shardcache import DEFAULT_CACHE_BYTES, ShardCache
-from preprocess_service.adapters.shards import ShardReader
-from preprocess_service.adapters.sources import ShardPolicy
-from preprocess_service.adapters.tarstream import TarLimits
+from preprocess_service.adapters.decode import MAX_START_FAILURES, DecodePool, InlineDecoder, shm
+from preprocess_service.adapters.infra import metrics, procmem
+from preprocess_service.adapters.infra.budget import MemoryBudget, default_budget_bytes
+from preprocess_service.adapters.io import sources
+from preprocess_service.adapters.io.cache import DEFAULT_CACHE_BYTES, ShardCache
+from preprocess_service.adapters.io.remote import FetchPolicy
+from preprocess_service.adapters.io.shards import ShardReader
+from preprocess_service.adapters.io.sources import ShardPolicy
+from preprocess_service.adapters.io.tarstream import TarLimits
 from preprocess_service.core.reorder import PLANNERS
 from preprocess_service.service.job import Job, JobRegistry, expand_datasets
 from preprocess_service.service.security import (
@@ -114,10 +115,10 @@ class Limits:
     stream_stall_timeout_s: float = 300.0
     """A stream whose client takes no message for this long is cancelled (its memory freed)."""
     shm_delivery: bool = True
-    """Hand microbatches to clients on this host in shared memory (shmdelivery.py) when they
+    """Hand microbatches to clients on this host in shared memory (shm.py) when they
     prove they share /dev/shm; False: always in the gRPC message."""
     shard_cache_bytes: int = DEFAULT_CACHE_BYTES
-    """Bytes of remote shards kept on local disk (shardcache.py); 0: none (each read streams)."""
+    """Bytes of remote shards kept on local disk (io/cache.py); 0: none (each read streams)."""
     shard_cache_dir: str | None = None
     """Where the server makes its cache directory (removed at exit); None: the system's temp dir."""
     shard_fetch_retries: int = 5
@@ -527,7 +528,7 @@ def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = Non
     """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
     on threads in this process for 0; its buffers are charged to ``budget``. ``wait=False``
     returns while the pool's workers start (DecodePool.wait_ready)."""
-    from preprocess_service.adapters.budget import UNLIMITED
+    from preprocess_service.adapters.infra.budget import UNLIMITED
 
     budget = budget or UNLIMITED
     if decode_workers == 0:
@@ -560,7 +561,7 @@ def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: i
     budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
     metrics.watch_budget(budget)
     decoder = create_decoder(decode_workers, budget, wait=False)  # its workers start while the rest is set up
-    shmdelivery.sweep_orphans()  # same-host microbatches a killed server left in /dev/shm
+    shm.sweep_orphans()  # same-host microbatches a killed server left in /dev/shm
     try:
         return _serve(decoder, budget, address, max_workers=max_workers, prefetch=prefetch, redis_url=redis_url,
                       replica_id=replica_id, job_options=job_options, tls=tls, auth_tokens=auth_tokens,
@@ -579,7 +580,7 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
         import os
         import socket
 
-        from preprocess_service.adapters.store import RedisStore
+        from preprocess_service.adapters.infra.store import RedisStore
         from preprocess_service.service.shared_job import SharedJobRegistry
 
         store = RedisStore(redis_url)

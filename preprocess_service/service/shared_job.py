@@ -43,9 +43,10 @@ from disttrain_api.errors import (
     StreamSuperseded,
 )
 from disttrain_api.spec import config_from_spec, spec_from_config
-from preprocess_service.adapters import metrics, shards
-from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget
-from preprocess_service.adapters.store import RedisStore
+from preprocess_service.adapters.infra import metrics
+from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
+from preprocess_service.adapters.infra.store import RedisStore
+from preprocess_service.adapters.io import shards
 from preprocess_service.core import plan_record
 from preprocess_service.core.feedback import (
     REFIT_FIELDS,

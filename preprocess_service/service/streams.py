@@ -4,7 +4,7 @@ queue; the gRPC handler's thread takes them from it. A slow client holds at most
 prepared microbatches of server memory; a cancelled or disconnected client stops the producer at
 once. Messages are serialized by wire.encode_microbatch straight from the decode buffer (one copy),
 charged to the memory budget before they exist and released when gRPC has taken them. A client on
-this host that proves it shares /dev/shm is lent the decode buffer itself instead (shmdelivery.py,
+this host that proves it shares /dev/shm is lent the decode buffer itself instead (decode/shm.py,
 decode.Lent): no copy at all, a gRPC message of a few kilobytes, and no copy on its side (a
 microbatch whose buffer cannot be lent, e.g. one with a failed document, is copied into a
 shared-memory object of its own)."""
@@ -31,10 +31,10 @@ from disttrain_api.errors import (
     ServiceUnavailableError,
     StreamSuperseded,
 )
-from preprocess_service.adapters import metrics
-from preprocess_service.adapters.budget import MemoryBudget, call_once
 from preprocess_service.adapters.decode import Decoder
-from preprocess_service.adapters.shmdelivery import SegmentLedger, same_host
+from preprocess_service.adapters.decode.shm import SegmentLedger, same_host
+from preprocess_service.adapters.infra import metrics
+from preprocess_service.adapters.infra.budget import MemoryBudget, call_once
 from preprocess_service.service.job import Job
 from preprocess_service.service.security import StallWatchdog
 

@@ -68,8 +68,8 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api.config import ImageConfig, JobConfig
 from disttrain_api.errors import SampleError, ServiceUnavailableError
 from helpers import jpeg_bytes
-from preprocess_service.adapters import imaging
-from preprocess_service.adapters.tarstream import TarLimits, iter_samples
+from preprocess_service.adapters.io.tarstream import TarLimits, iter_samples
+from preprocess_service.adapters.media import imaging
 from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 
@@ -1293,7 +1293,7 @@ def test_the_planning_read_of_a_png_decodes_no_pixels(monkeypatch):
 
 def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
     from disttrain_api.config import AudioConfig
-    from preprocess_service.adapters.audio import decode_audio
+    from preprocess_service.adapters.media.audio import decode_audio
 
     for value in (np.nan, np.inf, 1e30):
         wave = np.zeros(4800, np.float32)
@@ -1306,7 +1306,7 @@ def test_audio_with_non_finite_samples_is_not_delivered_as_nan():
             continue  # refused: the sample is skipped as decode_failed
         assert np.isfinite(mel).all(), f"{value}: {np.isnan(mel).sum()} NaN values delivered"
 def test_json_with_a_huge_integer_is_invalid_json():
-    from preprocess_service.adapters.samples import parse_document
+    from preprocess_service.adapters.media.parse import parse_document
     from preprocess_service.core.tokenizer import ByteTokenizer
 
     with pytest.raises(SampleError) as info:

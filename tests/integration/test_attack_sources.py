@@ -18,9 +18,9 @@ import pytest
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, PermissionDenied
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import sources
-from preprocess_service.adapters.shards import ShardReader
-from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.adapters.io import sources
+from preprocess_service.adapters.io.shards import ShardReader
+from preprocess_service.adapters.io.sources import ShardPolicy
 from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 

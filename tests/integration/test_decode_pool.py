@@ -14,9 +14,9 @@ from PIL import Image
 from disttrain_api.config import AudioConfig, ImageConfig, JobConfig
 from disttrain_tools.runner import RunResult, all_keys, consume_rank
 from helpers import write_tiny_shards
-from preprocess_service.adapters import decode, forkserver
-from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, Decoder, InlineDecoder
-from preprocess_service.adapters.samples import parse_document
+from preprocess_service.adapters import decode
+from preprocess_service.adapters.decode import WORKER_DIED, DecodePool, Decoder, InlineDecoder, forkserver
+from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.assemble import layout_microbatch
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.tokenizer import ByteTokenizer
@@ -310,7 +310,7 @@ def _parent_of(pid: int) -> int:
 def test_a_fork_server_started_early_serves_the_pool_and_its_children_collect_garbage(layout, expected):
     """``forkserver.start()`` (what `serve` and `run` call first thing) launches the fork server
     the pool then forks its workers from: one fork server, not two. It imports with the garbage
-    collector off (forkgc); its children must have it back on, with the preloaded objects frozen."""
+    collector off (decode/preload.py); its children must have it back on, with the preloaded objects frozen."""
     forkserver.start()
     ctx = forkserver.context()
     queue = ctx.SimpleQueue()
@@ -407,8 +407,8 @@ def test_a_lent_arena_is_reused_only_after_its_client_lets_go_and_is_uncharged_m
 
     from disttrain_api import preprocess_pb2 as pb
     from disttrain_api import wire
-    from preprocess_service.adapters.budget import MemoryBudget
-    from preprocess_service.adapters.shmdelivery import SHM_DIR
+    from preprocess_service.adapters.decode.shm import SHM_DIR
+    from preprocess_service.adapters.infra.budget import MemoryBudget
     from preprocess_service.core.assemble import finish
 
     small = _small_layout()
@@ -459,7 +459,7 @@ def test_a_client_that_keeps_every_microbatch_gets_them_given_away_past_max_lent
     import fcntl
 
     from preprocess_service.adapters import decode
-    from preprocess_service.adapters.shmdelivery import SHM_DIR
+    from preprocess_service.adapters.decode.shm import SHM_DIR
     from preprocess_service.core.assemble import finish
 
     monkeypatch.setattr(decode.pool, "MAX_LENT", 1)

@@ -20,8 +20,8 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, ResourceExhausted
 from disttrain_api.spec import spec_from_config
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters.budget import MemoryBudget
-from preprocess_service.adapters.procmem import Calibrated, descendants, pss_bytes, resident_bytes
+from preprocess_service.adapters.infra.budget import MemoryBudget
+from preprocess_service.adapters.infra.procmem import Calibrated, descendants, pss_bytes, resident_bytes
 from preprocess_service.service.server import Limits, create_server
 from trainer import DataClient
 

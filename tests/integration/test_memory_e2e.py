@@ -32,7 +32,7 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api.config import JobConfig
 from disttrain_api.spec import spec_from_config
 from helpers import jpeg_bytes
-from preprocess_service.adapters.budget import PSS_HEADROOM
+from preprocess_service.adapters.infra.budget import PSS_HEADROOM
 from trainer import DataClient
 
 REPO = Path(__file__).resolve().parents[2]

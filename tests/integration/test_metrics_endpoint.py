@@ -10,7 +10,7 @@ import time
 import pytest
 
 from disttrain_api.errors import ConfigError
-from preprocess_service.adapters import metrics
+from preprocess_service.adapters.infra import metrics
 
 
 @pytest.fixture

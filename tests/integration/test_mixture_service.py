@@ -5,7 +5,7 @@ tokenizer described in JobInfo, every sample tagged with its dataset and deliver
 from disttrain_api.config import DatasetConfig, JobConfig
 from disttrain_tools.runner import run_job, summary
 from helpers import write_tiny_shards
-from preprocess_service.adapters.text_tokenizers import train_bpe
+from preprocess_service.adapters.media.tokenizers import train_bpe
 
 
 def test_a_mixture_with_a_bpe_tokenizer_runs_end_to_end(tmp_path):

@@ -19,8 +19,8 @@ from disttrain_api.errors import ConfigError
 from disttrain_tools import synth
 from disttrain_tools.localcluster import LocalRedis, free_port
 from helpers import write_tiny_shards
-from preprocess_service.adapters.metrics import REDIS_LATENCY
-from preprocess_service.adapters.store import RedisStore
+from preprocess_service.adapters.infra.metrics import REDIS_LATENCY
+from preprocess_service.adapters.infra.store import RedisStore
 from preprocess_service.service.settings import ENV_NAMES, load
 from trainer import Credentials, DataClient
 

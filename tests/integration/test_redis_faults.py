@@ -13,7 +13,7 @@ import redis
 
 from disttrain_api.errors import ServiceUnavailableError
 from disttrain_tools.localcluster import LocalRedis, free_port
-from preprocess_service.adapters.store import RedisStore
+from preprocess_service.adapters.infra.store import RedisStore
 
 CLEAR_AFTER_S = 1.0
 """A fault lasts this long in the tests where it clears: several retries, well inside the deadline."""

@@ -18,12 +18,13 @@ from fsspec.implementations.memory import MemoryFileSystem
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import PermissionDenied
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import shardcache, sources
 from preprocess_service.adapters.decode import InlineDecoder
-from preprocess_service.adapters.remote import FetchPolicy
-from preprocess_service.adapters.shardcache import Claim, ShardCache
-from preprocess_service.adapters.shards import ShardReader
-from preprocess_service.adapters.sources import ShardPolicy
+from preprocess_service.adapters.io import cache as shardcache
+from preprocess_service.adapters.io import sources
+from preprocess_service.adapters.io.cache import Claim, ShardCache
+from preprocess_service.adapters.io.remote import FetchPolicy
+from preprocess_service.adapters.io.shards import ShardReader
+from preprocess_service.adapters.io.sources import ShardPolicy
 from preprocess_service.core.planner import EpochPlanner
 from preprocess_service.service import settings
 from preprocess_service.service.job import Job
@@ -412,7 +413,7 @@ def test_object_store_requests_have_timeouts(monkeypatch):
 
     import fsspec.config
 
-    from preprocess_service.adapters.remote import store_options
+    from preprocess_service.adapters.io.remote import store_options
 
     assert store_options("s3", 7.0) == {"config_kwargs": {"connect_timeout": 7.0, "read_timeout": 7.0}}
     monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 99}})

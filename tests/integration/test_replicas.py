@@ -18,7 +18,7 @@ from disttrain_api.errors import ServiceUnavailableError
 from disttrain_tools import synth
 from disttrain_tools.localcluster import LocalRedis, Replica, free_port
 from helpers import write_tiny_shards
-from preprocess_service.adapters.store import RedisStore
+from preprocess_service.adapters.infra.store import RedisStore
 from preprocess_service.service.cli import main as cli_main
 from preprocess_service.service.job import Job
 from preprocess_service.service.server import create_server

@@ -20,7 +20,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
 from disttrain_tools import synth
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters import imaging
+from preprocess_service.adapters.media import imaging
 from preprocess_service.core.planner import batch_instance
 from preprocess_service.core.reorder.instance import PLANNERS
 from preprocess_service.service.server import create_server

@@ -160,7 +160,7 @@ def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
     assert job.refitter.num_observations >= 24 * 2
     assert job.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
     # and its measured bubble reached the service's metrics, beside the simulator's prediction
-    from preprocess_service.adapters.metrics import BUBBLE
+    from preprocess_service.adapters.infra.metrics import BUBBLE
 
     assert 0 < BUBBLE.labels(job.job_id, "measured")._value.get() < 1
 

@@ -8,8 +8,8 @@ from concurrent import futures
 
 import numpy as np
 
-from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.adapters.decode.items import Decoded, decode_into, missing_reason
+from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.core.assemble import Layout
 
 

@@ -18,17 +18,17 @@ def decode_item(kind: str, data: bytes, params: tuple, out: np.ndarray | None = 
     """One member decoded to the array its slot holds (shape and dtype fixed by the layout). Images
     are written into ``out`` (uint8 [h, w, 3]) when given, which is returned; audio ignores it."""
     if kind == "image":
-        from preprocess_service.adapters.imaging import decode_image
+        from preprocess_service.adapters.media.imaging import decode_image
 
         height, width, orientation = params
         return decode_image(data, (height, width), orientation, out)
     if kind == "gen":
-        from preprocess_service.adapters.imaging import decode_square
+        from preprocess_service.adapters.media.imaging import decode_square
 
         size, orientation = params
         return decode_square(data, size, orientation, out)
     if kind == "audio":
-        from preprocess_service.adapters.audio import decode_audio
+        from preprocess_service.adapters.media.audio import decode_audio
 
         frames, config = params
         return decode_audio(data, config, frames)
@@ -105,7 +105,7 @@ class Decoded:
 @dataclass(slots=True)
 class Lent:
     """A decode arena lent to a same-host client instead of copied into a message for it
-    (shmdelivery.py, Microbatch.shm_token). The client maps the object ``name``, checks its first
+    (decode/shm.py, Microbatch.shm_token). The client maps the object ``name``, checks its first
     TOKEN_BYTES equal ``token`` (else the arena was reused and the microbatch is lost to it), holds
     a shared flock on it while its arrays live and sets byte TAKEN_AT once it has them. The pool
     reuses the arena once it is taken and unlocked, or abandoned (its stream ended before the

@@ -17,12 +17,13 @@ from multiprocessing import connection, shared_memory
 
 import numpy as np
 
-from preprocess_service.adapters import forkserver, procmem
-from preprocess_service.adapters.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.adapters.decode import forkserver
+from preprocess_service.adapters.decode.fairqueue import FairQueue, Order
 from preprocess_service.adapters.decode.items import Decoded, Lent, missing_reason
+from preprocess_service.adapters.decode.shm import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
 from preprocess_service.adapters.decode.worker import worker_main
-from preprocess_service.adapters.fairqueue import FairQueue, Order
-from preprocess_service.adapters.shmdelivery import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
+from preprocess_service.adapters.infra import procmem
+from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.core.assemble import Layout, aligned
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import time
 from multiprocessing import shared_memory
 
 from preprocess_service.adapters.decode.items import decode_into, warm_up_decoders
-from preprocess_service.adapters.shmdelivery import CONTROL_BYTES
+from preprocess_service.adapters.decode.shm import CONTROL_BYTES
 
 MAX_ATTACHED = 64
 """Arenas a worker keeps mapped (reused arenas then cost no page faults); the pool names those it drops."""
@@ -29,7 +29,8 @@ def worker_main(conn, worker_id: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core: intra-op threads would only contend
-    for module in ("preprocess_service.adapters.audio", "preprocess_service.adapters.imaging", "torchaudio"):
+    for module in ("preprocess_service.adapters.media.audio", "preprocess_service.adapters.media.imaging",
+                   "torchaudio"):
         importlib.import_module(module)  # every decoder loaded before "ready"
     warm_up_decoders()
 

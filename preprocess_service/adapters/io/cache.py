@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from preprocess_service.adapters import metrics
+from preprocess_service.adapters.infra import metrics
 
 log = logging.getLogger(__name__)
 

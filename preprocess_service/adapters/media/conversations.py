@@ -8,7 +8,7 @@ Two layouts are read:
 Either role vocabulary is accepted in either layout. A conversation becomes text pieces in turn
 order: a role header (``"USER: "``, ``"ASSISTANT: "``, ``"SYSTEM: "``, after a newline from the
 second turn on) that is never trained, then the turn's content, trained only for the assistant.
-An ``<image>`` marker in a turn's text (or an image part) is an image slot: samples.py puts the
+An ``<image>`` marker in a turn's text (or an image part) is an image slot: parse.py puts the
 sample's next image there, in member order. Anything else (an unknown role, a turn that is not an
 object of strings, more than MAX_TURNS turns) is a SampleError of kind ``invalid_conversation``.
 """

@@ -12,12 +12,9 @@ from __future__ import annotations
 import multiprocessing as mp
 from multiprocessing import forkserver
 
-PRELOAD = ("preprocess_service.adapters.forkgc", "numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image",
-           "preprocess_service.adapters.imaging", "preprocess_service.adapters.audio",
-           "preprocess_service.adapters.decode", "preprocess_service.adapters.forkfreeze")
-"""What the fork server imports before it forks workers, in order (forkgc first, forkfreeze last):
-imports only, nothing that starts a thread pool (a fork would copy it half-made); each worker
-warms its decoders itself."""
+PRELOAD = ("preprocess_service.adapters.decode.preload",)
+"""What the fork server imports before it forks workers: one module, which imports torch and the
+decoders with the garbage collector off and freezes what they made (preload.py)."""
 
 
 def context():

@@ -1,5 +1,5 @@
 """Remote shards: http(s) through urllib and object stores (s3://, gs://) through fsspec, read
-through the shard cache (shardcache.py) and resumed after a dropped connection.
+through the shard cache (io/cache.py) and resumed after a dropped connection.
 
 ``open_remote`` gives a shard's cached copy (downloading it first when it is not cached: once,
 whoever asks) or, when the cache has no room for it, a ``RemoteFile`` streaming it.
@@ -22,7 +22,7 @@ than ``retry_window_s`` behind ``min_bytes_per_s`` (fewer than ``min_bytes_per_s
 since it began - retry_window_s)`` bytes), the shard fails and its room is freed; a server
 that trickles a byte at a time cannot keep a reservation indefinitely. A stream (no cache room)
 holds nothing shared and is bounded by the reader's watchdog alone. With the cache's per-owner
-share (shardcache.py), one job can neither hold nor keep reserved more than its share.
+share (io/cache.py), one job can neither hold nor keep reserved more than its share.
 
 Object stores use the server's own credentials (s3fs: AWS_* variables, ~/.aws; gcsfs: Google
 application default credentials), so they are only read when the operator lists the scheme in
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from disttrain_api.errors import ConfigError, PermissionDenied
-from preprocess_service.adapters import sources
-from preprocess_service.adapters.shardcache import Claim, ShardCache
-from preprocess_service.adapters.sources import ShardPolicy, Source
+from preprocess_service.adapters.io import sources
+from preprocess_service.adapters.io.cache import Claim, ShardCache
+from preprocess_service.adapters.io.sources import ShardPolicy, Source
 
 log = logging.getLogger(__name__)
 

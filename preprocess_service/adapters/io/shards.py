@@ -8,7 +8,7 @@ source is opened:
 - local files (the names sources.resolve produced): opened non-blocking and checked to be a
   regular file before any read, so a FIFO, a device or a socket fails that shard at once;
 - http(s), and s3:// / gs:// when the operator allows them (remote.py): downloaded once into the
-  bounded shard cache (shardcache.py) and then read like a local file, retried and resumed with
+  bounded shard cache (io/cache.py) and then read like a local file, retried and resumed with
   Range requests after a dropped connection, failed when the download falls behind the fetch
   policy's minimum throughput; a shard the cache has no room for (or none left in the reader's
   owner's share of it: ``for_owner``) is streamed;
@@ -40,11 +40,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from disttrain_api.errors import SampleError
-from preprocess_service.adapters import remote, sources, tarstream
-from preprocess_service.adapters.remote import FetchPolicy, Opened, ShardReadError
-from preprocess_service.adapters.shardcache import ShardCache
-from preprocess_service.adapters.sources import ShardPolicy
-from preprocess_service.adapters.tarstream import TarLimits
+from preprocess_service.adapters.io import remote, sources, tarstream
+from preprocess_service.adapters.io.cache import ShardCache
+from preprocess_service.adapters.io.remote import FetchPolicy, Opened, ShardReadError
+from preprocess_service.adapters.io.sources import ShardPolicy
+from preprocess_service.adapters.io.tarstream import TarLimits
 
 __all__ = ["DEFAULT_READER", "ProblemSink", "ShardReadError", "ShardReader", "expand_shards", "iter_shard",
            "open_regular"]

@@ -47,7 +47,7 @@ class TokenizerError(ValueError):
 def _read_file(path: Path) -> bytes:
     """The file's bytes: a regular file only (a FIFO fails at once, never blocks), at most
     MAX_TOKENIZER_BYTES read whatever its size claims."""
-    from preprocess_service.adapters.shards import ShardReadError, open_regular
+    from preprocess_service.adapters.io.shards import ShardReadError, open_regular
 
     try:
         with open_regular(str(path)) as f:
@@ -237,7 +237,7 @@ def load_checked(spec: str, policy):
     """The tokenizer of a job's spec, its path checked like a local shard first (sources.parse and
     sources.check under the operator's ``policy``: realpath, no '..', allowed schemes and prefixes;
     local files only). Loaded files are cached per (path, mtime, size): jobs share them."""
-    from preprocess_service.adapters import sources
+    from preprocess_service.adapters.io import sources
 
     kind, path = split_spec(spec)
     if kind == "byte":

@@ -44,7 +44,7 @@ import time
 
 from disttrain_api import lent
 from disttrain_api.errors import ServiceUnavailableError
-from preprocess_service.adapters.budget import MemoryBudget
+from preprocess_service.adapters.infra.budget import MemoryBudget
 
 SHM_DIR = "/dev/shm"
 PROBE_NAME = re.compile(r"dtprobe_[0-9a-f]{16,64}")

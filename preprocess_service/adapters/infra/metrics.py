@@ -33,7 +33,7 @@ happen. Names, with the PromQL a dashboard would use:
   ``ShardCache.stats()`` has them per URL);
 - ``disttrain_shard_cache_events_total{event}``: the remote-shard cache's hits, misses, shards
   streamed uncached (bypass), evictions, retries, resumed and restarted downloads, failed shards
-  (shardcache.py);
+  (io/cache.py);
 - ``disttrain_shard_cache_bytes``: bytes the cache holds or has reserved for downloads.
 """
 

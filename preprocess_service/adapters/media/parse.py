@@ -27,8 +27,8 @@ import re
 
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
-from preprocess_service.adapters import audio, imaging
-from preprocess_service.adapters.conversations import ImageSlot, TextPiece, parse_conversation
+from preprocess_service.adapters.media import audio, imaging
+from preprocess_service.adapters.media.conversations import ImageSlot, TextPiece, parse_conversation
 from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, Segment, TextSegment
 from preprocess_service.core.tokenizer import Tokenizer
 

@@ -49,7 +49,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from disttrain_api.errors import ServiceUnavailableError
-from preprocess_service.adapters.metrics import REDIS_LATENCY
+from preprocess_service.adapters.infra.metrics import REDIS_LATENCY
 
 log = logging.getLogger(__name__)
 

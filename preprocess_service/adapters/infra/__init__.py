@@ -1,0 +1,2 @@
+"""What the service runs on: the memory budget and process memory, Prometheus metrics, the Redis
+store shared by replicas."""

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "bench"))  # benchjson, when loaded from a test ra
 import benchjson  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
-from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.jobs import ensure_demo_dataset  # noqa: E402
 from disttrain_tools.localcluster import LocalRedis, Replica  # noqa: E402
 from preprocess_service.service.job import Job  # noqa: E402
 

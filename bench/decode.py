@@ -58,7 +58,7 @@ from PIL import Image  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
 from disttrain_api.errors import SampleError  # noqa: E402
-from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.jobs import ensure_demo_dataset  # noqa: E402
 from preprocess_service.adapters.decode import DecodePool, decode_item  # noqa: E402
 from preprocess_service.adapters.io import shards  # noqa: E402
 from preprocess_service.adapters.media import imaging  # noqa: E402

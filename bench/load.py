@@ -38,7 +38,7 @@ import benchjson  # noqa: E402
 from soak import tree_pids  # noqa: E402  (bench/ is on sys.path when this runs as a script)
 
 from disttrain_api.config import JobConfig  # noqa: E402
-from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.jobs import ensure_demo_dataset  # noqa: E402
 from disttrain_tools.localcluster import LocalRedis, Replica  # noqa: E402
 
 CLIENT_PROCESSES = 4

@@ -270,7 +270,7 @@ def demo_shards() -> list[str]:
     demo = REPO / "data" / "laion-demo"
     if not list(demo.glob("0000[0-9].tar")):
         subprocess.run([str(PROJECT_PYTHON), "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                        "from disttrain_tools.cli import ensure_demo_dataset; "
+                        "from disttrain_tools.jobs import ensure_demo_dataset; "
                         "ensure_demo_dataset(__import__('pathlib').Path(sys.argv[2]))", str(REPO), str(demo)],
                        check=True)
     return [str(p) for p in sorted(demo.glob("0000[0-9].tar"))]

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="smoke run: 3 synthetic shards of 20 samples, one client rank")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
-    from disttrain_tools.cli import ensure_demo_dataset
+    from disttrain_tools.jobs import ensure_demo_dataset
     from disttrain_tools.localcluster import LocalRedis
     from preprocess_service.adapters.io import shards
     from preprocess_service.service.server import Limits

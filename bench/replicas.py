@@ -35,7 +35,7 @@ import benchjson  # noqa: E402
 import redis  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
-from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.jobs import ensure_demo_dataset  # noqa: E402
 from disttrain_tools.localcluster import LocalRedis, Replica  # noqa: E402
 from preprocess_service.service.server import create_server  # noqa: E402
 

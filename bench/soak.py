@@ -64,7 +64,7 @@ sys.path.insert(0, str(REPO))
 import benchjson  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
-from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.jobs import ensure_demo_dataset  # noqa: E402
 from disttrain_tools.localcluster import free_port  # noqa: E402
 
 MIB = 1 << 20

@@ -66,7 +66,7 @@ import benchjson  # noqa: E402
 
 from disttrain_api.channel import CHANNEL_OPTIONS  # noqa: E402
 from disttrain_api.config import JobConfig  # noqa: E402
-from disttrain_tools.cli import ensure_demo_dataset  # noqa: E402
+from disttrain_tools.jobs import ensure_demo_dataset  # noqa: E402
 from disttrain_tools.runner import RunResult, run_job  # noqa: E402
 
 BARE_METHOD = "/bench.Bare/Stream"

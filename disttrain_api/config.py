@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from disttrain_api.errors import ConfigError
+from disttrain_api.layout import MAX_SPLIT, StageModel
 
 PLANNER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 """The form of a planner's name. Which names exist is the service's registry's business
@@ -34,8 +35,6 @@ def _in_range(name: str, value, low, high, *, integer: bool = True) -> None:
 MAX_SEQ_LEN = 1 << 20
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_STAGES = 256
-MAX_SPLIT = 64
-"""At most this many encoder (generator) replicas serve one backbone DP rank."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -344,8 +343,6 @@ class JobConfig:
 
     def stage_model(self):
         """The simulator's model of one DP rank's pipeline (simulate.StageModel)."""
-        from disttrain_api.layout import StageModel
-
         if not self.stage_map:
             raise ValueError("at least one stage is needed")
         cost = self.cost

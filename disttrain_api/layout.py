@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disttrain_api.config import MAX_SPLIT
-
 MODULES = ("enc", "bb", "gen")
+MAX_SPLIT = 64
+"""At most this many encoder (generator) replicas serve one backbone DP rank."""
 
 
 @dataclass(frozen=True, slots=True)

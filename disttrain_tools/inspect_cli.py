@@ -36,6 +36,7 @@ from disttrain_tools.datastats import (
     series,
     step_facts,
 )
+from disttrain_tools.jobs import job_config_from_args
 from preprocess_service.adapters.io.img2dataset import Manifest, read_manifest
 from preprocess_service.adapters.media.conversations import TextPiece, parse_conversation
 from preprocess_service.adapters.media.parse import CAPTION_MEMBER
@@ -241,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give SHARDS or --mix FILE (one of them)")
         if args.max_samples < 1:
             raise ConfigError(f"--max-samples must be at least 1, got {args.max_samples}")
-        from disttrain_tools.cli import job_config_from_args
-
         stats, values = inspect(job_config_from_args(args), args.max_samples)
     except DisttrainError as exc:  # ConfigError, PermissionDenied, DataQualityError: the user's to fix
         print(f"error: {exc}", file=sys.stderr)

@@ -81,3 +81,77 @@ def test_no_package_module_takes_another_modules_private_names():
                     taken += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
                               if a.name.startswith("_")]
     assert not taken, taken
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every import a package module makes, at the top or inside a function (an import moved into
+    a function hides a cycle, it does not remove it), except under ``if TYPE_CHECKING:``. An
+    import of a module's own parent package is not an edge: Python has imported it first anyway,
+    and a package's ``__init__`` that imports its files (a registry) is how the tree is meant."""
+    import ast
+
+    ours = ("disttrain_api", "preprocess_service", "trainer", "disttrain_tools")
+    paths = {_module_name(p): p for package in ours for p in (REPO / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text())
+        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        edges = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                           for a in node.names]
+            for target in targets:
+                if target in paths and target != name and not name.startswith(target + "."):
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycles_between_package_modules():
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not cycles, f"modules that import each other (directly or around a circle): {cycles}"
+
+
+def test_the_cycle_check_sees_an_import_hidden_in_a_function():
+    graph = _import_graph()
+    assert "preprocess_service.service.shared_job" in graph["preprocess_service.service.server"]  # in a function
+    assert "disttrain_api.layout" in graph["disttrain_api.config"]

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from disttrain_api.layout import StageModel
 from preprocess_service.core import reorder, simkernels
+from preprocess_service.core.reorder.instance import Instance
 from preprocess_service.core.simulate import topological_order
 
 
@@ -209,9 +211,6 @@ RESTARTS_WITHOUT_GAIN = 8
 def warm_up() -> None:
     """Loads the compiled search kernels (or compiles them, seconds, once per installation: numba
     caches them beside the module), so that a service's first step is planned at full speed."""
-    from disttrain_api.layout import StageModel
-    from preprocess_service.core.reorder.instance import Instance
-
     for shared in ((1, 1, 1), (2, 1, 1)):
         model = StageModel(stage_map=("enc", "bb", "gen"), shared_by=shared)
         plan_ours(Instance(D=2, M=2, S=2, model=model, costs=np.ones((8, 3))), np.random.default_rng(0))

@@ -1,0 +1,60 @@
+"""A job from the command line: the shard and mixture flags, --cost, and the embedded default
+dataset (synthetic LAION-style shards) that ``run`` and ``inspect`` use when given none."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from disttrain_api.cli_args import add_job_arguments, job_fields
+from disttrain_api.config import JobConfig
+from disttrain_api.errors import ConfigError
+
+DEMO_DIR = Path("data/laion-demo")
+
+
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", nargs="+", metavar="SPEC",
+                        help="shard paths/URLs, brace patterns allowed (\"data/{00000..00009}.tar\"), or a "
+                             f"directory of tars (default: a synthetic LAION-style set in {DEMO_DIR}/)")
+    parser.add_argument("--mix", type=Path, metavar="FILE",
+                        help="a weighted mixture of datasets instead of --shards: a YAML or JSON file of "
+                             "datasets (name, shards, weight, optional modalities, image, generate) and "
+                             "optionally mix_by, mix_epoch, mix_epoch_samples, which win over the flags "
+                             "(see disttrain_api/mixture.py)")
+    add_job_arguments(parser)
+    parser.add_argument("--cost", type=Path, help="cost coefficients JSON, as `calibrate --out` writes")
+
+
+def job_config_from_args(args) -> JobConfig:
+    extra: dict = {}
+    if getattr(args, "mix", None):
+        from disttrain_api.mixture import load_mixture
+
+        if args.shards:
+            raise ConfigError("give --shards or --mix, not both")
+        extra.update(load_mixture(args.mix))
+        shard_specs: list[str] = []
+    else:
+        shard_specs = args.shards or [str(p) for p in ensure_demo_dataset()]
+    if args.cost:
+        from disttrain_tools import calibrate
+
+        try:
+            extra["cost"] = calibrate.load(args.cost)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"--cost {args.cost}: {exc}") from None
+    return JobConfig(shards=tuple(shard_specs), **{**job_fields(args), **extra})
+
+
+def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
+    """The embedded default: 4 synthetic LAION-style shards plus one with corrupt samples."""
+    from disttrain_tools import synth
+
+    marker = out_dir / synth.MARKER_NAME
+    before = marker.read_text() if marker.exists() else None
+    paths = synth.ensure_dataset(out_dir, synth.SynthConfig())
+    corrupt = out_dir / "corrupt.tar"
+    if not corrupt.exists() or marker.read_text() != before:  # regenerated: the corrupt shard too
+        synth.write_corrupt_shard(corrupt)
+    return [*paths, corrupt]

@@ -22,7 +22,7 @@ import peers_work  # also puts the repository on sys.path
 
 from disttrain_api.config import JobConfig
 from preprocess_service.core.assemble import layout_microbatch
-from preprocess_service.core.planner import EpochPlanner
+from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.core.sample import Document, ImageRef, TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 
@@ -59,8 +59,8 @@ def measure_shape(dp_size: int, samples_per_seq: int, num_images: int, steps: in
     tokenizer = ByteTokenizer()
 
     def planner():
-        return EpochPlanner(config, ["fake.tar"], FakeSource(), _parser(num_images, np.random.default_rng(0)),
-                            lambda error: None)
+        parse = _parser(num_images, np.random.default_rng(0))
+        return EpochPlanner(config, ["fake.tar"], Documents(FakeSource(), parse))
 
     tracemalloc.start()
     plan = planner().next_plan()

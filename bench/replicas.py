@@ -97,7 +97,7 @@ def redis_per_step(shards, workdir: Path) -> dict:
             try:
                 config = _config(shards, num_epochs=epochs, seq_len=4096, num_microbatches=2, seqs_per_microbatch=1)
                 _stream([f"127.0.0.1:{servers[r][1]}" for r in range(2)], config)
-                stats = [s.jobs.store.stats() for _, _, s in servers]
+                stats = [s.jobs.factory.store.stats() for _, _, s in servers]
                 steps = servers[0][2].jobs.get(config.job_id()).num_steps()
             finally:
                 for srv, _, _ in servers:

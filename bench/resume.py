@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         shards = Path(tmp)
         write_shards(shards, args.shards, args.per_shard)
         config = config_for(shards)
-        every = Job(config).snapshot_every
+        every = Job(config).plans.snapshot_every
         aligned = (-(-args.early // every) * every, -(-args.late // every) * every)  # multiples of the interval
         states, num_steps = plan_and_acknowledge(config, {args.early, args.late, *aligned})
         late = min(args.late, num_steps - 1)
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             states, _ = plan_and_acknowledge(config, {args.early, late, *aligned})
         setup = (f"one epoch of {args.shards * args.per_shard} samples, {num_steps} steps; "
                  f"global batch {config.global_batch} sequences of {config.seq_len} tokens; "
-                 f"shuffle buffer {config.shuffle_buffer}; planner state every {Job(config).snapshot_every} steps")
+                 f"shuffle buffer {config.shuffle_buffer}; planner state every "
+                 f"{Job(config).plans.snapshot_every} steps")
         print(f"SETUP  {setup}")
         rows = []
         for step in (args.early, late, *aligned):

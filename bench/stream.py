@@ -326,10 +326,10 @@ def prepared_serve() -> None:
 
     def open_retaining(config, **kwargs):
         job = open_job(config, **kwargs)
-        job.retain_steps = 1 << 30
+        job.plans.retain_steps = 1 << 30
         # retain_steps alone does not keep the bytes: mark_sent drops a step's encoded bytes once
         # every rank has been sent it, and pass 2 would re-read the tars. Keep everything.
-        job._release_through = lambda step: None
+        job.plans._release_through = lambda step: None
         return job
 
     servicer.jobs.open = open_retaining

@@ -40,6 +40,7 @@ from disttrain_tools.jobs import job_config_from_args
 from preprocess_service.adapters.io.img2dataset import Manifest, read_manifest
 from preprocess_service.adapters.media.conversations import TextPiece, parse_conversation
 from preprocess_service.adapters.media.parse import CAPTION_MEMBER
+from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.core.sample import Document, TextSegment
 
 DEFAULT_MAX_SAMPLES = 5000
@@ -70,9 +71,15 @@ def collect(config: JobConfig, max_samples: int) -> Collected:
     out.manifests = [(i, m) for i, urls in enumerate(job.dataset_urls) for url in urls
                      if (m := read_manifest(url)) is not None]
     chars: dict[tuple[str, str], int] = {}
-    planner = job.planner
-    planner.parse = _measuring(planner.parse, chars, out)
-    planner.keep_media = lambda doc: False  # sizes are all inspect needs: drop the bytes at once
+    documents, measured = job.documents, _measuring(job.documents.parse_only, chars, out)
+
+    def parse(sample: dict) -> Document:
+        doc = measured(sample)
+        doc.media_bytes = None  # sizes are all inspect needs: drop the bytes at once
+        return doc
+
+    planner = EpochPlanner(config, job.dataset_urls,
+                           Documents(documents, parse, documents.skipped, documents.fingerprint))
     while len(out.documents) < max_samples:
         plan = planner.next_plan()
         if plan is None or plan.epoch > 0:

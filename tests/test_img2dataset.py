@@ -21,7 +21,7 @@ from preprocess_service.adapters.io.img2dataset import (
     failed_rows_as_errors,
     read_manifest,
 )
-from preprocess_service.service.job import SkippedRecord
+from preprocess_service.service.report import SkippedRecord
 
 # img2dataset's webdataset output: one row per URL it tried (writer.py's schema, less exif/sha256's content)
 SCHEMA = pa.schema([
@@ -243,7 +243,7 @@ def test_a_stats_file_is_only_read_as_a_regular_file_in_the_shards_folder(tmp_pa
 def test_a_job_reads_the_parquet_unless_the_stats_declare_no_failures(tmp_path, monkeypatch):
     import json
 
-    from preprocess_service.service.job import download_failures
+    from preprocess_service.service.documents import download_failures
 
     write_tiny_shards(tmp_path, num_shards=2, samples_per_shard=6)
     failed = [row(90 + i, status="failed_to_download", error=f"HTTP 404 number {i}") for i in range(2)]
@@ -420,7 +420,7 @@ def test_a_job_reads_its_first_manifests_after_its_first_microbatch_not_before(t
     write_parquet(tmp_path / "00000.parquet", [row(i) for i in range(6)] + failed)
 
     def failures(job):
-        return sorted(r.key for r in job._skipped.values() if r.kind == "download_failed")
+        return sorted(r.key for r in job.skips.records() if r.kind == "download_failed")
 
     want = [f"00000{90 + i:04d}" for i in range(3)]
     job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=1, num_microbatches=1, shard_shuffle=False))

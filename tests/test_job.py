@@ -49,11 +49,11 @@ def test_a_job_holds_no_encoded_bytes_of_local_plain_tars_and_delivers_the_same(
     lean, held = Job(config("plain"), budget=budget), Job(config("gz"), retain_steps=1000)
     lean.step_plan(0)
     held.step_plan(0)
-    assert lean.planner._buffer and held.planner._buffer
-    assert all(doc.media_bytes is None for doc in lean.planner._buffer)
+    assert lean.plans.planner._buffer and held.plans.planner._buffer
+    assert all(doc.media_bytes is None for doc in lean.plans.planner._buffer)
     assert all(doc.media_bytes is None for doc in lean.step_plan(0).documents())
-    assert lean._media_held == 0 and budget.used == 0
-    assert held._media_held > 0 and any(doc.media_bytes for doc in held.planner._buffer)
+    assert lean.retention.held_bytes == 0 and budget.used == 0
+    assert held.retention.held_bytes > 0 and any(doc.media_bytes for doc in held.plans.planner._buffer)
     _same_epoch(lean, held)
     assert not lean.report()["skipped"]
 
@@ -75,9 +75,9 @@ def test_bytes_are_dropped_once_every_rank_was_sent_the_step(tmp_path):
     write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20, compress=True)
     job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2))
     plan = job.step_plan(0)
-    job.mark_sent(0, 0, plan.num_microbatches)
+    job.plans.mark_sent(0, 0, plan.num_microbatches)
     assert all(doc.media_bytes is not None for doc in plan.documents() if doc.images)
-    job.mark_sent(1, 0, plan.num_microbatches)
+    job.plans.mark_sent(1, 0, plan.num_microbatches)
     assert all(doc.media_bytes is None for doc in plan.documents())
 
 
@@ -107,13 +107,13 @@ def test_opening_a_job_plans_its_first_step_before_any_stream_asks(tmp_path):
     registry = JobRegistry()
     job = registry.open(JobConfig(shards=(str(tmp_path),), seq_len=512, dp_size=2, num_microbatches=2))
     deadline = time.monotonic() + 60
-    while job.num_held_plans() == 0 and time.monotonic() < deadline:
+    while job.plans.num_held_plans() == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert job.num_held_plans() == 1  # step 0, planned with no stream open; nothing further
+    assert job.plans.num_held_plans() == 1  # step 0, planned with no stream open; nothing further
     assert registry.open(job.config) is job  # opening it again joins it and plans nothing more
     for thread in _plan_ahead_threads():
         thread.join(60)
-    assert job.num_held_plans() == 1
+    assert job.plans.num_held_plans() == 1
     registry.close()
 
 
@@ -130,8 +130,8 @@ def test_a_job_closed_while_it_plans_ahead_keeps_no_bytes_charged(tmp_path):
         registry.close_job(job.job_id)
         for thread in _plan_ahead_threads():
             thread.join(60)
-        assert job.num_held_plans() == 0
-        assert job._media_held == 0 and budget.used == 0, seed
+        assert job.plans.num_held_plans() == 0
+        assert job.retention.held_bytes == 0 and budget.used == 0, seed
 
 
 def test_a_microbatch_handed_to_the_decoder_holds_no_encoded_bytes_and_is_rebuilt_the_same(tmp_path):
@@ -140,14 +140,14 @@ def test_a_microbatch_handed_to_the_decoder_holds_no_encoded_bytes_and_is_rebuil
     write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=20, compress=True)
     job = Job(JobConfig(shards=(str(tmp_path),), seq_len=1024, dp_size=2, num_microbatches=2))
     plan = job.step_plan(0)
-    held = job._media_held
+    held = job.retention.held_bytes
     assert held > 0
     first = job.microbatch(plan, 0, 0, DECODER)
     started = [doc for seq in plan.microbatch(0, 0) for doc in seq.documents]
     others = [doc for seq in plan.microbatch(1, 0) for doc in seq.documents if doc.images]
     assert started and all(doc.media_bytes is None for doc in started)
     assert others and all(doc.media_bytes is not None for doc in others)
-    assert 0 < job._media_held < held
+    assert 0 < job.retention.held_bytes < held
     again = job.microbatch(plan, 0, 0, DECODER)
     for name in first.arrays:
         np.testing.assert_array_equal(again.arrays[name], first.arrays[name], err_msg=name)

@@ -11,7 +11,7 @@ from disttrain_api.errors import ConfigError
 from disttrain_api.mixture import load_mixture, parse_mixture
 from helpers import check_resumes, write_tiny_shards
 from preprocess_service.core.mixture import Blend
-from preprocess_service.core.planner import EpochPlanner
+from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.service.job import Job
 
 pytestmark = pytest.mark.unit
@@ -207,7 +207,7 @@ def test_a_mixture_planner_passes_the_state_round_trip_harness(tmp_path, rule):
     job = Job(config)  # its shard lists and parse function
 
     def make():
-        return EpochPlanner(config, job.dataset_urls, job.reader, job._parse, lambda e: None)
+        return EpochPlanner(config, job.dataset_urls, Documents(job.reader, job.documents.parse_only))
 
     def advance(planner):
         plan = planner.next_plan()

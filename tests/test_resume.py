@@ -10,7 +10,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import NotFoundError
 from helpers import check_resumes, jpeg_bytes, write_tiny_shards
 from preprocess_service.adapters.io.shards import ShardReader
-from preprocess_service.core.planner import EpochPlanner
+from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.core.sample import NEXT_OFFSET
 from preprocess_service.service.job import Job
 
@@ -55,7 +55,8 @@ def test_planner_resumed_from_its_state_at_any_step_plans_what_the_original_plan
     job = Job(config)  # only for its parse function
     skipped = []
     def make():
-        return EpochPlanner(config, reader.expand(config.shards), reader, job._parse, skipped.append)
+        return EpochPlanner(config, reader.expand(config.shards),
+                            Documents(reader, job.documents.parse_only, skipped.append))
 
     def advance(planner):
         plan = planner.next_plan()
@@ -70,11 +71,11 @@ def test_planner_resumed_from_its_state_at_any_step_plans_what_the_original_plan
     version1 = {key: value for key, value in middle.items() if key not in ("datasets", "blend", "epoch_docs",
                                                                             "totals", "fingerprint")}
     version1.update(version=1, cursor={k: dataset[k] for k in ("shard", "samples", "offset")}, seen=dataset["seen"])
-    resumed = EpochPlanner(config, reader.expand(config.shards), reader, job._parse, lambda e: None)
+    resumed = EpochPlanner(config, reader.expand(config.shards), Documents(reader, job.documents.parse_only))
     resumed.load_state_dict(version1)
     assert [_signature(p) for p in resumed] == plans[len(plans) // 2:]
-    other_tokenizer = EpochPlanner(config, reader.expand(config.shards), reader, job._parse, lambda e: None,
-                                   fingerprint="0f" * 32)
+    other_tokenizer = EpochPlanner(config, reader.expand(config.shards),
+                                   Documents(reader, job.documents.parse_only, fingerprint="0f" * 32))
     with pytest.raises(ValueError, match="tokenizer file"):
         other_tokenizer.load_state_dict(middle)
     with pytest.raises(ValueError, match="version"):
@@ -93,11 +94,11 @@ def test_a_restarted_job_continues_at_the_acknowledged_step_and_plans_are_droppe
     original = Job(config, snapshot_every=3)
     num_steps = original.plan_all()
     want = [_signature(original.step_plan(s)) for s in range(num_steps)]
-    assert original.num_held_plans() == num_steps
+    assert original.plans.num_held_plans() == num_steps
     ack = num_steps - 3
     for rank in range(config.dp_size):
         original.acknowledge(rank, ack)
-    assert original.num_held_plans() == num_steps - ack, "acknowledged plans are dropped"
+    assert original.plans.num_held_plans() == num_steps - ack, "acknowledged plans are dropped"
     with pytest.raises(NotFoundError, match="acknowledged"):
         original.step_plan(ack - 1)
     state = json.loads(json.dumps(original.state_dict()))

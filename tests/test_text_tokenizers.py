@@ -112,7 +112,7 @@ def test_a_job_tokenizes_with_the_spec_s_tokenizer_and_bounds_each_document(kind
     assert job.tokenizer_info["kind"] == kind and job.tokenizer_info["vocab_size"] == tok.vocab_size
     assert len(job.tokenizer_info["sha256"]) == 64 and "<|image|>" in job.tokenizer_info["added_tokens"]
     plan = job.step_plan(0)
-    layout = job._layout(plan.microbatch(0, 0))
+    layout = job.assembly.layout(plan.microbatch(0, 0))
     tokens, modality = layout.arrays["tokens"].reshape(-1), layout.arrays["modality"].reshape(-1)
     cu, owner = layout.arrays["cu_seqlens"], layout.arrays["segment_doc"]
     docs = {doc.key: doc for seq in plan.microbatch(0, 0) for doc in seq.documents}

@@ -75,7 +75,7 @@ class MicrobatchArrays:
     sample_datasets: list[int] = field(default_factory=list)
     """The dataset (JobConfig.mixture() index) of each of sample_keys."""
     skipped: list = field(default_factory=list)
-    """job.SkippedRecord (key, shard, reason, kind) of each document that failed to decode."""
+    """report.SkippedRecord (key, shard, reason, kind) of each document that failed to decode."""
 
     @property
     def nbytes(self) -> int:

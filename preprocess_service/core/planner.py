@@ -1,6 +1,6 @@
 """Deterministic, resumable planning of a job: shards -> documents -> packed sequences -> step plans.
 
-Hook order for every epoch: shard order (seeded) -> read (a SampleSource) -> parse (priced from
+Hook order for every epoch: shard order (seeded) -> read (a DocumentSource) -> parse (priced from
 metadata, bad samples skipped) -> shuffle buffer (seeded) -> pack -> price -> group B sequences
 into a global batch -> the job's batch planner (reorder.PLANNERS: which rank, which
 microbatch, which order) -> StepPlan. The plan of step k is a function of the JobConfig and the
@@ -12,8 +12,9 @@ references, the shuffle generator, error counters, the keys read this epoch as 8
 the cost coefficients), and ``load_state_dict()`` continues from there on any node: the next plan
 equals the one the original planner would have made, with no replanning from step 0. Its cost
 does not grow with the position in the epoch, except the key hashes (8 bytes per sample read this
-epoch, for duplicate detection). Pure: the samples come from an injected SampleSource and are
-parsed by an injected function (adapters/io/shards.py and adapters/media/parse.py in the service).
+epoch, for duplicate detection). Pure: samples are read and parsed through one injected
+DocumentSource (the service's is service/documents.py: shards, the job's parse settings, which
+documents keep their encoded bytes, the shards' side files).
 
 The last global batch of an epoch may be short: it gets ceil(n / (D*S)) microbatches per rank,
 padded with empty sequences, so every sample is delivered (no drop_last).
@@ -52,13 +53,50 @@ MAX_SEEN_BYTES = 8 << 27
 
 
 class SampleSource(Protocol):
-    """Where samples come from (adapters/shards.ShardReader)."""
+    """Where samples come from (adapters/io/shards.ShardReader)."""
 
     def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None) -> Iterator[dict]:
         """Raw samples of one shard, from ``start`` (a cursor: {"samples": n, "offset": bytes or None})."""
 
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
         """The raw samples of ``keys`` in one shard; keys that cannot be read are missing."""
+
+
+class DocumentSource(SampleSource, Protocol):
+    """Everything the planner reads through: a shard's samples from a cursor, samples by key, a
+    sample parsed into a Document, and where skipped samples go. What the source does around
+    that (reading a shard's side files when a pass starts it, deciding which documents keep their
+    encoded bytes until they are decoded) is its own business, not the planner's."""
+
+    fingerprint: str
+    """What else the plans depend on (the tokenizer file's digest): saved in the state, and a
+    state with another one is refused, since it was planned with other token counts."""
+
+    def parse(self, sample: dict) -> Document:
+        """A Document of a raw sample (``__key__``, ``__url__``, member -> bytes), or SampleError."""
+
+    def skipped(self, problem: SampleError) -> None:
+        """A sample (or a shard) was skipped: the job's report."""
+
+
+@dataclass(slots=True)
+class Documents:
+    """A DocumentSource from parts (tests, benches, tools): samples from ``samples``, parsed by
+    ``parse``, skips to ``on_skip``; every document keeps its bytes."""
+
+    samples: SampleSource
+    parse: Parse
+    on_skip: SkipSink = lambda problem: None
+    fingerprint: str = ""
+
+    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None) -> Iterator[dict]:
+        return self.samples.iter_shard(url, on_problem, start)
+
+    def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
+        return self.samples.read_samples(url, keys)
+
+    def skipped(self, problem: SampleError) -> None:
+        self.on_skip(problem)
 
 
 @dataclass(slots=True)
@@ -103,11 +141,10 @@ class StepPlan:
 
 
 class EpochPlanner:
-    """Plans a job's steps in order (``next_plan()``); skipped samples go to ``on_skip``."""
+    """Plans a job's steps in order (``next_plan()``) from what ``source`` reads and parses; skipped
+    samples go to ``source.skipped``."""
 
-    def __init__(self, config: JobConfig, shard_urls: list[list[str]] | list[str], source: SampleSource,
-                 parse: Parse, on_skip: SkipSink, keep_media: Callable[[Document], bool] = lambda doc: True,
-                 on_shard: Callable[[str], None] = lambda url: None, fingerprint: str = ""):
+    def __init__(self, config: JobConfig, shard_urls: list[list[str]] | list[str], source: DocumentSource):
         """``shard_urls``: each dataset's shard names, in ``config.mixture()`` order (a flat list is
         the one dataset of a plain job)."""
         self.config = config
@@ -122,17 +159,7 @@ class EpochPlanner:
         self.totals = np.zeros((len(self.dataset_urls), 2), dtype=np.int64)
         """Documents and tokens drawn from each dataset over all epochs."""
         self.source = source
-        self.parse = parse
-        self.on_skip = on_skip
-        self.keep_media = keep_media
-        """Asked for every parsed document whether it keeps its encoded bytes until it is decoded
-        (else they are dropped now and re-read then)."""
-        self.on_shard = on_shard
-        """Called when a pass starts reading a shard from its beginning (the job reports the
-        shard's failed downloads from its img2dataset parquet there)."""
-        self.fingerprint = fingerprint
-        """What else the plans depend on (the tokenizer file's digest): saved in the state, and a
-        state with another one is refused, since it was planned with other token counts."""
+        self.fingerprint = source.fingerprint
         self.cost = config.cost
         """Coefficients the next sequences are priced with (feedback.py may replace them mid-job)."""
         self.done = False
@@ -229,13 +256,11 @@ class EpochPlanner:
             for key in keys:
                 sample = found.get(key)
                 if sample is None:
-                    self.on_skip(SampleError(key, "could not be re-read when planning resumed (the shard changed "
-                                             "or cannot be read)", shard, "resume_reread"))
+                    self.source.skipped(SampleError(key, "could not be re-read when planning resumed (the shard "
+                                                    "changed or cannot be read)", shard, "resume_reread"))
                     continue
                 doc = self._parse(sample, shard)
                 if doc is not None:
-                    if not self.keep_media(doc):
-                        doc.media_bytes = None
                     docs[(shard, key)] = doc
         return docs
 
@@ -301,7 +326,7 @@ class EpochPlanner:
         self._ready.extend(sequences)
 
     def _problem(self, exc: SampleError) -> None:
-        self.on_skip(exc)
+        self.source.skipped(exc)
         if exc.kind not in SampleError.NOT_LOST:
             self._tolerance.failed(exc)
 
@@ -343,8 +368,6 @@ class EpochPlanner:
             url = cursor.order[cursor.shard]
             if cursor.samples is None:
                 start = cursor.cursor if cursor.cursor["samples"] else None
-                if start is None:
-                    self._shard_started(url)
                 cursor.samples = iter(self.source.iter_shard(url, self._problem, start))
             for sample in cursor.samples:
                 cursor.cursor = {"samples": cursor.cursor["samples"] + 1, "offset": sample.get(NEXT_OFFSET)}
@@ -359,21 +382,9 @@ class EpochPlanner:
                 if doc is None:
                     continue
                 self._tolerance.succeeded()
-                if not self.keep_media(doc):
-                    doc.media_bytes = None
                 return doc
             cursor.next_shard()
         return None
-
-    def _shard_started(self, url: str) -> None:
-        """``on_shard``, fault-isolated: what it reads (a side file of the shard) is data too."""
-        try:
-            self.on_shard(url)
-        except (ImportError, MemoryError, DataQualityError):
-            raise
-        except Exception as exc:
-            self.on_skip(SampleError("", f"could not read the shard's side files ({type(exc).__name__}: "
-                                     f"{str(exc)[:200]})", url, "shard_error"))
 
     def dataset_counts(self) -> list[dict]:
         """Per dataset: documents and tokens drawn over all epochs, documents this epoch, restarts."""
@@ -384,7 +395,7 @@ class EpochPlanner:
     def _parse(self, sample: dict, url: str) -> Document | None:
         key = sample["__key__"]
         try:
-            return self.parse(sample)
+            return self.source.parse(sample)
         except SampleError as exc:
             self._problem(exc)
         except (ImportError, DataQualityError):

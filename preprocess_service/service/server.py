@@ -43,7 +43,8 @@ from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.adapters.io.sources import ShardPolicy
 from preprocess_service.adapters.io.tarstream import TarLimits
 from preprocess_service.core.reorder import PLANNERS
-from preprocess_service.service.job import Job, JobRegistry, expand_datasets
+from preprocess_service.service.documents import expand_datasets
+from preprocess_service.service.job import Job, JobRegistry
 from preprocess_service.service.security import (
     StallWatchdog,
     StreamLimiter,
@@ -581,11 +582,11 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
         import socket
 
         from preprocess_service.adapters.infra.store import RedisStore
-        from preprocess_service.service.shared_job import SharedJobRegistry
+        from preprocess_service.service.shared_job import shared_registry
 
         store = RedisStore(redis_url)
-        jobs = SharedJobRegistry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
-                                 f"{os.getpid()}", reader=reader, budget=budget, **(job_options or {}))
+        jobs = shared_registry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
+                               f"{os.getpid()}", reader=reader, budget=budget, **(job_options or {}))
     jobs.plan_ahead = limits.plan_ahead
     heap.tune_malloc()
     heap.limit_malloc_arenas()

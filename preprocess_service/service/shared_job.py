@@ -59,19 +59,27 @@ from preprocess_service.core.feedback import (
 )
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
-from preprocess_service.service.job import Job, JobRegistry, SkippedRecord, StreamLease, download_failures, plan_balance
+from preprocess_service.service.documents import SideFiles
+from preprocess_service.service.job import Job, JobRegistry
+from preprocess_service.service.report import SkippedRecord, plan_balance
 
 log = logging.getLogger(__name__)
 
 
-class SharedJob(Job):
-    """One replica's view of a job whose plans, leases and acknowledgements live in Redis."""
+class SharedPlans:
+    """One replica's PlanSource for a job whose plans, leases and acknowledgements live in Redis."""
 
-    def __init__(self, config: JobConfig, store: RedisStore, replica_id: str, *, lookahead: int = 2,
+    def __init__(self, job: Job, store: RedisStore, replica_id: str, *, lookahead: int = 2,
                  lease_ttl_s: float = 5.0, rank_lease_ttl_s: float = 30.0, cache_steps: int = 64,
-                 poll_s: float = 0.02, reader: shards.ShardReader = shards.DEFAULT_READER,
-                 shard_urls: list[list[str]] | None = None):
-        super().__init__(config, reader=reader, shard_urls=shard_urls)
+                 poll_s: float = 0.02, snapshot_every: int = 16):
+        self.config, self.job_id = job.config, job.job_id
+        self.reader = job.reader
+        self.documents = job.documents.with_sink(
+            self._planning_skip, keep=lambda doc: False,  # served from re-read samples: hold no bytes
+            side_files=SideFiles(job.job_id[:12], self._planning_skip, defer=False))
+        self.refitter = CostRefitter(self.config.cost) if self.config.cost_feedback else None
+        self.snapshot_every = snapshot_every
+        self._lock = threading.Lock()
         self._dataset_counts: list[dict] = []
         """The planner's per-dataset counts as of its last step (this replica's planner only)."""
         self.store = store
@@ -89,7 +97,7 @@ class SharedJob(Job):
         self._planner_thread: threading.Thread | None = None
         self._planner_error: BaseException | None = None
         self._planning_skips: dict[str, str] = {}
-        self.spec_bytes = spec_from_config(config).SerializeToString()
+        self.spec_bytes = spec_from_config(self.config).SerializeToString()
 
     # --- reading committed plans ------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
@@ -165,10 +173,7 @@ class SharedJob(Job):
                     planner = None
                 seen_frontier = frontier
                 if planner is None:
-                    planner = EpochPlanner(self.config, self.dataset_urls, self.reader, self._parse,
-                                           self._planning_skip,
-                                           keep_media=lambda doc: False,  # served from re-read samples: hold no bytes
-                                           on_shard=self._shard_started, fingerprint=self.fingerprint)
+                    planner = EpochPlanner(self.config, self.documents.dataset_urls, self.documents)
                     state = self.store.resume_state(self.job_id, stop=stop)
                     if state is not None:
                         planner.load_state_dict(json.loads(state))
@@ -238,12 +243,12 @@ class SharedJob(Job):
         return refitter.refit(), dict(refitter.errors)
 
     def _planning_skip(self, exc: SampleError) -> None:
-        record = SkippedRecord(exc.key, exc.shard, exc.reason, exc.kind)
+        record = SkippedRecord.of(exc)
         metrics.DECODE_ERRORS.labels(exc.kind, "plan").inc()  # a replay after a takeover counts again
-        self._planning_skips.setdefault(record.record_id, _record_json(record))
+        self._planning_skips.setdefault(record.record_id, record.to_json())
 
     # --- serving ----------------------------------------------------------------------------
-    def _resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
+    def resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
         """Documents rebuilt from their samples, re-read from the shards; a sample that is gone or
         no longer matches its plan is left out and reported (every replica reads the same shards,
         so every replica leaves out the same ones)."""
@@ -264,22 +269,21 @@ class SharedJob(Job):
                     lost.append(SkippedRecord(ref.key, ref.shard, problem, "shard_error"))
             out.append(PackedSequence(seq_len=seq.seq_len, documents=documents, cost=seq.cost))
         if lost:
-            self.store.record_skipped(self.job_id, {r.record_id: _record_json(r) for r in lost}, stop=self._closed)
+            self.lost(lost)
         return out, lost
 
-    def _share_skips(self, records: list[SkippedRecord]) -> None:
-        """Decode failures found while serving go to Redis, so every replica's report has them."""
-        self.store.record_skipped(self.job_id, {r.record_id: _record_json(r) for r in records}, stop=self._closed)
+    def taken(self, plan: StepPlan, rank: int, index: int) -> None:
+        pass  # committed plans hold references, never bytes
 
-    def _shard_started(self, url: str) -> None:
-        for problem in download_failures(url):
-            self._planning_skip(problem)
+    def lost(self, records: list[SkippedRecord]) -> None:
+        """Documents lost while serving go to Redis, so every replica's report has them."""
+        self.store.record_skipped(self.job_id, {r.record_id: r.to_json() for r in records}, stop=self._closed)
 
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
         if sample is None:
             return "not found when re-reading its shard (did the shard change after planning?)", None
         try:
-            doc = self._parse(sample)
+            doc = self.documents.parse_only(sample)
         except SampleError as exc:
             return f"re-read from its shard, it no longer parses: {exc.reason}", None
         if doc.num_tokens != ref.num_tokens:
@@ -311,20 +315,14 @@ class SharedJob(Job):
         # the planner may be pricing step ``frontier`` with what it read before these rows landed
         return {"cost": cost, "num_observations": total, "first_step_priced": frontier + 1, "errors": errors}
 
-    def open_stream(self, rank: int, start_step: int, stop: threading.Event) -> StreamLease:
-        return RankLease(self, rank, start_step, stop)
-
-    def mark_sent(self, rank: int, step: int, num_microbatches: int) -> None:
-        with self._lock:
-            self.num_sent_microbatches += num_microbatches
+    def open_lease(self, rank: int, start_step: int, stop: threading.Event) -> FencedLease:
+        return FencedLease(self, rank, start_step, stop)
 
     # --- acknowledgements and report --------------------------------------------------------
     def acknowledge(self, rank: int, next_step: int) -> int:
         """Records that ``rank`` will never resume before ``next_step``; drops the plans of steps
         every rank has acknowledged. Returns the lowest acknowledged step over all ranks."""
-        self.check_rank(rank)
         low = self.store.acknowledge(self.job_id, rank, next_step, self.config.dp_size)
-        metrics.ACKED_STEP.labels(self.job_id).set(low)
         with self._lock:
             drop = range(self._dropped_through, low)
             for step in drop:
@@ -352,79 +350,67 @@ class SharedJob(Job):
             "datasets": self._dataset_counts,  # only the replica that plans knows them (none: [])
         }
 
-    def close(self) -> int:
+    def close(self) -> None:
         self._closed.set()
-        return super().close()
 
 
-class RankLease(StreamLease):
+
+class FencedLease:
     """A stream's step lease on its rank; fenced, so only the newest stream of a rank goes on."""
 
-    def __init__(self, job: SharedJob, rank: int, start_step: int, stop: threading.Event):
-        super().__init__(job, rank)
-        self.stop = stop
+    def __init__(self, plans: SharedPlans, rank: int, start_step: int, stop: threading.Event):
+        self.plans, self.rank, self.stop = plans, rank, stop
         self.stream_id = uuid.uuid4().hex[:12]
-        self.info = {"replica": job.replica_id, "stream": self.stream_id, "step": start_step}
+        self.info = {"replica": plans.replica_id, "stream": self.stream_id, "step": start_step}
         if stop.is_set():  # a request whose client left while it waited must not fence the live stream
             raise ServiceUnavailableError("the client cancelled the stream before it started")
-        self.fence = job.store.claim_rank(job.job_id, rank, self.info, job.rank_lease_ttl_s, job.spec_bytes,
-                                          stop=stop)
+        self.fence = plans.store.claim_rank(plans.job_id, rank, self.info, plans.rank_lease_ttl_s, plans.spec_bytes,
+                                            stop=stop)
 
     def step_sent(self, step: int, num_microbatches: int) -> None:
-        job: SharedJob = self.job
-        job.mark_sent(self.rank, step, num_microbatches)
+        plans = self.plans
         self.info["step"] = step + 1
-        fence = job.store.step_sent(job.job_id, self.rank, self.info, job.rank_lease_ttl_s, num_microbatches,
-                                    stop=self.stop)
+        fence = plans.store.step_sent(plans.job_id, self.rank, self.info, plans.rank_lease_ttl_s, num_microbatches,
+                                      stop=self.stop)
         if fence != self.fence:
-            raise StreamSuperseded(f"rank {self.rank} of job {job.job_id} is now streamed by a newer stream; "
-                                   f"this one (on {job.replica_id}) stops after step {step}")
+            raise StreamSuperseded(f"rank {self.rank} of job {plans.job_id} is now streamed by a newer stream; "
+                                   f"this one (on {plans.replica_id}) stops after step {step}")
+
+    def close(self) -> None:
+        pass
 
 
-def _record_json(record: SkippedRecord) -> str:
-    return json.dumps({"key": record.key, "shard": record.shard, "reason": record.reason, "kind": record.kind},
-                      sort_keys=True)
-
-
-class SharedJobRegistry(JobRegistry):
-    """Open jobs of this replica, registered in Redis: a stream for a job another replica opened
-    finds its spec there and opens the same job here."""
+class SharedJobs:
+    """Jobs of this replica, registered in Redis: a stream for a job another replica opened finds
+    its spec there and opens the same job here; its owner is whoever opened it first anywhere."""
 
     def __init__(self, store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
-                 budget: MemoryBudget = UNLIMITED, **job_options):
-        super().__init__(budget)
-        self.store = store
+                 budget: MemoryBudget = UNLIMITED, **plan_options):
+        self.store, self.replica_id, self.budget = store, replica_id, budget
         self.reader = reader
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
-        self.replica_id = replica_id
-        self.job_options = job_options
+        self.plan_options = plan_options
 
-    def _new_job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job:
-        job = SharedJob(config, self.store, self.replica_id, reader=reader, shard_urls=shard_urls,
-                        **self.job_options)
-        self.store.register_job(job.job_id, job.spec_bytes)
+    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job:
+        def plans(job: Job) -> SharedPlans:
+            return SharedPlans(job, self.store, self.replica_id, **self.plan_options)
+
+        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget, plans=plans)
+        self.store.register_job(job.job_id, job.plans.spec_bytes)  # type: ignore[attr-defined]
         return job
 
-    def open(self, config: JobConfig, *, shard_urls: list[list[str]] | None = None,
-             reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
-        """As JobRegistry.open; the owner is whoever opened the job first on any replica (Redis)."""
-        job = super().open(config, shard_urls=shard_urls, reader=reader, client=client)
-        job.owner = self.store.job_owner(job.job_id, client)
-        return job
+    def owner(self, job: Job, client: str) -> str:
+        return self.store.job_owner(job.job_id, client)
 
-    def get(self, job_id: str) -> Job:
-        with self._lock:
-            job = self._jobs.get(job_id)
-        if job is not None:
-            return job
+    def find(self, job_id: str) -> tuple[JobConfig, shards.ShardReader] | None:
         spec = self.store.job_spec(job_id)
         if spec is None:
             raise NotFoundError(f"no job with id {job_id!r} is registered in Redis at {self.store.address}; "
                                 "call OpenJob first")
-        return self.open(config_from_spec(pb.JobSpec.FromString(spec)), reader=self.reader)
+        return config_from_spec(pb.JobSpec.FromString(spec)), self.reader
 
-    def close(self) -> None:
-        with self._lock:
-            jobs = list(self._jobs.values())
-        for job in jobs:
-            job.close()
+
+def shared_registry(store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
+                    budget: MemoryBudget = UNLIMITED, **plan_options) -> JobRegistry:
+    """A registry of jobs shared through ``store`` (SharedJobs)."""
+    return JobRegistry(factory=SharedJobs(store, replica_id, reader=reader, budget=budget, **plan_options))

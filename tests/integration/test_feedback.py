@@ -180,7 +180,7 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
             refit = CostConfig(**{f.name: getattr(ack.cost, f.name) for f in dataclasses.fields(CostConfig)})
             check = Job(config)  # single node, repriced at the same step: the sequence costs must agree
             check.step_plan(first - 1)
-            check.planner.cost = refit
+            check.plans.planner.cost = refit
             for step in (first, first + 1):
                 assert cost_model(step)["bb_linear_s"] == pytest.approx(TRUE.bb_linear_s, rel=1e-4)
                 assert [s.cost for s in plan_record.decode(r.get(f"{key}:plan:{step}")).sequences] == \

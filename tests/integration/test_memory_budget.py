@@ -291,7 +291,7 @@ def test_kept_media_is_charged_and_dropped_when_it_does_not_fit(tmp_path):
         assert tight.used <= tight.total
         for index in range(plan.num_microbatches):
             keys.update(job.microbatch(plan, 0, index, decoder).sample_keys)
-        job.mark_sent(0, step, plan.num_microbatches)
+        job.plans.mark_sent(0, step, plan.num_microbatches)
         step += 1
     assert set(keys) == shard_keys(paths) and set(keys.values()) == {1}  # dropped bytes were re-read
     assert 0 < tight.peak <= tight.total

@@ -25,7 +25,7 @@ from preprocess_service.adapters.io.cache import Claim, ShardCache
 from preprocess_service.adapters.io.remote import FetchPolicy
 from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.adapters.io.sources import ShardPolicy
-from preprocess_service.core.planner import EpochPlanner
+from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.service import settings
 from preprocess_service.service.job import Job
 from webservers import Nginx, Plan, RangeServer, free_port
@@ -309,9 +309,9 @@ def test_a_planner_resumed_mid_shard_plans_what_the_original_planned(data, nginx
     urls = [f"{nginx.url}/{p.name}" for p in data]
     config = _config(urls, shuffle_buffer=5, seqs_per_microbatch=1)
     reader = _reader(tmp_path, cache_bytes=cache_bytes)
-    parse = Job(config, reader=reader)._parse
+    parse = Job(config, reader=reader).documents.parse_only
     skipped = []
-    planner = EpochPlanner(config, urls, reader, parse, skipped.append)
+    planner = EpochPlanner(config, urls, Documents(reader, parse, skipped.append))
     states, plans = {}, []
     while True:
         states[planner.step] = json.loads(json.dumps(planner.state_dict()))
@@ -322,7 +322,7 @@ def test_a_planner_resumed_mid_shard_plans_what_the_original_planned(data, nginx
                       for r in range(2) for i in range(plan.num_microbatches)])
     start = len(nginx.log())
     for step in (1, len(plans) // 2):
-        resumed = EpochPlanner(config, urls, reader, parse, skipped.append)
+        resumed = EpochPlanner(config, urls, Documents(reader, parse, skipped.append))
         resumed.load_state_dict(states[step])
         assert [[[d.key for seq in p.microbatch(r, i) for d in seq.documents] for r in range(2)
                  for i in range(p.num_microbatches)] for p in resumed] == plans[step:]

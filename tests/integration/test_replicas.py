@@ -209,7 +209,7 @@ def test_redis_killed_and_restarted_mid_stream_loses_nothing(dataset, tmp_path, 
     for rank in (0, 1):
         assert [r for r, _ in out[rank]] == _planned(reference, rank)
     try:
-        assert sum(s.jobs.store.stats()["retries"] for s in servicers) > 0, "the replicas saw Redis go away"
+        assert sum(s.jobs.factory.store.stats()["retries"] for s in servicers) > 0, "the replicas saw Redis go away"
     finally:
         for server, _, _ in servers:
             server.stop(0).wait()

@@ -157,8 +157,8 @@ def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
     assert sum(losses[-4:]) / 4 < 0.85 * sum(losses[:4]) / 4, losses
     # --feedback: every microbatch's measured stage times reached the service, which refit its cost model
     job = servicer.jobs.get(job_config(parse(argv)).job_id())
-    assert job.refitter.num_observations >= 24 * 2
-    assert job.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
+    assert job.plans.refitter.num_observations >= 24 * 2
+    assert job.plans.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
     # and its measured bubble reached the service's metrics, beside the simulator's prediction
     from preprocess_service.adapters.infra.metrics import BUBBLE
 
@@ -219,11 +219,11 @@ def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(serv
 
     with pytest.raises(NotFoundError, match="acknowledged"):
         job.step_plan(11)  # the plans before the acknowledged step were dropped
-    assert job.num_held_plans() <= 12, "only the steps the streams read ahead are held"
+    assert job.plans.num_held_plans() <= 12, "only the steps the streams read ahead are held"
     from prometheus_client import REGISTRY
 
     assert REGISTRY.get_sample_value("disttrain_job_acknowledged_step", {"job": job.job_id}) == 12
-    assert REGISTRY.get_sample_value("disttrain_job_held_plans", {"job": job.job_id}) == job.num_held_plans()
+    assert REGISTRY.get_sample_value("disttrain_job_held_plans", {"job": job.job_id}) == job.plans.num_held_plans()
     assert [r["loss"] for r in resumed] == pytest.approx([expected[r["step"]] for r in resumed], rel=1e-6)
 
 

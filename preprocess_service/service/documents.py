@@ -1,0 +1,203 @@
+"""A job's documents: its datasets' shards, read and parsed with each dataset's settings; the
+DocumentSource the core planner reads through (core/planner.py).
+
+Around the planner's reads it decides what the core must not know: which parsed documents keep
+their encoded bytes until they are decoded (a MediaRetention: the memory budget's policy), and a
+shard's img2dataset side files (its failed downloads, reported when a pass starts the shard).
+Skipped samples go to the sink it was made with (the job's report, or a replica's batch for Redis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from disttrain_api.config import MODALITIES, DatasetConfig, JobConfig
+from disttrain_api.errors import ConfigError, DataQualityError, SampleError
+from preprocess_service.adapters.io import img2dataset, shards, sources
+from preprocess_service.adapters.media import tokenizers as text_tokenizers
+from preprocess_service.adapters.media.parse import parse_document
+from preprocess_service.core.sample import Document
+from preprocess_service.core.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+SkipSink = Callable[[SampleError], None]
+REPORT_WAIT_S = 30.0
+"""How long a report waits for side files being read."""
+MANIFEST_DEFER_S = 10.0
+"""Longest a job defers reading its first shards' img2dataset manifests for its first microbatch."""
+
+
+def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[list[str]]:
+    """Each dataset's checked, normalised shard names (JobConfig.mixture() order). ConfigError for
+    a shard in two datasets (whose settings would it take?) or more names in all than the
+    operator's max_shards."""
+    out: list[list[str]] = []
+    owner: dict[str, str] = {}
+    total = 0
+    for dataset in config.mixture():
+        urls = reader.expand(dataset.shards)
+        total += len(urls)
+        if total > reader.policy.max_shards:
+            raise ConfigError(f"the datasets expand to more than {reader.policy.max_shards} shards (max_shards)")
+        for url in urls:
+            if owner.setdefault(url, dataset.name) != dataset.name:
+                raise ConfigError(f"shard {url!r} is in datasets {owner[url]!r} and {dataset.name!r}; "
+                                  "a shard belongs to one dataset")
+        out.append(urls)
+    return out
+
+
+def download_failures(url: str) -> list[SampleError]:
+    """The rows img2dataset failed to download for a local shard (its parquet), as download_failed
+    problems: reported once per shard and epoch, never in the tar, counted toward no tolerance.
+    A manifest that cannot be read is a warning, never the job's end. A shard whose img2dataset
+    stats file declares no failure is not read for them (img2dataset.declares_no_failures)."""
+    try:
+        if not sources.parse(url).is_local or img2dataset.declares_no_failures(url):
+            return []
+        manifest = img2dataset.read_manifest(url)
+        return img2dataset.failed_rows_as_errors(manifest, url) if manifest is not None else []
+    except MemoryError:
+        raise
+    except Exception as exc:  # the parquet is data: its faults are the shard's report, not the job's
+        log.warning("shard %s: its img2dataset parquet cannot be used (%s: %s)", url, type(exc).__name__, exc)
+        return []
+
+
+def job_tokenizer(spec: str, policy) -> Tokenizer:
+    """The job's tokenizer (media/tokenizers.load_checked); a file that cannot be used is a ConfigError."""
+    try:
+        return text_tokenizers.load_checked(spec, policy)
+    except text_tokenizers.TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _parse_options(config: JobConfig, dataset: DatasetConfig):
+    """(member kinds kept or None for all, ImageConfig, GenerationConfig) of one dataset."""
+    modalities = None if set(dataset.modalities) == set(MODALITIES) else frozenset(dataset.modalities)
+    generation = dataclasses.replace(config.generation, select=dataset.generate) if dataset.generate \
+        else config.generation
+    return modalities, dataset.image or config.image, generation
+
+
+class SideFiles:
+    """Reads each shard's img2dataset manifest (its failed downloads) when a pass starts it. Until
+    the job's first microbatch is out (or a report is asked for) they are read on a background
+    thread instead: pyarrow's import and first read are a large share of a job's start-up."""
+
+    def __init__(self, name: str, on_skip: SkipSink, defer: bool = True):
+        self.name, self.on_skip = name, on_skip
+        self.first_out = threading.Event()
+        """Set when the job's first microbatch is decoded: deferred manifests wait for it."""
+        self._lock = threading.Condition()
+        self._deferred: list[str] = []
+        self._reading = 0
+        self._deferring = defer
+
+    def shard_started(self, url: str) -> None:
+        with self._lock:
+            if self._deferring:
+                self._deferred.append(url)
+                if len(self._deferred) == 1:  # the first: one thread reads them all
+                    threading.Thread(target=self._read_deferred, daemon=True, name=f"manifests:{self.name}").start()
+                return
+        for problem in download_failures(url):
+            self.on_skip(problem)
+
+    def _read_deferred(self) -> None:
+        self.first_out.wait(MANIFEST_DEFER_S)
+        self.flush()
+
+    def flush(self, timeout_s: float = REPORT_WAIT_S) -> None:
+        """Reads the deferred manifests (and stops deferring); returns once they are reported,
+        whoever reads them (or after ``timeout_s``)."""
+        while True:
+            with self._lock:
+                self._deferring = False
+                if not self._deferred:
+                    self._lock.wait_for(lambda: self._reading == 0, timeout_s)
+                    return
+                url = self._deferred.pop(0)
+                self._reading += 1
+            try:
+                for problem in download_failures(url):
+                    self.on_skip(problem)
+            finally:
+                with self._lock:
+                    self._reading -= 1
+                    self._lock.notify_all()
+
+
+@dataclass
+class JobDocuments:
+    """The job's DocumentSource: its datasets' shards through ``reader``, parsed with the settings
+    of the dataset a shard belongs to; ``keep(doc)`` decides whether a document planned now keeps
+    its encoded bytes (else they are dropped and re-read when it is decoded)."""
+
+    config: JobConfig
+    reader: shards.ShardReader
+    dataset_urls: list[list[str]]
+    tokenizer: Tokenizer
+    on_skip: SkipSink
+    keep: Callable[[Document], bool] = lambda doc: True
+    side_files: SideFiles | None = None
+    fingerprint: str = ""
+    _dataset_of: dict[str, int] = field(init=False, repr=False)
+    _options: list = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._dataset_of = {url: i for i, urls in enumerate(self.dataset_urls) for url in urls}
+        self._options = [_parse_options(self.config, dataset) for dataset in self.config.mixture()]
+
+    def with_sink(self, on_skip: SkipSink, keep: Callable[[Document], bool], side_files: SideFiles | None):
+        """The same documents, reporting and holding bytes elsewhere (a replica's planner)."""
+        return dataclasses.replace(self, on_skip=on_skip, keep=keep, side_files=side_files)
+
+    @property
+    def shard_urls(self) -> list[str]:
+        return [url for urls in self.dataset_urls for url in urls]
+
+    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None) -> Iterator[dict]:
+        if start is None:
+            self._shard_started(url)
+        return self.reader.iter_shard(url, on_problem, start)
+
+    def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
+        return self.reader.read_samples(url, keys)
+
+    def skipped(self, problem: SampleError) -> None:
+        self.on_skip(problem)
+
+    def parse(self, sample: dict) -> Document:
+        """A Document of ``sample`` with its dataset's settings, holding its bytes if ``keep`` says so."""
+        doc = self.parse_only(sample)
+        if doc.media_bytes is not None and not self.keep(doc):
+            doc.media_bytes = None
+        return doc
+
+    def parse_only(self, sample: dict) -> Document:
+        """A Document of ``sample`` with the settings of the dataset its shard belongs to."""
+        url = sample.get("__url__", "")
+        dataset = self._dataset_of.get(url)
+        if dataset is None:  # a plan or a record naming a shard the job does not have: data too
+            raise SampleError(sample.get("__key__", ""), f"shard {url!r} is not one of this job's", url, "shard_error")
+        modalities, image, generation = self._options[dataset]
+        doc = parse_document(sample, image_config=image, tokenizer=self.tokenizer, seq_len=self.config.seq_len,
+                             audio_config=self.config.audio, generation=generation, modalities=modalities)
+        doc.dataset = dataset
+        return doc
+
+    def _shard_started(self, url: str) -> None:
+        """The shard's side files, fault-isolated: what they hold is data too."""
+        try:
+            if self.side_files is not None:
+                self.side_files.shard_started(url)
+        except (ImportError, MemoryError, DataQualityError):
+            raise
+        except Exception as exc:
+            self.on_skip(SampleError("", f"could not read the shard's side files ({type(exc).__name__}: "
+                                     f"{str(exc)[:200]})", url, "shard_error"))

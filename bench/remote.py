@@ -45,7 +45,7 @@ from disttrain_api.config import JobConfig  # noqa: E402
 from webservers import Nginx  # noqa: E402  (tests/ is on sys.path when this runs as a script)
 
 if TYPE_CHECKING:
-    from preprocess_service.service.server import Limits
+    from preprocess_service.service.settings import ServiceSettings
 
 # The service's modules are imported in the functions that use them: run_job's client processes
 # start by spawn, which runs this script's top level again, and a client needs none of them.
@@ -75,10 +75,10 @@ def _run(name: str, config: JobConfig, server_and_reader, nginx: Nginx, shard_by
 
 
 class _Service:
-    def __init__(self, limits: Limits, redis_url: str | None = None):
+    def __init__(self, limits: ServiceSettings, redis_url: str | None = None):
         from preprocess_service.service.server import create_server
 
-        self.server, self.port, self.servicer = create_server("127.0.0.1:0", limits=limits, redis_url=redis_url)
+        self.server, self.port, self.servicer = create_server("127.0.0.1:0", settings=limits, redis_url=redis_url)
 
     def __enter__(self):
         return self, self.servicer.reader
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain_tools.jobs import ensure_demo_dataset
     from disttrain_tools.localcluster import LocalRedis
     from preprocess_service.adapters.io import shards
-    from preprocess_service.service.server import Limits
+    from preprocess_service.service.settings import ServiceSettings
 
     paths = ([Path(p) for p in benchjson.quick_shards(3, 20)] if args.quick
              else ensure_demo_dataset(REPO / "data" / "laion-demo"))
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in shards.iter_shard(url, lambda problem: None):
                 pass
         http = dataclasses.replace(config, shards=urls)
-        limits = Limits(shard_cache_dir=tmp)
+        limits = ServiceSettings(shard_cache_dir=tmp)
         small = dataclasses.replace(limits, shard_cache_bytes=max(p.stat().st_size for p in paths) * 2 + 1)
         small_label = f"cache of 2 shards ({small.shard_cache_bytes / 1e6:.0f} MB)"
         runs = [("single node", None, [("cold cache", limits, 0), ("warm cache (a new job)", None, 1)]),

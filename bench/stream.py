@@ -260,7 +260,8 @@ def prepared_serve() -> None:
     kept per pass; SIGUSR1 starts the next pass; on SIGTERM it prints one stats line and exits."""
     from preprocess_service.adapters.io import shards
     from preprocess_service.service.job import Job
-    from preprocess_service.service.server import Limits, PreprocessServicer, create_server
+    from preprocess_service.service.server import PreprocessServicer, create_server
+    from preprocess_service.service.settings import ServiceSettings
     from preprocess_service.service.streams import MicrobatchStream
 
     timers = SectionTimers()
@@ -319,7 +320,7 @@ def prepared_serve() -> None:
     # Over gRPC, as a client on another host gets it: same-host clients would be lent the decode
     # arenas in shared memory (shm_delivery), which carries no payload through gRPC at all, and the
     # ratio to the bare gRPC ceiling would say nothing about the wire path.
-    server, port, servicer = create_server("127.0.0.1:0", limits=Limits(shm_delivery=False))
+    server, port, servicer = create_server("127.0.0.1:0", settings=ServiceSettings(shm_delivery=False))
     replay = ReplayDecoder(servicer.decoder)
     servicer.decoder = replay
     open_job = servicer.jobs.open

@@ -36,13 +36,13 @@ def cmd_run(args) -> int:
     print(f"[run] {what}; service "
           f"{'at ' + args.address if args.address else 'embedded'}; {config.dp_size} client ranks",
           file=sys.stderr, flush=True)
-    from preprocess_service.service.server import Limits
+    from preprocess_service.service.settings import ServiceSettings
 
-    limits = Limits(allowed_shard_schemes=tuple(s.strip() for s in args.allowed_shard_schemes.split(",")
-                                                if s.strip())) \
-        if args.allowed_shard_schemes else Limits()
+    settings = ServiceSettings(allowed_shard_schemes=tuple(s.strip() for s in args.allowed_shard_schemes.split(",")
+                                                           if s.strip())) \
+        if args.allowed_shard_schemes else ServiceSettings()
     result = run_job(config, address=args.address, prefetch=args.prefetch, connect_timeout_s=args.connect_timeout,
-                     decode_workers=args.decode_workers, limits=limits)
+                     decode_workers=args.decode_workers, settings=settings)
     print(summary(result, config))
     if args.report:
         write_report(args.report, result, config)

@@ -29,7 +29,8 @@ from disttrain_api.errors import SampleError, ServiceUnavailableError
 from disttrain_api.spec import spec_from_config
 from disttrain_tools.rank_client import RankResult, consume_rank
 from preprocess_service.adapters.io import shards
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import DEFAULTS, create_server
+from preprocess_service.service.settings import ServiceSettings
 
 __all__ = ["KEPT_FIRST_COPY_KINDS", "RankResult", "RunResult", "all_keys", "consume_rank", "run_job", "summary",
            "write_report"]
@@ -134,12 +135,12 @@ class RunResult:
 
 def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
             progress: bool = True, connect_timeout_s: float = 10.0, decode_workers: int | None = None,
-            limits: Limits = Limits()) -> RunResult:
+            settings: ServiceSettings = DEFAULTS) -> RunResult:
     """Runs one pass over the job with ``config.dp_size`` client processes; the embedded service
-    (no ``address``) gets ``decode_workers`` decode processes (default one per core) and ``limits``."""
+    (no ``address``) gets ``decode_workers`` decode processes (default one per core) and ``settings``."""
     server = None
     if address is None:
-        server, port, _ = create_server("127.0.0.1:0", decode_workers=decode_workers, limits=limits)
+        server, port, _ = create_server("127.0.0.1:0", settings, decode_workers=decode_workers)
         address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)

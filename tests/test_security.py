@@ -12,7 +12,8 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
 from helpers import write_tiny_shards
 from preprocess_service.service.security import TlsFiles
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
+from preprocess_service.service.settings import ServiceSettings
 from trainer import Credentials, DataClient
 
 TOKEN = "s3cret-token-for-tests"
@@ -132,9 +133,9 @@ def test_token_only_server_and_credentials_from_the_environment(shards, monkeypa
 
 
 def test_limits_streams_per_client_open_jobs_request_size_and_shard_prefixes(shards, tmp_path):
-    limits = Limits(max_streams_per_client=1, max_open_jobs=1, max_request_bytes=64 << 10,
+    limits = ServiceSettings(max_streams_per_client=1, max_open_jobs=1, max_request_bytes=64 << 10,
                     allowed_shard_prefixes=(str(shards),))
-    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0, limits=limits)
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0, settings=limits)
     address = f"127.0.0.1:{port}"
     try:
         first = DataClient(address, _config(shards, num_epochs=1000), 0, prefetch=1)

@@ -20,7 +20,8 @@ from disttrain_api.config import JobConfig
 from disttrain_api.spec import spec_from_config
 from helpers import write_tiny_shards
 from preprocess_service.adapters.decode.shm import SHM_DIR
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
+from preprocess_service.service.settings import ServiceSettings
 from trainer import DataClient
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform")
@@ -34,7 +35,7 @@ def shards(tmp_path_factory):
 
 
 def _serve(**limits):
-    server, port, servicer = create_server("127.0.0.1:0", limits=Limits(**limits))
+    server, port, servicer = create_server("127.0.0.1:0", settings=ServiceSettings(**limits))
     return server, f"127.0.0.1:{port}", servicer
 
 

@@ -10,7 +10,6 @@ health exit 0 if the service at --address answers SERVING (container health chec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -38,16 +37,12 @@ def cmd_serve(args) -> int:
     from preprocess_service.adapters.infra.store import describe
     from preprocess_service.service import logs
     from preprocess_service.service.security import TlsFiles
-    from preprocess_service.service.server import Limits, create_server
+    from preprocess_service.service.server import create_server
 
     logs.configure(cfg.log_format, cfg.log_level)
     tls = TlsFiles(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_client_ca) if cfg.tls_client_ca else None) \
         if cfg.tls_cert else None
-    limits = Limits(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Limits)})  # same names
-    server, port, _ = create_server(f"{cfg.host}:{cfg.port}", prefetch=cfg.prefetch, max_workers=cfg.max_workers,
-                                    decode_workers=cfg.decode_workers, redis_url=cfg.redis_url,
-                                    replica_id=cfg.replica_id, job_options={"lease_ttl_s": cfg.lease_ttl_s},
-                                    tls=tls, auth_tokens=cfg.tokens(), limits=limits, state_dir=cfg.state_dir)
+    server, port, _ = create_server(f"{cfg.host}:{cfg.port}", cfg, tls=tls)
     metrics_port = 0
     if cfg.metrics_port:
         _, _, metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host, cfg.metrics_tokens())

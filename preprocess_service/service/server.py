@@ -13,7 +13,6 @@ import math
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,8 +35,7 @@ from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service.adapters.decode import MAX_START_FAILURES, DecodePool, InlineDecoder, shm
 from preprocess_service.adapters.infra import metrics, procmem
 from preprocess_service.adapters.infra.budget import MemoryBudget, default_budget_bytes
-from preprocess_service.adapters.io import sources
-from preprocess_service.adapters.io.cache import DEFAULT_CACHE_BYTES, ShardCache
+from preprocess_service.adapters.io.cache import ShardCache
 from preprocess_service.adapters.io.remote import FetchPolicy
 from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.adapters.io.sources import ShardPolicy
@@ -53,6 +51,7 @@ from preprocess_service.service.security import (
     client_identity,
     server_credentials,
 )
+from preprocess_service.service.settings import ServiceSettings
 from preprocess_service.service.streams import MicrobatchStream, StreamCounters, abort_rpc, status_of
 
 log = logging.getLogger(__name__)
@@ -69,80 +68,22 @@ SERVER_KEEPALIVE_OPTIONS = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What one client may ask of a server and what a shard may make it read (settings.py
-    documents each; security.py, sources.py and tarstream.py enforce them)."""
 
-    max_request_bytes: int = 4 << 20
-    """Largest request message; requests are job specs and timing reports, never data."""
-    warm_up: bool = True
-    """Load the planner's compiled kernels at start, in the background (False: the first plan pays it)."""
-    plan_ahead: bool = True
-    """Plan a job's first step when it is opened (job.Job.plan_ahead); False: at its first stream."""
-    max_streams_per_client: int = 64
-    """Concurrent microbatch streams per client (its token, else its address); 0: no limit."""
-    max_open_jobs: int = 64
-    """Jobs open on this server at once; OpenJob of one more gets RESOURCE_EXHAUSTED. 0: no limit."""
-    allowed_shard_prefixes: tuple[str, ...] = ()
-    """Paths or URL prefixes a job's shards must start with; empty: any."""
-    allowed_shard_schemes: tuple[str, ...] = sources.DEFAULT_SCHEMES
-    """Shard schemes jobs may use; "pipe" (a shell command) and other program-running schemes are off."""
-    max_shards: int = 100_000
-    """Most shards one job's specs may expand to."""
-    max_member_bytes: int = 64 << 20
-    """Largest tar member read into memory (checked from the tar header)."""
-    max_sample_bytes: int = 128 << 20
-    """Largest sum of one sample's members."""
-    shard_read_timeout_s: float = 60.0
-    """Seconds a shard may send nothing before it is reported and abandoned."""
-    max_seq_len: int = 131_072
-    """Longest packed sequence a job may ask for, tokens."""
-    max_microbatch_bytes: int = 512 << 20
-    """Largest microbatch a job's config may imply (JobConfig.max_microbatch_bytes), bytes."""
-    max_open_jobs_per_client: int = 16
-    """Jobs one client (its token, else its address) may have opened at once; 0: no limit."""
-    job_idle_ttl_s: float = 1800.0
-    """A job with no open stream and no call for this long is closed and freed."""
-    memory_budget_bytes: int = 0
-    """Bytes all streams and jobs may hold for data (budget.py); 0: half the machine's (or the
-    container's) memory."""
-    memory_wait_s: float = 30.0
-    """Seconds a running stream waits for room in the budget before it fails RESOURCE_EXHAUSTED."""
-    memory_sample_s: float = 0.5
-    """Seconds between samples of the service's resident memory (this process and its decode
-    workers), which the budget counts beyond its charges (budget.py); 0: charges only (a server
-    embedded in a process that holds other things)."""
-    stream_stall_timeout_s: float = 300.0
-    """A stream whose client takes no message for this long is cancelled (its memory freed)."""
-    shm_delivery: bool = True
-    """Hand microbatches to clients on this host in shared memory (shm.py) when they
-    prove they share /dev/shm; False: always in the gRPC message."""
-    shard_cache_bytes: int = DEFAULT_CACHE_BYTES
-    """Bytes of remote shards kept on local disk (io/cache.py); 0: none (each read streams)."""
-    shard_cache_dir: str | None = None
-    """Where the server makes its cache directory (removed at exit); None: the system's temp dir."""
-    shard_fetch_retries: int = 5
-    """Failed attempts in a row without a byte before a remote shard is reported failed."""
-    shard_fetch_backoff_s: float = 0.5
-    """Wait before the first retry of a remote read, doubled for each next one (at most 8 s)."""
-    shard_fetch_retry_window_s: float = 60.0
-    """Seconds without a byte from a remote shard after which it is not retried any more."""
-    shard_fetch_min_bytes_per_s: int = 256 << 10
-    """Slowest download into the shard cache after shard_fetch_retry_window_s (0: no minimum)."""
-    max_shard_bytes: int = 16 << 30
-    """Largest remote shard read (its announced size, or the bytes counted when none is)."""
 
-    def shard_reader(self) -> ShardReader:
-        """A reader with these limits and a new cache of remote shards: make one per server."""
-        policy = ShardPolicy(allowed_schemes=self.allowed_shard_schemes, allowed_prefixes=self.allowed_shard_prefixes,
-                             max_shards=self.max_shards)
-        tar_limits = TarLimits(max_member_bytes=self.max_member_bytes, max_sample_bytes=self.max_sample_bytes)
-        fetch = FetchPolicy(retries=self.shard_fetch_retries, backoff_s=self.shard_fetch_backoff_s,
-                            retry_window_s=self.shard_fetch_retry_window_s, max_shard_bytes=self.max_shard_bytes,
-                            min_bytes_per_s=self.shard_fetch_min_bytes_per_s)
-        return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=self.shard_read_timeout_s, fetch=fetch,
-                           cache=ShardCache(self.shard_cache_bytes, self.shard_cache_dir))
+def shard_reader(settings: ServiceSettings) -> ShardReader:
+    """A reader configured by ``settings`` (its components' own configs: ShardPolicy, TarLimits,
+    FetchPolicy, ShardCache) with a new cache of remote shards: make one per server."""
+    policy = ShardPolicy(allowed_schemes=settings.allowed_shard_schemes,
+                         allowed_prefixes=settings.allowed_shard_prefixes, max_shards=settings.max_shards)
+    tar_limits = TarLimits(max_member_bytes=settings.max_member_bytes, max_sample_bytes=settings.max_sample_bytes)
+    fetch = FetchPolicy(retries=settings.shard_fetch_retries, backoff_s=settings.shard_fetch_backoff_s,
+                        retry_window_s=settings.shard_fetch_retry_window_s, max_shard_bytes=settings.max_shard_bytes,
+                        min_bytes_per_s=settings.shard_fetch_min_bytes_per_s)
+    return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=settings.shard_read_timeout_s, fetch=fetch,
+                       cache=ShardCache(settings.shard_cache_bytes, settings.shard_cache_dir))
+
+
+DEFAULTS = ServiceSettings()
 
 
 MAX_TIMINGS_PER_REPORT = 65_536
@@ -165,17 +106,17 @@ def check_timings(request) -> None:
 
 
 class PreprocessServicer(pb_grpc.PreprocessServicer):
-    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None, limits: Limits = Limits(),
-                 authenticated: bool = False, reader: ShardReader | None = None):
+    def __init__(self, *, decoder, prefetch: int = 2, jobs: JobRegistry | None = None,
+                 settings: ServiceSettings = DEFAULTS, authenticated: bool = False, reader: ShardReader | None = None):
         self.jobs = jobs or JobRegistry()
-        self.limits = limits
+        self.settings = settings
         self.authenticated = authenticated
         """Token auth is on: a client's identity is its token, and a job belongs to the one that opened it."""
-        self.reader = reader or limits.shard_reader()
+        self.reader = reader or shard_reader(settings)
         """Shared by every job of this server (and its cache of remote shards)."""
         self.budget = self.jobs.budget
-        self.streams = StreamLimiter(limits.max_streams_per_client)
-        self.watchdog = StallWatchdog(limits.stream_stall_timeout_s)
+        self.streams = StreamLimiter(settings.max_streams_per_client)
+        self.watchdog = StallWatchdog(settings.stream_stall_timeout_s)
         self.lag = metrics.StreamLag()
         self.prefetch = prefetch
         self.decoder = decoder
@@ -235,28 +176,28 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         if config.reorder_algorithm not in PLANNERS:
             raise ConfigError(f"unknown reorder_algorithm {config.reorder_algorithm!r}; this server has "
                               f"{sorted(PLANNERS)}")
-        if config.seq_len > self.limits.max_seq_len:
+        if config.seq_len > self.settings.max_seq_len:
             raise ConfigError(f"seq_len {config.seq_len} is more than this server's "
-                              f"max_seq_len {self.limits.max_seq_len}")
+                              f"max_seq_len {self.settings.max_seq_len}")
         bound = config.max_microbatch_bytes()
-        if bound > self.limits.max_microbatch_bytes:
+        if bound > self.settings.max_microbatch_bytes:
             raise ConfigError(f"a microbatch of this job may hold up to {bound} bytes (seqs_per_microbatch x seq_len "
                               f"x the costliest token), more than this server's max_microbatch_bytes "
-                              f"{self.limits.max_microbatch_bytes}; "
+                              f"{self.settings.max_microbatch_bytes}; "
                               "lower seq_len, seqs_per_microbatch or the media sizes")
 
     def _check_job_limits(self, client: str, config) -> None:
         self.budget.admit(2 * config.max_microbatch_bytes(), "a new job")
-        limit, per_client = self.limits.max_open_jobs, self.limits.max_open_jobs_per_client
+        limit, per_client = self.settings.max_open_jobs, self.settings.max_open_jobs_per_client
         if limit and self.jobs.num_open() >= limit:
             raise ResourceExhausted(f"{self.jobs.num_open()} jobs are open on this server, the most it allows "
                                     f"(max_open_jobs); close one (CloseJob) or wait for idle ones to expire "
-                                    f"(job_idle_ttl_s {self.limits.job_idle_ttl_s:g} s)",
-                                    retry_after_s=min(60.0, self.limits.job_idle_ttl_s))
+                                    f"(job_idle_ttl_s {self.settings.job_idle_ttl_s:g} s)",
+                                    retry_after_s=min(60.0, self.settings.job_idle_ttl_s))
         if per_client and self.jobs.num_owned(client) >= per_client:
             raise ResourceExhausted(f"{client} already has {self.jobs.num_owned(client)} open jobs, the most one "
                                     f"client may (max_open_jobs_per_client); close one (CloseJob)",
-                                    retry_after_s=min(60.0, self.limits.job_idle_ttl_s))
+                                    retry_after_s=min(60.0, self.settings.job_idle_ttl_s))
 
     def DescribeJob(self, request, context):
         job = self._job(request.job_id, context)
@@ -370,7 +311,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                           f"({job.num_steps() - 1})")
         yield from MicrobatchStream(job, request, stop, decoder=self.decoder, budget=self.budget,
                                     prefetch=self.prefetch, watchdog=self.watchdog, lag=self.lag,
-                                    count=self._count, shm_delivery=self.limits.shm_delivery).serve(context)
+                                    count=self._count, shm_delivery=self.settings.shm_delivery).serve(context)
 
     def _count(self, **deltas: int) -> None:
         with self._counter_lock:
@@ -439,22 +380,22 @@ def _trim_all(pool: DecodePool):
     return trim
 
 
-def _warm_up(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health_servicer, jobs: JobRegistry,
-             warmed: threading.Event, stop: threading.Event) -> None:
+def _warm_up(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None, health_servicer,
+             jobs: JobRegistry, warmed: threading.Event, stop: threading.Event) -> None:
     """After the server started, on a daemon thread: loads the planner's compiled kernels, waits for
     the decode workers, adds their idle memory to the budget's baseline (a budget that leaves too
     little then is logged and the server reports NOT_SERVING), then feeds the budget a memory
-    sample every ``limits.memory_sample_s`` (procmem.py) until ``stop``. Requests are served
+    sample every ``settings.memory_sample_s`` (procmem.py) until ``stop``. Requests are served
     meanwhile: a job's first step is planned and decoded as the kernels and workers come up.
     ``warmed`` is set once that is done, or has failed."""
     try:
-        own = _warm(decoder, budget, limits, own, health_servicer, jobs)
+        own = _warm(decoder, budget, settings, own, health_servicer, jobs)
     finally:
         warmed.set()
-    _sample_memory(decoder, budget, limits, own, stop)
+    _sample_memory(decoder, budget, settings, own, stop)
 
 
-def _warm(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health_servicer,
+def _warm(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None, health_servicer,
           jobs: JobRegistry) -> int | None:
     """The background start-up; returns the server process's idle memory (the kernels included
     when it could be measured before any job was opened)."""
@@ -463,7 +404,7 @@ def _warm(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health
     from preprocess_service.core.reorder import ours
 
     started = time.monotonic()
-    if limits.warm_up:
+    if settings.warm_up:
         ours.warm_up()
         if own is not None and jobs.num_open() == 0:  # else its data would count as idle
             own = max(own, procmem.pss_bytes([os.getpid()]) or 0)
@@ -476,7 +417,7 @@ def _warm(decoder, budget: MemoryBudget, limits: Limits, own: int | None, health
             return own
     log.info("warm in %.2f s: planner kernels loaded, decode workers up", time.monotonic() - started)
     workers = decoder.idle_memory() if isinstance(decoder, DecodePool) else 0
-    if own is not None and limits.memory_sample_s > 0:
+    if own is not None and settings.memory_sample_s > 0:
         try:
             budget.set_baseline(own + (workers or 0) + _helpers_memory(decoder))
         except ConfigError as exc:
@@ -507,16 +448,17 @@ freed memory for reuse, but the shard readers' encoded bytes come and go in piec
 the heap, which trimming gives back (bench/peers.py shows the server's peak; docs/benchmarks.md)."""
 
 
-def _sample_memory(decoder, budget: MemoryBudget, limits: Limits, own: int | None, stop: threading.Event) -> None:
+def _sample_memory(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None,
+                   stop: threading.Event) -> None:
     """Feeds the budget a sample of the service's memory (this process and all its descendants:
-    decode workers, fork server, resource tracker) every ``limits.memory_sample_s`` until ``stop``,
+    decode workers, fork server, resource tracker) every ``settings.memory_sample_s`` until ``stop``,
     giving the heap's free memory back first when it passes TRIM_ABOVE_BYTES."""
     import os
 
-    if own is None or limits.memory_sample_s <= 0:
+    if own is None or settings.memory_sample_s <= 0:
         return
     measure = procmem.Calibrated(lambda: [os.getpid(), *procmem.descendants(os.getpid())])
-    while not stop.wait(limits.memory_sample_s):
+    while not stop.wait(settings.memory_sample_s):
         free = heap.free_heap_bytes()
         if free is not None and free > TRIM_ABOVE_BYTES:
             heap.trim_malloc()
@@ -539,60 +481,53 @@ def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = Non
     return DecodePool(decode_workers, budget=budget, wait=wait)
 
 
-def create_server(address: str = "[::]:0", *, max_workers: int = 32, prefetch: int = 2,
-                  decode_workers: int | None = None, redis_url: str | None = None,
-                  replica_id: str | None = None, job_options: dict | None = None, tls: TlsFiles | None = None,
-                  auth_tokens: tuple[str, ...] = (), limits: Limits = Limits(), state_dir: str | None = None):
-    """Builds and starts a server; returns (server, bound port, servicer). ``decode_workers``
-    defaults to one decode process per core (0: decode on threads in this process). It serves at
-    once: the decode workers start and the planner's compiled kernels load in the background
-    (``server.wait_warm()`` waits for both), while the first jobs are opened and planned; their
-    first decoding waits for a ready worker. ``server.stop()`` also stops the decode workers.
+def create_server(address: str = "[::]:0", settings: ServiceSettings = DEFAULTS, *, tls: TlsFiles | None = None,
+                  job_options: dict | None = None, **overrides):
+    """Builds and starts a server; returns (server, bound port, servicer). ``settings`` (settings.py:
+    every setting the ``serve`` command takes, each documented there), with ``overrides`` of any of
+    them by name (``decode_workers=0``, ``redis_url=...``, ``memory_budget_bytes=...``).
 
-    With ``redis_url`` the server is one replica of a deployment: jobs, plans, leases and
-    acknowledgements live in that Redis (shared_job.py), ``replica_id`` names this replica in
-    leases (default host:port:pid), and ``job_options`` go to every SharedJob (lease_ttl_s,
-    lookahead, ...). Raises ServiceUnavailableError, naming the address, if Redis cannot be reached.
-
-    ``state_dir`` (single node) keeps each job's state at its acknowledged step, so a job opened
-    again after a restart continues there (job.JobRegistry).
-
-    ``tls`` serves TLS (mutual TLS with a client CA), ``auth_tokens`` requires one of them as a
-    bearer token on every call but health checks, ``limits`` bounds what one client may ask."""
-    budget = MemoryBudget(limits.memory_budget_bytes or default_budget_bytes(), wait_s=limits.memory_wait_s)
+    It serves at once: the decode workers start and the planner's compiled kernels load in the
+    background (``server.wait_warm()`` waits for both), while the first jobs are opened and
+    planned; their first decoding waits for a ready worker. ``server.stop()`` also stops the
+    decode workers. With ``redis_url`` the server is one replica of a deployment (shared_job.py);
+    ``job_options`` go to every job's SharedPlans (lookahead, lease_ttl_s, ...). Raises
+    ServiceUnavailableError, naming the address, if Redis cannot be reached. ``tls`` serves TLS
+    (mutual TLS with a client CA)."""
+    settings = dataclasses.replace(settings, **overrides) if overrides else settings
+    budget = MemoryBudget(settings.memory_budget_bytes or default_budget_bytes(), wait_s=settings.memory_wait_s)
     metrics.watch_budget(budget)
-    decoder = create_decoder(decode_workers, budget, wait=False)  # its workers start while the rest is set up
+    decoder = create_decoder(settings.decode_workers, budget, wait=False)  # workers start while the rest is set up
     shm.sweep_orphans()  # same-host microbatches a killed server left in /dev/shm
     try:
-        return _serve(decoder, budget, address, max_workers=max_workers, prefetch=prefetch, redis_url=redis_url,
-                      replica_id=replica_id, job_options=job_options, tls=tls, auth_tokens=auth_tokens,
-                      limits=limits, state_dir=state_dir)
+        return _serve(decoder, budget, address, settings, tls=tls, job_options=job_options)
     except BaseException:
         decoder.close()
         raise
 
 
-def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, prefetch: int, redis_url: str | None,
-           replica_id: str | None, job_options: dict | None, tls: TlsFiles | None, auth_tokens: tuple[str, ...],
-           limits: Limits, state_dir: str | None):
-    jobs = JobRegistry(budget, state_dir=state_dir)
-    reader = limits.shard_reader()
-    if redis_url:
+def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSettings, *, tls: TlsFiles | None,
+           job_options: dict | None):
+    jobs = JobRegistry(budget, state_dir=settings.state_dir)
+    reader = shard_reader(settings)
+    auth_tokens = settings.tokens()
+    if settings.redis_url:
         import os
         import socket
 
         from preprocess_service.adapters.infra.store import RedisStore
         from preprocess_service.service.shared_job import shared_registry
 
-        store = RedisStore(redis_url)
-        jobs = shared_registry(store, replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:"
-                               f"{os.getpid()}", reader=reader, budget=budget, **(job_options or {}))
-    jobs.plan_ahead = limits.plan_ahead
+        store = RedisStore(settings.redis_url)
+        replica_id = settings.replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:{os.getpid()}"
+        jobs = shared_registry(store, replica_id, reader=reader, budget=budget,
+                               **{"lease_ttl_s": settings.lease_ttl_s, **(job_options or {})})
+    jobs.plan_ahead = settings.plan_ahead
     heap.tune_malloc()
     heap.limit_malloc_arenas()
     reaper_stop = threading.Event()
     own = None
-    if limits.memory_sample_s > 0:
+    if settings.memory_sample_s > 0:
         try:
             own = _own_baseline(budget)
             if isinstance(decoder, DecodePool):
@@ -601,12 +536,12 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
             jobs.close()
             raise
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", limits.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+               ("grpc.max_receive_message_length", settings.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_workers), options=options,
                          interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
-    servicer = PreprocessServicer(prefetch=prefetch, decoder=decoder, jobs=jobs, limits=limits,
+    servicer = PreprocessServicer(prefetch=settings.prefetch, decoder=decoder, jobs=jobs, settings=settings,
                                   authenticated=bool(auth_tokens), reader=reader)
-    threading.Thread(target=_housekeeping, args=(jobs, limits.job_idle_ttl_s, reaper_stop), daemon=True,
+    threading.Thread(target=_housekeeping, args=(jobs, settings.job_idle_ttl_s, reaper_stop), daemon=True,
                      name="housekeeping").start()
     _add_servicer(servicer, server)
     health_servicer = health.HealthServicer()
@@ -621,7 +556,7 @@ def _serve(decoder, budget: MemoryBudget, address: str, *, max_workers: int, pre
         raise ConfigError(f"cannot bind the service to {address!r}")
     server.start()
     warmed = threading.Event()
-    threading.Thread(target=_warm_up, args=(decoder, budget, limits, own, health_servicer, jobs, warmed, reaper_stop),
+    threading.Thread(target=_warm_up, args=(decoder, budget, settings, own, health_servicer, jobs, warmed, reaper_stop),
                      daemon=True, name="warm-up").start()
     return (Service(server, decoder=decoder, jobs=jobs, servicer=servicer, background_stop=reaper_stop,
                     warmed=warmed), port, servicer)

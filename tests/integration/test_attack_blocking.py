@@ -21,7 +21,7 @@ from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.spec import spec_from_config
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
 from trainer import DataClient
 
 
@@ -50,7 +50,7 @@ def _stalled_streams(address, config, count):
 def test_a_client_that_stops_reading_is_cut_off_and_its_memory_freed(shards):
     root, _ = shards
     server, port, servicer = create_server("127.0.0.1:0", decode_workers=0,
-                                           limits=Limits(stream_stall_timeout_s=2.0, max_streams_per_client=0))
+                                           stream_stall_timeout_s=2.0, max_streams_per_client=0)
     try:
         channel, calls = _stalled_streams(f"127.0.0.1:{port}", _config(root, num_epochs=1000), 3)
         deadline = time.monotonic() + 60

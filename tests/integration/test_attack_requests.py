@@ -18,7 +18,8 @@ from disttrain_api.config import AudioConfig, CostConfig, GenerationConfig, Imag
 from disttrain_api.errors import ConfigError, ServiceUnavailableError
 from disttrain_api.spec import spec_from_config
 from helpers import write_tiny_shards
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
+from preprocess_service.service.settings import ServiceSettings
 from trainer import Credentials, DataClient
 
 
@@ -79,8 +80,8 @@ def test_every_spec_number_has_a_documented_range(shards, where, name, ok, bad):
 
 @pytest.fixture(scope="module")
 def server():
-    limits = Limits(max_open_jobs=6, max_open_jobs_per_client=4, job_idle_ttl_s=2.0, max_seq_len=65536)
-    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0, limits=limits)
+    limits = ServiceSettings(max_open_jobs=6, max_open_jobs_per_client=4, job_idle_ttl_s=2.0, max_seq_len=65536)
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0, settings=limits)
     yield f"127.0.0.1:{port}", servicer
     server.stop(0).wait()
 
@@ -161,7 +162,7 @@ def test_hostile_timing_reports_are_refused(shards, server):
 
 def test_with_tokens_a_job_belongs_to_its_token_and_headers_without_auth_prove_nothing(shards):
     server, port, _ = create_server("127.0.0.1:0", decode_workers=0, auth_tokens=("alice", "mallory"),
-                                    limits=Limits(max_streams_per_client=1))
+                                    settings=ServiceSettings(max_streams_per_client=1))
     address = f"127.0.0.1:{port}"
     try:
         config = _config(shards, cost_feedback=True, seed=12)
@@ -192,7 +193,7 @@ def test_with_tokens_a_job_belongs_to_its_token_and_headers_without_auth_prove_n
     finally:
         server.stop(0).wait()
     # auth off: a made-up authorization header does not buy a new identity's stream quota
-    server, port, _ = create_server("127.0.0.1:0", decode_workers=0, limits=Limits(max_streams_per_client=1))
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=0, settings=ServiceSettings(max_streams_per_client=1))
     address = f"127.0.0.1:{port}"
     try:
         first = DataClient(address, _config(shards, num_epochs=1000, seed=13), 0, prefetch=1)

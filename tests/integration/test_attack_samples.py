@@ -70,7 +70,7 @@ from disttrain_api.errors import SampleError, ServiceUnavailableError
 from helpers import jpeg_bytes
 from preprocess_service.adapters.io.tarstream import TarLimits, iter_samples
 from preprocess_service.adapters.media import imaging
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
 from trainer import DataClient
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
@@ -382,7 +382,7 @@ def server_for():
     servers = []
 
     def start(decode_workers: int | None = 0, **limits) -> str:
-        server, port, _ = create_server("127.0.0.1:0", decode_workers=decode_workers, limits=Limits(**limits))
+        server, port, _ = create_server("127.0.0.1:0", decode_workers=decode_workers, **limits)
         servers.append(server)
         return f"127.0.0.1:{port}"
 

@@ -21,7 +21,8 @@ from helpers import shard_keys, write_tiny_shards
 from preprocess_service.adapters.io import sources
 from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.adapters.io.sources import ShardPolicy
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
+from preprocess_service.service.settings import ServiceSettings
 from trainer import DataClient
 
 PROGRAM_SCHEMES = ["pipe", "PIPE", "Pipe", "gs", "s3", "ais", "sftp", "scp", "hf", "htgs", "gsutil", "ftp",
@@ -186,7 +187,7 @@ def server_for(data):
     servers = []
 
     def start(**limits):
-        server, port, _ = create_server("127.0.0.1:0", decode_workers=0, limits=Limits(**limits))
+        server, port, _ = create_server("127.0.0.1:0", decode_workers=0, settings=ServiceSettings(**limits))
         servers.append(server)
         return f"127.0.0.1:{port}"
 

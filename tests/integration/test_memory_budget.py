@@ -22,7 +22,8 @@ from disttrain_api.spec import spec_from_config
 from helpers import shard_keys, write_tiny_shards
 from preprocess_service.adapters.infra.budget import MemoryBudget
 from preprocess_service.adapters.infra.procmem import Calibrated, descendants, pss_bytes, resident_bytes
-from preprocess_service.service.server import Limits, create_server
+from preprocess_service.service.server import create_server
+from preprocess_service.service.settings import ServiceSettings
 from trainer import DataClient
 
 
@@ -173,7 +174,7 @@ def _map_and_touch(name, ready, done):
 
 def test_a_budget_below_the_idle_service_is_refused_at_start():
     with pytest.raises(ConfigError, match="leaves too little for data"):
-        create_server("127.0.0.1:0", decode_workers=0, limits=Limits(memory_budget_bytes=64 << 20))
+        create_server("127.0.0.1:0", decode_workers=0, settings=ServiceSettings(memory_budget_bytes=64 << 20))
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,7 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
     server, port, servicer = create_server(
         "127.0.0.1:0", decode_workers=decode_workers,
         # charges only: pytest's memory is not the server's
-        limits=Limits(memory_budget_bytes=budget_bytes, memory_wait_s=2.0, max_streams_per_client=0,
+        settings=ServiceSettings(memory_budget_bytes=budget_bytes, memory_wait_s=2.0, max_streams_per_client=0,
                       stream_stall_timeout_s=3.0, memory_sample_s=0))
     address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -252,8 +253,8 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
 def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
     root, _ = shards
     server, port, servicer = create_server("127.0.0.1:0", decode_workers=0,
-                                           limits=Limits(memory_budget_bytes=512 << 20, max_streams_per_client=0,
-                                                         memory_sample_s=0))
+                                           memory_budget_bytes=512 << 20, max_streams_per_client=0,
+                                           memory_sample_s=0)
     address = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = pb_grpc.PreprocessStub(channel)
@@ -317,7 +318,7 @@ def test_the_decode_workers_join_the_baseline_once_up_and_a_budget_they_overfill
         server.stop(grace=0).wait()
     own = pss_bytes([os.getpid()])
     too_small = int((own + workers // 3) * 4 / 3)  # the server fits, the server with its workers does not
-    server, port, _ = create_server("127.0.0.1:0", decode_workers=2, limits=Limits(memory_budget_bytes=too_small))
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=2, memory_budget_bytes=too_small)
     try:
         assert server.wait_warm(180)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -67,3 +67,45 @@ def test_shard_order_is_a_seeded_permutation_per_epoch():
     assert first == shard_order(urls, seed=1, epoch=0, shuffle=True) and sorted(first) == sorted(urls)
     assert first != urls and first != shard_order(urls, seed=1, epoch=1, shuffle=True)
     assert shard_order(urls, seed=1, epoch=0, shuffle=False) == urls
+
+
+def test_a_shard_scheme_is_one_registered_class(tmp_path):
+    """Adding a scheme is a Scheme subclass registered by name: the reader opens, reads and re-reads
+    by key through it, its names follow the rule it declares, and the operator must still allow it."""
+    import io
+    from contextlib import contextmanager
+
+    from disttrain_api.errors import PermissionDenied
+    from preprocess_service.adapters.io import schemes, sources
+    from preprocess_service.adapters.io.remote import Opened
+
+    paths = write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=5)
+    blobs = {"bucket/a.tar": paths[0].read_bytes()}
+
+    class InMemory(schemes.Scheme):
+        names = ("memtest",)
+        naming = "url"
+
+        @contextmanager
+        def open(self, reader, source, progress, start=0):
+            f = io.BytesIO(blobs[source.location.split("://", 1)[1]])
+            f.seek(start)
+            yield Opened(f, None)
+
+    schemes.register(InMemory)
+    try:
+        reader = shards.ShardReader(policy=ShardPolicy(allowed_schemes=("file", "memtest")))
+        [url] = reader.expand(["MEMTEST://Bucket/a.tar"])
+        assert url == "memtest://bucket/a.tar"  # the url naming rule: scheme and host lower-cased
+        problems = []
+        samples = list(reader.iter_shard(url, problems.append))
+        assert [s["__key__"] for s in samples] == sorted(shard_keys(paths)) and not problems
+        again = reader.read_samples(url, {samples[2]["__key__"]})
+        assert again[samples[2]["__key__"]]["txt"] == samples[2]["txt"]
+        with pytest.raises(PermissionDenied, match="memtest"):
+            shards.ShardReader().expand([url])
+        with pytest.raises(ValueError, match="two shard schemes"):
+            schemes.register(InMemory)
+    finally:
+        schemes.SCHEMES.pop("memtest", None)
+        sources.NAMING.pop("memtest", None)

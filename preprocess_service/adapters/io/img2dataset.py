@@ -166,7 +166,8 @@ def declares_no_failures(tar_path: str | os.PathLike) -> bool:
     or of the wrong type. The file is data: it is never trusted beyond skipping the report."""
     import json
 
-    from preprocess_service.adapters.io.shards import ShardReadError, open_regular
+    from preprocess_service.adapters.io.remote import ShardReadError
+    from preprocess_service.adapters.io.schemes.local import open_regular
 
     path = parquet_of(tar_path)
     if path is None:
@@ -249,7 +250,7 @@ def load(path: Path, size: int | None = None) -> Manifest:
 def _load(path: Path) -> Manifest:
     import pyarrow.parquet as pq
 
-    from preprocess_service.adapters.io.shards import open_regular
+    from preprocess_service.adapters.io.schemes.local import open_regular
 
     real = _in_its_folder(path)
     with open_regular(real) as f:  # never blocks on a FIFO; refuses what is not a regular file

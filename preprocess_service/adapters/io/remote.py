@@ -54,9 +54,6 @@ from preprocess_service.adapters.io.sources import ShardPolicy, Source
 
 log = logging.getLogger(__name__)
 
-HTTP_SCHEMES = ("http", "https")
-FSSPEC_SCHEMES = sources.OBJECT_STORE_SCHEMES
-SCHEMES = HTTP_SCHEMES + FSSPEC_SCHEMES
 """Schemes read here (and cached); others go to webdataset's gopen when the operator allows them."""
 MAX_BACKOFF_S = 8.0
 CHUNK_BYTES = 1 << 20
@@ -416,12 +413,6 @@ class _ObjectBody:
         self.f.close()
 
 
-def connector(source: Source, policy: ShardPolicy, timeout_s: float) -> Connector:
-    if source.scheme in HTTP_SCHEMES:
-        return http_connector(source.location, policy, timeout_s)
-    return fsspec_connector(source, timeout_s)
-
-
 # --- through the cache ------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -436,12 +427,12 @@ class Opened:
 
 
 @contextmanager
-def open_remote(source: Source, *, cache: ShardCache, fetch: FetchPolicy, policy: ShardPolicy, timeout_s: float,
+def open_remote(source: Source, connect: Connector, *, cache: ShardCache, fetch: FetchPolicy, timeout_s: float,
                 progress: Callable[[], None] = _nothing, start: int = 0, owner: str | None = None) -> Iterator[Opened]:
-    """``source`` from byte ``start``: its cached copy (downloaded first if needed), or a stream
-    when the cache has no room for it, or none within ``owner``'s share (counted ``bypass``)."""
+    """``source`` from byte ``start`` through ``connect`` (its scheme's: schemes/http.py,
+    object_store.py): its cached copy (downloaded first if needed), or a stream when the cache has
+    no room for it, or none within ``owner``'s share (counted ``bypass``)."""
     url = source.url
-    connect = connector(source, policy, timeout_s)
     got = cache.acquire(url, progress, timeout_s, owner=owner)
     if isinstance(got, str):
         yield from _cached(cache, url, got, start, owner)

@@ -31,8 +31,6 @@ import functools
 import itertools
 import os
 import queue
-import stat
-import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,9 +38,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from disttrain_api.errors import SampleError
-from preprocess_service.adapters.io import remote, sources, tarstream
+from preprocess_service.adapters.io import schemes, sources, tarstream
 from preprocess_service.adapters.io.cache import ShardCache
 from preprocess_service.adapters.io.remote import FetchPolicy, Opened, ShardReadError
+from preprocess_service.adapters.io.schemes.local import open_regular
 from preprocess_service.adapters.io.sources import ShardPolicy
 from preprocess_service.adapters.io.tarstream import TarLimits
 
@@ -83,37 +82,19 @@ class ShardReader:
     # --- opening ------------------------------------------------------------------------------
     @contextmanager
     def _opened(self, url: str, progress: Progress, start: int = 0) -> Iterator[Opened]:
-        """``url`` from byte ``start`` (where the source allows it: ``Opened.positioned``)."""
+        """``url`` from byte ``start`` (where its scheme allows it: ``Opened.positioned``)."""
         source = sources.parse(url)
         sources.check(source, self.policy)  # again at open: a plan or a Redis record is data too
-        if source.is_local:
-            with open_regular(source.location) as f:
-                f.seek(start)
-                yield Opened(f, source.location)
-        elif source.scheme in remote.SCHEMES:
-            with remote.open_remote(source, cache=self.cache, fetch=self.fetch, policy=self.policy,
-                                    timeout_s=self.read_timeout_s, progress=progress, start=start,
-                                    owner=self.owner) as opened:
-                yield opened
-        else:
-            from webdataset.gopen import gopen  # only schemes the operator enabled get here
-
-            with gopen(source.location, "rb") as f:
-                yield Opened(f, None, positioned=False)
+        with schemes.scheme_of(source).open(self, source, progress, start) as opened:
+            yield opened
 
     def rereads_cheaply(self, url: str) -> bool:
-        """True for a local uncompressed tar: read_samples reads a sample again by ``pread`` at its
-        members' offsets, so a job need not hold its encoded bytes from planning to decoding. A
-        remote shard (its cached copy may be evicted), a compressed one or a program scheme is
-        re-read by fetching or scanning it, so holding its bytes is worth their memory."""
+        """True where a sample read again costs a ``pread`` (a local uncompressed tar), so a job
+        need not hold its encoded bytes from planning to decoding. A remote shard (its cached copy
+        may be evicted), a compressed one or a program scheme is re-read by fetching or scanning
+        it, so holding its bytes is worth their memory."""
         source = sources.parse(url)
-        if not source.is_local:
-            return False
-        try:
-            st = os.stat(source.location)
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and _is_plain_tar(source.location, st.st_mtime_ns, st.st_size)
+        return schemes.scheme_of(source).rereads_cheaply(source)
 
     # --- reading ------------------------------------------------------------------------------
     def iter_shard(self, url: str, on_problem: ProblemSink, start: dict | None = None) -> Iterator[dict]:
@@ -216,18 +197,10 @@ class ShardReader:
         return result
 
     def _read_samples(self, url: str, keys: set[str], progress: Progress) -> dict[str, dict]:
-        source = sources.parse(url)
-        if not source.is_local and source.scheme not in remote.SCHEMES:
-            return {s["__key__"]: s for s in self._scan(url, keys)}
         with self._opened(url, progress) as opened:
-            if opened.path is None:  # streamed: the cache had no room for it
+            if opened.path is None:  # a stream (a program scheme, or the cache had no room for it)
                 return {s["__key__"]: s for s in _scan_file(opened.file, url, keys, self.limits)}
             return _read_indexed(opened.file, opened.path, url, keys, self.limits)
-
-    def _scan(self, url: str, keys: set[str]) -> Iterator[dict]:
-        """Reads a shard of a program scheme (gopen) front to back for ``keys``."""
-        with self._opened(url, lambda: None) as opened:
-            yield from _scan_file(opened.file, url, keys, self.limits)
 
 
 def _read_indexed(f, path: str, url: str, keys: set[str], limits: TarLimits) -> dict[str, dict]:
@@ -257,39 +230,6 @@ def _scan_file(f, url: str, keys: set[str], limits: TarLimits) -> Iterator[dict]
             yield sample
             if not wanted:
                 return
-
-
-def open_regular(path: str):
-    """Opens a local file for reading only if it is a regular file; never blocks on a FIFO."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise ShardReadError(f"cannot open {path}: {exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-            raise ShardReadError(f"{path} is {kind}; only regular files are read as shards")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-@functools.lru_cache(maxsize=1024)
-def _is_plain_tar(path: str, mtime_ns: int, size: int) -> bool:
-    """Whether a local file starts with an uncompressed tar header (POSIX or GNU "ustar" magic).
-    ``mtime_ns`` and ``size`` only key the cache."""
-    try:
-        with open_regular(path) as f:
-            head = f.read(tarfile.BLOCKSIZE)
-    except OSError:
-        return False
-    return len(head) == tarfile.BLOCKSIZE and head[257:262] == b"ustar"
 
 
 @functools.lru_cache(maxsize=16)  # a step draws from a few shards at a time; ~5 MB per 10k-sample shard

@@ -38,6 +38,10 @@ PROGRAM_SCHEMES = ("pipe", "gsutil", "ais", "sftp", "scp", "hf", "htgs")
 OBJECT_STORE_SCHEMES = ("s3", "gs")
 """Object stores, read through fsspec with the server's own credentials (remote.py; the [remote]
 extra); refused unless the operator lists them."""
+NAMING: dict[str, str] = {"file": "path", "http": "url", "https": "url", "s3": "url", "gs": "url"}
+"""Each scheme's naming rule: "path" (a local path, realpath'd), "url" (lower-case scheme and host,
+the bucket of an object store as the host) or "opaque" (any other: no '..', no '::' chains). A
+scheme file (schemes/) declares its own when it registers."""
 MAX_SPEC_CHARS = 4096
 MAX_SPECS = 4096
 MAX_BRACE_GROUPS = 16
@@ -240,7 +244,8 @@ def parse(name: str, spec: str = "") -> Source:
     spec = spec or name
     match = _SCHEME.match(name)
     scheme = match.group(1).lower() if match else ""
-    if scheme in ("", "file") or len(scheme) == 1:  # "C:" is not a scheme here, but refuse it as a path
+    naming = "path" if scheme == "" or len(scheme) == 1 else NAMING.get(scheme, "opaque")
+    if naming == "path":  # "C:" is not a scheme here, but refuse it as a path
         path = name[len("file:"):] if scheme == "file" else name
         if scheme == "file" and path.startswith("//"):
             parts = urlsplit(name)
@@ -248,7 +253,7 @@ def parse(name: str, spec: str = "") -> Source:
                 raise ConfigError(f"shard {name!r} (from {spec!r}): file URLs must name this host")
             path = unquote(parts.path)
         return Source("file", _local(path, name, spec))
-    if scheme in ("http", "https") or scheme in OBJECT_STORE_SCHEMES:  # s3://bucket/key: the bucket is the host
+    if naming == "url":  # s3://bucket/key: the bucket is the host
         return Source(scheme, _url(name, scheme, spec))
     _refuse_chain(name, spec, name)
     rest = name[len(scheme) + 1:]

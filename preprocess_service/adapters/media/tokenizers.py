@@ -47,7 +47,8 @@ class TokenizerError(ValueError):
 def _read_file(path: Path) -> bytes:
     """The file's bytes: a regular file only (a FIFO fails at once, never blocks), at most
     MAX_TOKENIZER_BYTES read whatever its size claims."""
-    from preprocess_service.adapters.io.shards import ShardReadError, open_regular
+    from preprocess_service.adapters.io.remote import ShardReadError
+    from preprocess_service.adapters.io.schemes.local import open_regular
 
     try:
         with open_regular(str(path)) as f:

@@ -22,8 +22,9 @@ from typing import cast
 import numpy as np
 
 from disttrain_api.config import AudioConfig
+from preprocess_service.core.modalities import MODALITIES, MODALITY_OF_SEGMENT
 from preprocess_service.core.packing import PackedSequence
-from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, TextSegment
+from preprocess_service.core.sample import Document, TextSegment
 from preprocess_service.core.tokenizer import Tokenizer
 
 MODALITY_PAD, MODALITY_TEXT, MODALITY_IMAGE, MODALITY_AUDIO, MODALITY_GEN = 0, 1, 2, 3, 4
@@ -35,10 +36,11 @@ class MediaItem:
     """One member to decode and the slot of the output buffer its array goes to."""
 
     kind: str
-    """"image" (uint8 [h, w, 3]), "audio" (float16 [frames, n_mels]) or "gen" (uint8 [size, size, 3])."""
+    """Its modality (core/modalities/): "image" (uint8 [h, w, 3]), "audio" (float16 [frames, n_mels]),
+    "gen" (uint8 [size, size, 3]), ..."""
     member: str
     params: tuple
-    """image: (height, width, orientation); audio: (frames, AudioConfig); gen: (size, orientation)."""
+    """What its decoder needs (the modality's ``slot``): image (height, width, orientation), ..."""
     offset: int
     """Byte offset of the slot in the output buffer."""
     nbytes: int
@@ -55,13 +57,13 @@ class Layout:
     documents: list[tuple[Document, list[MediaItem]]]
     """Every document laid out, in token order, with its media items."""
     regions: dict[str, tuple[int, int, tuple]]
-    """name -> (byte offset, byte count, shape) of pixels, mel and gen_pixels in the output buffer."""
+    """region name (pixels, mel, gen_pixels, ...) -> (byte offset, byte count, shape) in the output buffer."""
     nbytes: int
     """Size of the output buffer."""
 
     def media_arrays(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
-        """pixels, mel and gen_pixels as views of a filled output buffer (uint8 [nbytes])."""
-        dtypes = {"pixels": np.uint8, "mel": np.float16, "gen_pixels": np.uint8}
+        """Each modality's region as a view of a filled output buffer (uint8 [nbytes])."""
+        dtypes = {m.region: m.dtype for m in MODALITIES.values()}
         return {name: buffer[start:start + count].view(dtypes[name]).reshape(shape)
                 for name, (start, count, shape) in self.regions.items()}
 
@@ -89,7 +91,8 @@ def aligned(n: int) -> int:
 
 def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenizer: Tokenizer,
                       audio_config: AudioConfig, skip: frozenset[str] = frozenset()) -> Layout:
-    """Token arrays and media slots of ``sequences``; documents whose key is in ``skip`` are left out."""
+    """Token arrays and media slots of ``sequences``; documents whose key is in ``skip`` are left
+    out. Each media segment is placed by its modality's record (core/modalities/)."""
     num_seqs = len(sequences)
     tokens = np.full((num_seqs, seq_len), tokenizer.pad_id, dtype=np.int32)
     positions = np.zeros((num_seqs, seq_len), dtype=np.int32)
@@ -97,11 +100,10 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
     loss_mask = np.zeros((num_seqs, seq_len), dtype=np.uint8)
     cu_seqlens, segment_doc, documents = [0], [], []
     keys: list[str] = []
-    spans: dict[str, list] = {"image": [], "audio": [], "gen": []}
-    image_shapes, audio_frames, gen_sizes = [], [], []
-    sizes = {"image": 0, "audio": 0, "gen": 0}  # bytes per region so far
-    shape: tuple[int, ...]
-    params: tuple
+    spans: dict[str, list] = {kind: [] for kind in MODALITIES}
+    shapes: dict[str, list] = {kind: [] for kind in MODALITIES}
+    sizes = dict.fromkeys(MODALITIES, 0)  # bytes per region so far
+    placeholders = {kind: getattr(tokenizer, m.placeholder) for kind, m in MODALITIES.items()}
     for s, seq in enumerate(sequences):
         offset = 0
         for doc in seq.documents:
@@ -112,32 +114,21 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
             modality[s, offset] = MODALITY_TEXT
             for segment in doc.segments:
                 end = cursor + segment.tokens
-                kind = _KIND.get(type(segment))
-                # the segment's type is the one _KIND maps to kind (TextSegment where kind is None)
-                if kind is None:
+                media = MODALITY_OF_SEGMENT.get(type(segment))
+                if media is None:  # a TextSegment
                     text = cast(TextSegment, segment)
                     row[cursor:end] = text.ids
                     modality[s, cursor:end] = MODALITY_TEXT
                     if text.trainable:  # position i is trained to predict token i + 1
                         loss_mask[s, cursor - 1:end - 1] = 1
                 else:
-                    row[cursor:end] = _placeholder(tokenizer, kind)
-                    modality[s, cursor:end] = _MODALITY[kind]
+                    kind = media.kind
+                    row[cursor:end] = placeholders[kind]
+                    modality[s, cursor:end] = media.code
                     spans[kind].append((s * seq_len + cursor, s * seq_len + end))
-                    if kind == "image":
-                        image = cast(ImageRef, segment)
-                        shape, params = (image.height, image.width, 3), (image.height, image.width,
-                                                                          image.orientation)
-                        image_shapes.append(shape)
-                    elif kind == "audio":
-                        frames = cast(AudioRef, segment).frames
-                        shape, params = (frames, audio_config.n_mels), (frames, audio_config)
-                        audio_frames.append(frames)
-                    else:
-                        gen = cast(GenImageRef, segment)
-                        shape, params = (gen.size, gen.size, 3), (gen.size, gen.orientation)
-                        gen_sizes.append(gen.size)
-                    nbytes = int(np.prod(shape)) * (2 if kind == "audio" else 1)
+                    shape, params = media.slot(segment, audio_config)
+                    shapes[kind].append(shape)
+                    nbytes = int(np.prod(shape)) * media.itemsize
                     items.append(MediaItem(kind, segment.member, params, sizes[kind], nbytes, shape))
                     sizes[kind] += nbytes
                 cursor = end
@@ -153,38 +144,24 @@ def layout_microbatch(sequences: list[PackedSequence], *, seq_len: int, tokenize
         if offset < seq_len:
             cu_seqlens.append((s + 1) * seq_len)
             segment_doc.append(-1)
-    if len(set(gen_sizes)) > 1:
-        raise ValueError(f"generation targets of one microbatch have different sizes {sorted(set(gen_sizes))}")
-    # One output buffer: pixels | mel | gen_pixels, each region aligned; item offsets become absolute.
-    starts = {"image": 0, "audio": aligned(sizes["image"])}
-    starts["gen"] = starts["audio"] + aligned(sizes["audio"])
+    # One output buffer: one aligned region per modality, in code order; item offsets become absolute.
+    starts, end_of_buffer = {}, 0
+    for kind, media in MODALITIES.items():
+        media.check(shapes[kind])
+        starts[kind], end_of_buffer = end_of_buffer, end_of_buffer + aligned(sizes[kind])
     for _, items in documents:
         for item in items:
             item.offset += starts[item.kind]
-    regions = {
-        "pixels": (starts["image"], sizes["image"], (sizes["image"],)),
-        "mel": (starts["audio"], sizes["audio"], (sum(audio_frames), audio_config.n_mels)),
-        "gen_pixels": (starts["gen"], sizes["gen"], (len(gen_sizes), *(gen_sizes[:1] * 2 or [0, 0]), 3)),
-    }
+    regions = {media.region: (starts[kind], sizes[kind], media.region_shape(shapes[kind], sizes[kind], audio_config))
+               for kind, media in MODALITIES.items()}
     arrays: dict[str, np.ndarray] = {
         "tokens": tokens, "position_ids": positions, "modality": modality, "loss_mask": loss_mask,
         "cu_seqlens": np.array(cu_seqlens, dtype=np.int32), "segment_doc": np.array(segment_doc, dtype=np.int32),
-        "image_spans": np.array(spans["image"], dtype=np.int32).reshape(-1, 2),
-        "image_shapes": np.array(image_shapes, dtype=np.int32).reshape(-1, 3),
-        "audio_spans": np.array(spans["audio"], dtype=np.int32).reshape(-1, 2),
-        "audio_frames": np.array(audio_frames, dtype=np.int32),
-        "gen_spans": np.array(spans["gen"], dtype=np.int32).reshape(-1, 2),
     }
-    return Layout(arrays=arrays, sample_keys=keys, documents=documents, regions=regions,
-                  nbytes=starts["gen"] + aligned(sizes["gen"]))
-
-
-_KIND = {ImageRef: "image", AudioRef: "audio", GenImageRef: "gen"}
-_MODALITY = {"image": MODALITY_IMAGE, "audio": MODALITY_AUDIO, "gen": MODALITY_GEN}
-
-
-def _placeholder(tokenizer: Tokenizer, kind: str) -> int:
-    return {"image": tokenizer.image_id, "audio": tokenizer.audio_id, "gen": tokenizer.gen_id}[kind]
+    for kind, media in MODALITIES.items():
+        arrays[f"{kind}_spans"] = np.array(spans[kind], dtype=np.int32).reshape(-1, 2)
+        arrays.update(media.metadata(shapes[kind]))
+    return Layout(arrays=arrays, sample_keys=keys, documents=documents, regions=regions, nbytes=end_of_buffer)
 
 
 def compact(old: Layout, old_buffer: np.ndarray, new: Layout) -> np.ndarray:

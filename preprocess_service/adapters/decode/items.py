@@ -10,29 +10,65 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from preprocess_service.core.assemble import MediaItem
+from preprocess_service.core.modalities import MODALITIES
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class MediaDecoder:
+    """How one modality's member is decoded (core/modalities/ names the kinds)."""
+
+    decode: Callable[[bytes, tuple, np.ndarray | None], np.ndarray]
+    """(member bytes, the item's params, its slot or None) -> the item's array."""
+    in_place: bool = False
+    """It writes into the slot it is given (returning it), so nothing is copied after."""
+
+
+DECODERS: dict[str, MediaDecoder] = {}
+
+
+def register_decoder(kind: str, decode: Callable[[bytes, tuple, np.ndarray | None], np.ndarray], *,
+                     in_place: bool = False) -> None:
+    """Registers the decoder of the modality ``kind``."""
+    if kind in DECODERS:
+        raise ValueError(f"two decoders for media kind {kind!r}")
+    DECODERS[kind] = MediaDecoder(decode, in_place)
+
+
+def _image(data: bytes, params: tuple, out: np.ndarray | None) -> np.ndarray:
+    from preprocess_service.adapters.media.imaging import decode_image
+
+    height, width, orientation = params
+    return decode_image(data, (height, width), orientation, out)
+
+
+def _square(data: bytes, params: tuple, out: np.ndarray | None) -> np.ndarray:
+    from preprocess_service.adapters.media.imaging import decode_square
+
+    size, orientation = params
+    return decode_square(data, size, orientation, out)
+
+
+def _audio(data: bytes, params: tuple, out: np.ndarray | None) -> np.ndarray:
+    from preprocess_service.adapters.media.audio import decode_audio  # torch: loaded on first use
+
+    frames, config = params
+    return decode_audio(data, config, frames)
+
+
+register_decoder("image", _image, in_place=True)
+register_decoder("gen", _square, in_place=True)
+register_decoder("audio", _audio)
+
+
 def decode_item(kind: str, data: bytes, params: tuple, out: np.ndarray | None = None) -> np.ndarray:
-    """One member decoded to the array its slot holds (shape and dtype fixed by the layout). Images
-    are written into ``out`` (uint8 [h, w, 3]) when given, which is returned; audio ignores it."""
-    if kind == "image":
-        from preprocess_service.adapters.media.imaging import decode_image
-
-        height, width, orientation = params
-        return decode_image(data, (height, width), orientation, out)
-    if kind == "gen":
-        from preprocess_service.adapters.media.imaging import decode_square
-
-        size, orientation = params
-        return decode_square(data, size, orientation, out)
-    if kind == "audio":
-        from preprocess_service.adapters.media.audio import decode_audio
-
-        frames, config = params
-        return decode_audio(data, config, frames)
-    raise ValueError(f"unknown media kind {kind!r}")
+    """One member decoded to the array its slot holds (shape and dtype fixed by the layout). An
+    in-place decoder writes into ``out`` when given, which is returned; others ignore it."""
+    decoder = DECODERS.get(kind)
+    if decoder is None:
+        raise ValueError(f"unknown media kind {kind!r}")
+    return decoder.decode(data, params, out)
 
 
 def warm_up_decoders() -> None:
@@ -66,10 +102,13 @@ def warm_up_decoders() -> None:
 def decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
     """Decodes one member into its slot of the output buffer that starts at byte ``base`` of
     ``buffer``: an image is resized straight into it, audio is decoded and copied in."""
+    decoder = DECODERS.get(item.kind)
+    if decoder is None:
+        raise ValueError(f"unknown media kind {item.kind!r}")
     slot = None
-    if item.kind in ("image", "gen"):
-        slot = np.ndarray(item.shape, dtype=np.uint8, buffer=buffer, offset=base + item.offset)
-    array = decode_item(item.kind, data, item.params, slot)
+    if decoder.in_place:
+        slot = np.ndarray(item.shape, dtype=MODALITIES[item.kind].dtype, buffer=buffer, offset=base + item.offset)
+    array = decoder.decode(data, item.params, slot)
     if array is not slot:
         _write(buffer, item, array, base)
 

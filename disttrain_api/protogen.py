@@ -1,6 +1,6 @@
 """Regenerates the gRPC modules in disttrain_api/ from protos/ (``python -m disttrain_api.protogen``).
 
-The generated files are committed; tests/test_protos.py regenerates into a temporary folder and
+The generated files are committed; tests/unit/disttrain_api/test_protos.py regenerates into a temporary folder and
 fails when the committed copies differ.
 """
 

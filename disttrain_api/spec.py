@@ -1,7 +1,7 @@
 """Conversions between the protobuf JobSpec and the typed JobConfig.
 
 JobConfig is the definition of a job's fields; the proto mirrors it and this module maps them by
-name (tests/test_config.py fails on any drift). A proto field with presence (proto3 ``optional``)
+name (tests/unit/disttrain_api/test_config.py fails on any drift). A proto field with presence (proto3 ``optional``)
 is taken when set, whatever its value, so a fitted cost coefficient of 0 stays 0; a field without
 presence means "the default" when it is zero. Two fields are mapped by hand: ``no_shard_shuffle``
 is the negation of ``shard_shuffle`` (so proto3's false means our default, shuffling), and the

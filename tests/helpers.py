@@ -13,6 +13,9 @@ from PIL import Image
 
 from preprocess_service.core.sample import Document, ImageRef, TextSegment
 
+REPO = Path(__file__).resolve().parent.parent
+"""The repository's root."""
+
 
 def make_document(key: str, *, image_tokens: list[int] = (), text_tokens: int = 10) -> Document:
     images = tuple(ImageRef(member=f"{i}.jpg" if i else "jpg", height=28, width=28 * t, tokens=t)

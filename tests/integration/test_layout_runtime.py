@@ -1,5 +1,5 @@
 """The trainer's runtime under torchrun runs the work the service's simulator predicts for its
-layout (tests/test_layout.py: the layout and simulator themselves)."""
+layout (tests/unit/disttrain_api/test_layout.py: the layout and simulator themselves)."""
 
 from __future__ import annotations
 

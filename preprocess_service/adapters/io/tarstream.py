@@ -38,7 +38,7 @@ _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 """webdataset.tariterators.base_plus_ext's split (the part before the base name's first dot, the
 rest). Matched here, not imported: importing any webdataset module imports torch (webdataset's
 package imports its torch loaders), the largest import and memory item of a server that needs neither;
-tests/test_shards.py checks the two agree."""
+tests/unit/preprocess_service/adapters/io/test_shards.py checks the two agree."""
 
 ProblemSink = Callable[[SampleError], None]
 

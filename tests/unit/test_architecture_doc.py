@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
+
 PACKAGES = ("disttrain_api", "preprocess_service", "trainer", "disttrain_tools")
 
 
@@ -35,3 +36,13 @@ def test_every_file_the_tree_names_exists():
     existing = {p.name for p in REPO.rglob("*.py") if ".venv" not in p.parts}
     stale = sorted(n for n in names if n not in existing)
     assert not stale, f"docs/ARCHITECTURE.md names files that do not exist: {stale}"
+
+
+def test_unit_tests_mirror_the_package_tree():
+    """tests/unit/<package path>/test_<name>.py: a unit test sits in the folder of the package it
+    tests, so a newcomer finds a module's tests by its path (tests of the whole tree at the top)."""
+    unit = REPO / "tests" / "unit"
+    stray = [str(p.relative_to(REPO)) for p in unit.rglob("test_*.py")
+             if p.parent != unit and not (REPO / p.parent.relative_to(unit)).is_dir()]
+    assert not stray, f"unit tests in folders that mirror no package: {stray}"
+    assert not list((REPO / "tests").glob("test_*.py")), "a test file at tests/: put it under tests/unit/<package>/"

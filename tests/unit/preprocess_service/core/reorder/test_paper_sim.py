@@ -8,12 +8,12 @@ import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from disttrain_api.config import ImageConfig
+from helpers import REPO
 from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, evaluate
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 
 def _load_paper():
-    path = Path(__file__).resolve().parent.parent / "bench" / "paper.py"
+    path = REPO / "bench" / "paper.py"
     spec = importlib.util.spec_from_file_location("bench_paper", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_paper"] = module  # dataclasses look their module up while the class is built

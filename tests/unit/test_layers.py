@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 
 def test_importing_the_client_loads_no_service_module_or_heavy_dependency():

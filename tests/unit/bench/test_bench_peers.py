@@ -8,11 +8,12 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from helpers import REPO
+
+BENCH = REPO / "bench"
 
 
 def _load(name: str):

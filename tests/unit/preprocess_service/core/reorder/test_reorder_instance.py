@@ -1,16 +1,14 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from disttrain_api.config import JobConfig, field_defaults
 from disttrain_api.layout import StageModel
+from helpers import REPO
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, check_plan, evaluate, plan_instance
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _instance(D=4, M=6, S=2, seed=0, shared_by=(1, 1, 1)):

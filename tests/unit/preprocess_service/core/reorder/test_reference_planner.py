@@ -7,15 +7,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from disttrain_api.layout import StageModel
+from helpers import REPO
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = REPO / "bench"
 
 
 def _load(name: str):

@@ -1,15 +1,13 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from disttrain_api.config import CostConfig
 from disttrain_tools import calibrate
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 
 def test_fit_recovers_known_coefficients_and_keeps_them_nonnegative():

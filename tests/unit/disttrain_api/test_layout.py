@@ -4,8 +4,6 @@ structure the simulator predicts."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -13,8 +11,6 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError
 from disttrain_api.layout import PipelineLayout, StageModel
 from preprocess_service.core.simulate import component_makespans, simulate_1f1b, simulate_coupled
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.unit

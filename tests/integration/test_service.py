@@ -19,7 +19,7 @@ from disttrain_api.channel import CHANNEL_OPTIONS
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
 from disttrain_tools import synth
-from helpers import shard_keys, write_tiny_shards
+from helpers import check_resumes, shard_keys, write_tiny_shards
 from preprocess_service.adapters.media import imaging
 from preprocess_service.core.planner import batch_instance
 from preprocess_service.core.reorder.instance import PLANNERS
@@ -172,6 +172,32 @@ def test_a_resumed_client_continues_at_the_saved_step(dataset, service):
     got = [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in head + tail]
     assert got == [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in full]
     np.testing.assert_array_equal(tail[0].tokens.numpy(), full[len(head)].tokens.numpy())
+
+
+def test_the_client_passes_the_state_round_trip_harness(dataset, service):
+    """DataClient under tests/helpers.check_resumes, as every stateful part: its state taken
+    before every microbatch, fresh clients resumed from several of them get the same rest."""
+    address, _ = service
+    config = _config(dataset, dp_size=1, seq_len=1024)
+    clients = []
+
+    def make():
+        clients.append(DataClient(address, config, 0, prefetch=2))
+        return clients[-1]
+
+    def advance(client):
+        try:
+            mb = next(client)
+        except StopIteration:
+            return None
+        return mb.step, mb.microbatch_index, tuple(mb.sample_keys)
+
+    try:
+        steps, _ = check_resumes(make, advance)
+    finally:
+        for client in clients:
+            client.close()
+    assert len({step for step, _, _ in steps}) >= 3
 
 
 def test_state_from_another_topology_is_refused(dataset, service):

@@ -462,7 +462,7 @@ def test_a_client_that_keeps_every_microbatch_gets_them_given_away_past_max_lent
     from preprocess_service.adapters.decode.shm import SHM_DIR
     from preprocess_service.core.assemble import finish
 
-    monkeypatch.setattr(decode.pool, "MAX_LENT", 1)
+    monkeypatch.setattr(decode.arenas, "MAX_LENT", 1)
     small = _small_layout(1)
     pool = DecodePool(1)
     held = []

@@ -244,7 +244,7 @@ def test_under_pressure_the_charge_stays_within_the_budget_and_every_sample_arri
         if decode_workers == 0:
             assert servicer.budget.used == 0  # every charge came back
         else:  # the pool keeps a few idle arenas (charged) for reuse
-            assert servicer.budget.used == sum(a.size for a in servicer.decoder._free_arenas)
+            assert servicer.budget.used == servicer.decoder.arenas.idle_bytes()
     finally:
         channel.close()
         server.stop(0).wait()

@@ -20,7 +20,9 @@ Two implementations of one interface, ``submit(layout) -> Future[Decoded]``:
   ``--decode-workers 0``).
 
 The package: ``items`` (one item into its slot; Decoded, Lent), ``inline`` (InlineDecoder),
-``worker`` (a worker process's loop), ``pool`` (DecodePool: dispatch, supervision, arenas),
+``worker`` (a worker process's loop), ``pool`` (DecodePool: dispatch, supervision), ``arenas``
+(shared-memory arenas: acquire, release, lend, reclaim), ``fairqueue``, ``shm`` (same-host delivery),
+``forkserver`` and ``preload`` (the workers' fork server),
 ``protocol`` (Decoder: what the service calls, typed).
 """
 

@@ -1,10 +1,9 @@
-"""DecodePool: the worker processes, their dispatch and supervision, and the shared-memory arenas
-(acquired, lent to same-host clients, reclaimed)."""
+"""DecodePool: the worker processes, their dispatch and supervision; the shared-memory arenas they
+decode into are arenas.py's."""
 
 from __future__ import annotations
 
 import collections
-import fcntl
 import itertools
 import logging
 import multiprocessing as mp
@@ -18,9 +17,10 @@ from multiprocessing import connection, shared_memory
 import numpy as np
 
 from preprocess_service.adapters.decode import forkserver
+from preprocess_service.adapters.decode.arenas import Arenas
 from preprocess_service.adapters.decode.fairqueue import FairQueue, Order
-from preprocess_service.adapters.decode.items import Decoded, Lent, missing_reason
-from preprocess_service.adapters.decode.shm import CONTROL_BYTES, SHM_DIR, TAKEN_AT, TOKEN_BYTES, object_name
+from preprocess_service.adapters.decode.items import Decoded, missing_reason
+from preprocess_service.adapters.decode.shm import CONTROL_BYTES
 from preprocess_service.adapters.decode.worker import worker_main
 from preprocess_service.adapters.infra import procmem
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
@@ -33,10 +33,6 @@ MAX_START_FAILURES = 3
 broken (an installation problem) and fails its work instead of restarting them forever."""
 RECLAIM_EVERY_S = 0.5
 """How often the pool looks for lent arenas their clients let go of, besides at every new microbatch."""
-MAX_LENT = 256
-"""Arenas lent to clients and taken at once, at most; beyond, the oldest are given away (unlinked
-and forgotten here: the client's mapping keeps them), so a client that keeps every microbatch
-costs the server no file descriptors or mappings."""
 TASK_INPUT_BYTES = 1 << 20
 """Encoded bytes a decode task aims at: a microbatch's documents go to the workers in tasks of
 about this much, at least one per worker, so each message's round trip (pickling, pipes and
@@ -56,15 +52,6 @@ class _Batch:
     """Bytes after the output buffer kept for lend() (the layout's token arrays)."""
     lent: bool = False
     """Its arena was lent: releasing the batch leaves it to _reclaim."""
-
-
-@dataclass(slots=True)
-class _LentArena:
-    arena: shared_memory.SharedMemory
-    lock_fd: int
-    abandoned: bool = False
-    charged: bool = True
-    """Still charged to the budget: a taken arena is the client's memory until it comes back."""
 
 
 @dataclass(slots=True)
@@ -101,7 +88,6 @@ class DecodePool:
         False: return at once while they start (``wait_ready()`` waits)."""
         self.budget = budget
         """Every arena is charged to it from creation to destruction (/dev/shm holds it meanwhile)."""
-        budget.reclaimable = self._idle_bytes
         self.num_workers = num_workers or len(os.sched_getaffinity(0))
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
@@ -117,19 +103,13 @@ class DecodePool:
         self._in_pool: collections.Counter = collections.Counter()
         """Stream -> its microbatches submitted and not finished yet (others_decoding)."""
         self._task_ids = itertools.count()
-        self._free_arenas: list[shared_memory.SharedMemory] = []
-        self._all_arenas: dict[str, shared_memory.SharedMemory] = {}
-        self._lock_fds: dict[str, int] = {}
-        """Arena name -> this process's descriptor for flock (the client's lock shows on it)."""
-        self._lent: collections.OrderedDict[str, _LentArena] = collections.OrderedDict()
-        self._to_drop: list[str] = []
         self._trim_requested = False
-        """Arenas destroyed or given away that the workers still map (the dispatcher tells them)."""
-        self._reclaiming = threading.Lock()
-        """One _reclaim at a time (two could both lock an arena through the one descriptor)."""
         self._counters = collections.Counter()
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
+        self.arenas = Arenas(self._lock, budget, keep=2 * self.num_workers + 4,
+                             wake=lambda: os.write(self._wake_w, b"x"))
+        budget.reclaimable = self.arenas.idle_bytes
         self._workers: list[_Worker] = []
         """By slot; filled as the workers start (_start_all, on the starter thread)."""
         self._starter = threading.Thread(target=self._start_all, name="decode-start", daemon=True)
@@ -203,75 +183,8 @@ class DecodePool:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"workers": self.num_workers, "pending": len(self._pending),
-                    "arenas": len(self._all_arenas), "lent": len(self._lent), **self._counters}
-
-    # --- arenas -------------------------------------------------------------------------------
-    def _acquire(self, nbytes: int, stop: threading.Event | None = None) -> shared_memory.SharedMemory:
-        self._reclaim()
-        while True:
-            with self._lock:
-                fits = [a for a in self._free_arenas if a.size >= nbytes]
-                if not fits:
-                    break
-                arena = min(fits, key=lambda a: a.size)
-                self._free_arenas.remove(arena)
-            if self._still_named(arena):
-                return arena
-            with self._lock:  # someone removed its name (cleaned /dev/shm): workers could not map it
-                self._all_arenas.pop(arena.name, None)
-            self._destroy_charged(arena)
-        size = max(1 << 22, 1 << (max(nbytes, 1) - 1).bit_length())  # powers of two from 4 MiB: few sizes
-        if not self.budget.try_reserve(size):
-            self._drop_free_arenas()  # idle arenas give their share back first
-            self.budget.reserve(size, what="a microbatch's shared-memory decode arena", stop=stop)
-        try:  # named as a delivered object: a client maps it when it is lent, the sweep finds it
-            arena = shared_memory.SharedMemory(name=object_name(), create=True, size=size)
-        except BaseException:
-            self.budget.release(size)
-            raise
-        try:
-            lock_fd = os.open(os.path.join(SHM_DIR, arena.name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            lock_fd = -1  # no /dev/shm path (not Linux): never lent
-        with self._lock:
-            self._all_arenas[arena.name] = arena
-            self._lock_fds[arena.name] = lock_fd
-        return arena
-
-    def _still_named(self, arena: shared_memory.SharedMemory) -> bool:
-        """Its name in /dev/shm still leads to it (one a cleaner removed cannot be mapped again)."""
-        lock_fd = self._lock_fds.get(arena.name, -1)
-        if lock_fd < 0:
-            return True  # not Linux: nothing to check
-        try:
-            return os.stat(os.path.join(SHM_DIR, arena.name)).st_ino == os.fstat(lock_fd).st_ino
-        except OSError:
-            return False
-
-    def _idle_bytes(self) -> int:
-        with self._lock:
-            return sum(a.size for a in self._free_arenas)
-
-    def _drop_free_arenas(self) -> None:
-        with self._lock:
-            free, self._free_arenas = self._free_arenas, []
-            for arena in free:
-                del self._all_arenas[arena.name]
-        for arena in free:
-            self._destroy_charged(arena)
-
-    def _destroy_charged(self, arena: shared_memory.SharedMemory, charged: bool = True) -> None:
-        size = arena.size
-        with self._lock:
-            lock_fd = self._lock_fds.pop(arena.name, -1)
-            self._to_drop.append(arena.name)
-        if lock_fd >= 0:
-            os.close(lock_fd)
-        _destroy(arena)
-        if charged:
-            self.budget.release(size)
-        os.write(self._wake_w, b"x")  # the dispatcher tells the workers
+            return {"workers": self.num_workers, "pending": len(self._pending), "arenas": len(self.arenas.all),
+                    "lent": len(self.arenas.lent_arenas), **self._counters, **self.arenas.counters}
 
     def trim_workers(self) -> None:
         """Asks every decode worker to give its freed heap back to the system now (the server is
@@ -279,18 +192,6 @@ class DecodePool:
         with self._lock:
             self._trim_requested = True
         os.write(self._wake_w, b"x")
-
-    def _release(self, arena: shared_memory.SharedMemory) -> None:
-        with self._lock:
-            if self._closed:  # close() frees it
-                return
-            self._free_arenas.append(arena)
-            if len(self._free_arenas) <= 2 * self.num_workers + 4:  # keep a few, give the rest back
-                return
-            smallest = min(self._free_arenas, key=lambda a: a.size)
-            self._free_arenas.remove(smallest)
-            del self._all_arenas[smallest.name]
-        self._destroy_charged(smallest)
 
     # --- submitting ---------------------------------------------------------------------------
     def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
@@ -303,7 +204,7 @@ class DecodePool:
         in_nbytes = sum(len(doc.media_bytes[i.member])
                         for doc, items in inputs if not missing_reason(doc) for i in items)
         spare = sum(aligned(a.nbytes) for a in layout.arrays.values())
-        arena = self._acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
+        arena = self.arenas.acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
         batch = _Batch(arena, layout.nbytes, 0, future, spare=spare)
         view = arena.buf
         cursor, documents = CONTROL_BYTES + layout.nbytes + spare, []
@@ -333,7 +234,7 @@ class DecodePool:
                 self._pending.push(stream, tasks)
                 self._in_pool[stream] += 1
         if refused is not None:
-            self._release(arena)
+            self.arenas.release(arena)
             raise RuntimeError(refused)
         future.add_done_callback(lambda _: self._left_pool(stream))  # decoded, failed or closed
         os.write(self._wake_w, b"x")
@@ -354,120 +255,15 @@ class DecodePool:
 
     def _finish(self, batch: _Batch) -> None:
         buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf, offset=CONTROL_BYTES)
-        lendable = not batch.errors and self._lock_fds.get(batch.arena.name, -1) >= 0
+        lendable = not batch.errors and self.arenas.lendable(batch.arena)
         batch.future.set_result(Decoded(buffer, batch.errors, call_once(lambda: self._release_batch(batch)),
-                                        lend=(lambda arrays: self._lend(batch, arrays)) if lendable else None))
+                                        lend=(lambda arrays: self.arenas.lend(batch, arrays)) if lendable else None))
 
     def _release_batch(self, batch: _Batch) -> None:
         with self._lock:
             lent = batch.lent
         if not lent:
-            self._release(batch.arena)
-
-    # --- lending arenas to same-host clients (Lent) ---------------------------------------------
-    def _lend(self, batch: _Batch, arrays: dict[str, np.ndarray]) -> Lent | None:
-        """Lends ``batch``'s arena with ``arrays`` (views of its output buffer, or copied into its
-        spare room); None (nothing lent) when an array neither is in it nor fits the spare room."""
-        arena = batch.arena
-        if not self._still_named(arena):  # the client could not open it; the copy goes elsewhere
-            return None
-        view = np.ndarray((arena.size,), dtype=np.uint8, buffer=arena.buf)
-        start = view.__array_interface__["data"][0]
-        cursor, end = CONTROL_BYTES + batch.nbytes, CONTROL_BYTES + batch.nbytes + batch.spare
-        tensors = []
-        for name, array in arrays.items():
-            address = array.__array_interface__["data"][0]
-            if array.flags.c_contiguous and start + CONTROL_BYTES <= address and \
-                    address + array.nbytes <= start + CONTROL_BYTES + batch.nbytes:
-                offset = address - start
-            else:
-                if cursor + array.nbytes > end:
-                    return None
-                offset = cursor
-                view[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                cursor += aligned(array.nbytes)
-            tensors.append((name, array.dtype, tuple(array.shape), offset))
-        token = os.urandom(TOKEN_BYTES)
-        view[:TOKEN_BYTES] = np.frombuffer(token, dtype=np.uint8)
-        view[TAKEN_AT] = 0
-        del view
-        entry = _LentArena(arena, self._lock_fds[arena.name])
-        with self._lock:
-            if self._closed or batch.lent:
-                return None
-            batch.lent = True  # from here on _reclaim alone gives it back, whoever releases the batch
-            self._lent[arena.name] = entry
-            self._counters["arenas_lent"] += 1
-        nbytes = max((offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                      for _, dtype, shape, offset in tensors), default=CONTROL_BYTES)
-        return Lent(arena.name, token, nbytes, tensors, taken=lambda: self._taken(arena.name, entry),
-                    abandon=lambda: self._abandon(arena.name, entry))
-
-    def _taken(self, name: str, entry: _LentArena) -> bool:
-        """This lending is over for the stream: the client marked it taken, or the pool already
-        took the arena back (the mark is cleared then; the arena may be lent again meanwhile)."""
-        with self._lock:
-            if self._lent.get(name) is not entry:
-                return True
-            return entry.arena.buf[TAKEN_AT] != 0
-
-    def _abandon(self, name: str, entry: _LentArena) -> None:
-        with self._lock:
-            if self._lent.get(name) is not entry:  # already back (and maybe lent again: not that one)
-                return
-            entry.abandoned = True
-        self._reclaim()
-
-    def _reclaim(self) -> None:
-        """Takes back the lent arenas whose client is done (taken, or abandoned, and not locked):
-        a fresh token invalidates any message still naming them. A taken arena stops counting
-        toward the budget until it is back; past MAX_LENT taken ones, the oldest are given away."""
-        with self._reclaiming:
-            self._reclaim_locked()
-
-    def _reclaim_locked(self) -> None:
-        with self._lock:
-            if not self._lent or self._closed:
-                return
-            entries = list(self._lent.items())
-        back, uncharge, give = [], 0, []
-        for name, entry in entries:
-            taken = entry.arena.buf[TAKEN_AT] != 0
-            if not (taken or entry.abandoned):
-                continue  # sent, not yet taken: the stream's window bounds these
-            try:
-                fcntl.flock(entry.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # the client still has it
-                if taken and entry.charged:
-                    entry.charged = False
-                    uncharge += entry.arena.size
-                continue
-            try:
-                entry.arena.buf[:TOKEN_BYTES] = os.urandom(TOKEN_BYTES)
-                entry.arena.buf[TAKEN_AT] = 0
-            finally:
-                fcntl.flock(entry.lock_fd, fcntl.LOCK_UN)
-            back.append((name, entry))
-        with self._lock:
-            for name, _ in back:
-                self._lent.pop(name, None)
-            held = [(n, e) for n, e in self._lent.items() if not e.charged]
-            for name, entry in held[:max(0, len(held) - MAX_LENT)]:
-                del self._lent[name]
-                del self._all_arenas[name]
-                give.append(entry)
-            self._counters["arenas_given_away"] += len(give)
-        if uncharge:
-            self.budget.release(uncharge)
-        for name, entry in back:
-            if entry.charged or self.budget.try_reserve(entry.arena.size):
-                self._release(entry.arena)
-            else:  # no room for it in the budget now: let it go
-                with self._lock:
-                    self._all_arenas.pop(name, None)
-                self._destroy_charged(entry.arena, charged=False)
-        for entry in give:
-            self._destroy_charged(entry.arena, charged=False)
+            self.arenas.release(batch.arena)
 
     # --- the dispatcher thread ----------------------------------------------------------------
     def _dispatch_loop(self) -> None:
@@ -493,7 +289,7 @@ class DecodePool:
                 starting = [w.started + self.start_timeout_s for w in live if not w.ready]
                 if self._broken is None and starter.is_alive():  # a fork server that hangs must not hang the work
                     starting.append(starter_deadline)
-                if self._lent:  # clients let go of lent arenas without a word: look now and then
+                if self.arenas.lent_arenas:  # clients let go of lent arenas without a word: look now and then
                     starting.append(last_reclaim + RECLAIM_EVERY_S)
             timeout = max(0.0, min(starting) - time.monotonic()) + 0.01 if starting else None
             ready = connection.wait([self._wake_r, *waits, *deaths], timeout)
@@ -506,7 +302,7 @@ class DecodePool:
                     self._replace(deaths[obj])
             self._kill_slow_starters()
             if time.monotonic() - last_reclaim > RECLAIM_EVERY_S:
-                self._reclaim()
+                self.arenas.reclaim()
                 last_reclaim = time.monotonic()
             if self._broken is None and starter.is_alive() and time.monotonic() > starter_deadline:
                 self._break(f"decode workers cannot start: {len(self._workers)} of {self.num_workers} were started "
@@ -526,9 +322,9 @@ class DecodePool:
         """Hands waiting tasks to workers with room (caller holds the lock). Messages are a few
         hundred bytes, far below the pipe's buffer, so send never blocks on a busy worker."""
         messages = []
-        if self._to_drop:
-            messages.append(("drop", self._to_drop))
-            self._to_drop = []
+        dropped = self.arenas.take_dropped()
+        if dropped:
+            messages.append(("drop", dropped))
         if self._trim_requested:
             messages.append(("trim",))
             self._trim_requested = False
@@ -658,7 +454,7 @@ class DecodePool:
         for batch in {id(t.batch): t.batch for t in tasks}.values():
             if not batch.future.done():
                 batch.future.set_exception(RuntimeError(reason))
-                self._release(batch.arena)
+                self.arenas.release(batch.arena)
 
     def close(self) -> None:
         """Stops the workers, fails the microbatches still being decoded (whoever waits for them
@@ -683,13 +479,7 @@ class DecodePool:
             worker.process.join(timeout=5)
             if worker.process.is_alive():
                 worker.process.kill()
-        with self._reclaiming, self._lock:  # no _reclaim runs now, and none will (closed)
-            uncharged = {name for name, entry in self._lent.items() if not entry.charged}
-            self._lent.clear()
-            arenas = list(self._all_arenas.values())
-        for arena in arenas:
-            self._destroy_charged(arena, charged=arena.name not in uncharged)
-        self._all_arenas.clear()
+        self.arenas.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -711,14 +501,3 @@ def _chunks(documents: list[tuple[str, list, int]], num_workers: int,
         chunks[min(count - 1, count * middle[0] // middle[1])].append((key, items))
         cumulative += nbytes
     return [chunk for chunk in chunks if chunk]
-
-
-def _destroy(arena: shared_memory.SharedMemory) -> None:
-    try:
-        arena.close()
-    except BufferError:
-        pass  # a view is still alive somewhere; the mapping goes with it
-    try:
-        arena.unlink()
-    except FileNotFoundError:
-        pass

@@ -71,7 +71,7 @@ import benchjson
 
 from disttrain_api.config import CostConfig, ImageConfig
 from disttrain_api.layout import StageModel
-from preprocess_service.core import reorder
+from preprocess_service.core import modalities, reorder
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, check_plan
 from preprocess_service.core.sample import Document, GenImageRef, ImageRef, TextSegment
 from preprocess_service.core.simulate import component_makespans
@@ -196,7 +196,7 @@ def sample_documents(rng: np.random.Generator, n: int, spec: DataSpec, start: in
 
 def sequence_features(docs: list[Document]) -> np.ndarray:
     """float[5] of one packed sequence (columns ENC_T .. GEN)."""
-    image = [t for d in docs for t in d.encoder_tokens]
+    image = [t for d in docs for t in modalities.encoder_tokens(d)]
     lengths = [d.num_tokens for d in docs]
     return np.array([sum(image), sum(t * t for t in image), sum(lengths), sum(n * n for n in lengths),
                      sum(len(d.generated) for d in docs)], dtype=float)

@@ -21,6 +21,7 @@ from typing import Any, cast
 import numpy as np
 
 from disttrain_api.config import CostConfig
+from preprocess_service.core import modalities
 from preprocess_service.core.cost import fit_nonnegative
 
 MODULES = ("encoder", "backbone", "generator")
@@ -39,9 +40,9 @@ class Observation:
 
 def microbatch_features(sequences) -> tuple:
     """The cost-model features of a microbatch's packed sequences (Documents)."""
-    enc = [t for seq in sequences for doc in seq.documents for t in doc.encoder_tokens]
+    enc = [t for seq in sequences for doc in seq.documents for t in modalities.encoder_tokens(doc)]
     lengths = [doc.num_tokens for seq in sequences for doc in seq.documents]
-    gen = sum(len(doc.generated) for seq in sequences for doc in seq.documents)
+    gen = sum(modalities.num_generated(doc) for seq in sequences for doc in seq.documents)
     return ((float(sum(enc)), float(sum(t * t for t in enc))),
             (float(sum(lengths)), float(sum(n * n for n in lengths))), (float(gen),))
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from disttrain_api.config import CostConfig
+from preprocess_service.core import modalities
 from preprocess_service.core.cost import ZERO_COST, SequenceCost, price_sequence
 from preprocess_service.core.sample import Document
 
@@ -30,9 +31,9 @@ class PackedSequence:
 def price(sequence: PackedSequence, config: CostConfig) -> SequenceCost:
     """Prices a packed sequence from its documents' metadata (no pixels needed)."""
     return price_sequence(
-        image_tokens=[t for doc in sequence.documents for t in doc.encoder_tokens],
+        image_tokens=[t for doc in sequence.documents for t in modalities.encoder_tokens(doc)],
         document_lengths=[doc.num_tokens for doc in sequence.documents],
-        num_generated_images=sum(len(doc.generated) for doc in sequence.documents),
+        num_generated_images=sum(modalities.num_generated(doc) for doc in sequence.documents),
         config=config,
     )
 

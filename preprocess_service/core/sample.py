@@ -107,11 +107,6 @@ class Document:
         return tuple(s for s in self.segments if not isinstance(s, TextSegment))
 
     @property
-    def encoder_tokens(self) -> list[int]:
-        """Token count of every image and audio clip the encoders read."""
-        return [s.tokens for s in self.segments if isinstance(s, (ImageRef, AudioRef))]
-
-    @property
     def text_tokens(self) -> int:
         return sum(s.tokens for s in self.segments if isinstance(s, TextSegment))
 

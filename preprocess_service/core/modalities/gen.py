@@ -17,5 +17,6 @@ GEN = register(Modality(
     kind="gen", segment=GenImageRef, code=4, placeholder="gen_id", region="gen_pixels", dtype=np.uint8,
     slot=lambda ref, audio: ((ref.size, ref.size, 3), (ref.size, ref.orientation)),
     region_shape=lambda shapes, nbytes, audio: (len(shapes), *(shapes[0][:2] if shapes else (0, 0)), 3),
+    priced_by="generator",
     check=_one_size,
 ))

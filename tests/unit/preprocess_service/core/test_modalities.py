@@ -8,13 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from disttrain_api.config import AudioConfig
+from disttrain_api.config import AudioConfig, CostConfig
 from preprocess_service.adapters.decode import InlineDecoder
 from preprocess_service.adapters.decode.items import DECODERS, register_decoder
 from preprocess_service.core import modalities
 from preprocess_service.core.assemble import finish, layout_microbatch
+from preprocess_service.core.feedback import microbatch_features
 from preprocess_service.core.modalities import MODALITIES, MODALITY_OF_SEGMENT, Modality
-from preprocess_service.core.packing import PackedSequence
+from preprocess_service.core.packing import PackedSequence, price
 from preprocess_service.core.sample import Document, TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 
@@ -62,6 +63,15 @@ def test_a_new_modality_is_laid_out_decoded_and_delivered(depth):
         assert (arrays["modality"].reshape(-1)[start:end] == 9).all()
         assert (arrays["tokens"].reshape(-1)[start:end] == ByteTokenizer().image_id).all()
     assert arrays["pixels"].size == 0 and arrays["image_spans"].shape == (0, 2)  # the others are still there
+
+
+def test_a_new_modality_is_priced_by_the_module_it_names(depth):
+    config = CostConfig()
+    doc = Document(key="d", shard="mem", segments=(TextSegment("txt", np.arange(5, dtype=np.int32)),
+                                                   DepthRef("depth.bin", 4, 4)))
+    priced = price(PackedSequence(seq_len=32, documents=[doc]), config)
+    assert priced.encoder_s == pytest.approx(config.enc_linear_s * 4 + config.enc_quadratic_s * 16)
+    assert microbatch_features([PackedSequence(seq_len=32, documents=[doc])])[0] == (4.0, 16.0)
 
 
 def test_a_modality_that_clashes_is_refused(depth):

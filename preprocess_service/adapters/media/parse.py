@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
 from disttrain_api.errors import SampleError
@@ -33,16 +35,53 @@ from preprocess_service.core.sample import AudioRef, Document, GenImageRef, Imag
 from preprocess_service.core.tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-_MEMBER = re.compile(r"^(?:(\d+)\.)?(txt|jpg|jpeg|png|webp|flac|wav|mp3|ogg)$")
-_KIND_OF_EXT = {"txt": "text", **{e: "image" for e in IMAGE_EXTENSIONS}, **{e: "audio" for e in audio.AUDIO_EXTENSIONS}}
-_DEFAULT_RANK = {"image": 0, "audio": 1, "text": 2}
+_MEMBER = re.compile(r"^(?:(\d+)\.)?([a-z0-9]+)$")
 CAPTION_MEMBER = "json:caption"
 """Pseudo member of a caption taken from the JSON (no txt member)."""
 
 
+@dataclass(frozen=True)
+class Member:
+    """What the parser needs of a sample to turn one media member into a segment."""
+
+    meta: dict
+    """The sample's JSON."""
+    image: ImageConfig
+    audio: AudioConfig
+    durations: dict[str, float]
+    """Audio members' durations the JSON gives (checked)."""
+
+
+@dataclass(frozen=True)
+class MemberKind:
+    """A kind of tar member: the extensions that are it, its place in a sample's default order
+    (lower first; text is last), and how one member becomes its Document segment (reading only
+    headers, never decoding). The segment's type is a modality record's (core/modalities/)."""
+
+    kind: str
+    extensions: tuple[str, ...]
+    rank: int
+    read: Callable[[str, bytes, Member], Segment]
+
+
+MEMBER_KINDS: dict[str, MemberKind] = {}
+_KIND_OF_EXT: dict[str, str] = {"txt": "text"}
+
+
+def register_member_kind(kind: MemberKind) -> MemberKind:
+    """Adds a kind of member; an extension already taken is refused."""
+    taken = [e for e in kind.extensions if e in _KIND_OF_EXT]
+    if kind.kind in MEMBER_KINDS or taken:
+        raise ValueError(f"member kind {kind.kind!r} clashes with a registered one (extensions {taken})")
+    MEMBER_KINDS[kind.kind] = kind
+    _KIND_OF_EXT.update(dict.fromkeys(kind.extensions, kind.kind))
+    return kind
+
+
 def classify_members(sample: dict) -> dict[str, str]:
-    """{member: "text" | "image" | "audio"} of a raw sample's content members."""
-    return {ext: _KIND_OF_EXT[m.group(2)] for ext in sample if isinstance(ext, str) and (m := _MEMBER.match(ext))}
+    """{member: "text" | a registered kind ("image", "audio", ...)} of a raw sample's content members."""
+    return {ext: _KIND_OF_EXT[m.group(2)] for ext in sample
+            if isinstance(ext, str) and (m := _MEMBER.match(ext)) and m.group(2) in _KIND_OF_EXT}
 
 
 def _member_index(member: str) -> int:
@@ -50,8 +89,12 @@ def _member_index(member: str) -> int:
     return int(match.group(1) or 0) if match else 0
 
 
+def _rank(kind: str) -> int:
+    return MEMBER_KINDS[kind].rank if kind in MEMBER_KINDS else 1 << 30  # text last
+
+
 def _default_order(kinds: dict[str, str]) -> list[str]:
-    return sorted(kinds, key=lambda m: (_DEFAULT_RANK[kinds[m]], _member_index(m), m))
+    return sorted(kinds, key=lambda m: (_rank(kinds[m]), _member_index(m), m))
 
 
 def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokenizer, seq_len: int,
@@ -83,10 +126,9 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
                 segments.append(None)
             elif part in generate:
                 segments.append(_gen_ref(part, sample[part], image_config, generation))
-            elif kinds[part] == "image":
-                segments.append(_image_ref(part, sample[part], image_config))
             else:
-                segments.append(_audio_ref(part, sample[part], durations.get(part), audio_config))
+                context = Member(meta, image_config, audio_config, durations)
+                segments.append(MEMBER_KINDS[kinds[part]].read(part, sample[part], context))
     except SampleError as exc:
         raise SampleError(key, exc.reason, shard, exc.kind) from None
     if not segments:
@@ -271,3 +313,9 @@ def _audio_ref(ext: str, data: bytes, seconds: float | None, config: AudioConfig
             raise SampleError("", f"audio {ext}: {exc}", kind="unreadable_audio") from None
     tokens = config.num_tokens(seconds)
     return AudioRef(member=ext, seconds=seconds, frames=tokens * config.token_stride, tokens=tokens)
+
+
+register_member_kind(MemberKind("image", IMAGE_EXTENSIONS, 0,
+                                lambda member, data, m: _image_ref(member, data, m.image)))
+register_member_kind(MemberKind("audio", audio.AUDIO_EXTENSIONS, 1,
+                                lambda member, data, m: _audio_ref(member, data, m.durations.get(member), m.audio)))

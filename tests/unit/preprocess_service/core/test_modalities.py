@@ -1,5 +1,6 @@
-"""Modalities are records (core/modalities/): a new kind of media is a record and a decoder, and
-layout, the output buffer, decoding and the delivered arrays follow it with no other change."""
+"""Modalities are records (core/modalities/): a new kind of media is a record, a decoder and a
+member kind (which tar members are it, read into its segment), and parsing, pricing, layout, the
+output buffer, decoding and the delivered arrays follow it with no other change."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from disttrain_api.config import AudioConfig, CostConfig
+from disttrain_api.config import AudioConfig, CostConfig, ImageConfig
 from preprocess_service.adapters.decode import InlineDecoder
 from preprocess_service.adapters.decode.items import DECODERS, register_decoder
+from preprocess_service.adapters.media import parse
+from preprocess_service.adapters.media.parse import MEMBER_KINDS, MemberKind, parse_document, register_member_kind
 from preprocess_service.core import modalities
 from preprocess_service.core.assemble import finish, layout_microbatch
 from preprocess_service.core.feedback import microbatch_features
@@ -42,8 +45,27 @@ def depth():
         region_shape=lambda shapes, nbytes, audio: (len(shapes), *(shapes[0] if shapes else (0, 0))),
     ))
     register_decoder("depth", _decode_depth)
+    register_member_kind(MemberKind("depth", ("depth",), 2, _read_depth))
     yield record
-    del MODALITIES["depth"], MODALITY_OF_SEGMENT[DepthRef], DECODERS["depth"]
+    del MODALITIES["depth"], MODALITY_OF_SEGMENT[DepthRef], DECODERS["depth"], MEMBER_KINDS["depth"]
+    del parse._KIND_OF_EXT["depth"]
+
+
+def _read_depth(member: str, data: bytes, sample) -> DepthRef:
+    size = int(len(data) ** 0.5 / 2)  # float32 [size, size]
+    return DepthRef(member, size, size)
+
+
+def test_a_new_modality_is_read_from_its_tar_member_laid_out_decoded_and_delivered(depth):
+    """From the raw sample (a ``.depth`` member beside the caption) to the delivered array."""
+    array = np.arange(16, dtype=np.float32).reshape(4, 4)
+    doc = parse_document({"__key__": "k", "__url__": "mem", "txt": b"a depth map", "depth": array.tobytes()},
+                         image_config=ImageConfig(), tokenizer=ByteTokenizer(), seq_len=64)
+    assert [type(s) for s in doc.segments] == [DepthRef, TextSegment]  # media first, then text (rank)
+    layout = layout_microbatch([PackedSequence(seq_len=64, documents=[doc])], seq_len=64,
+                               tokenizer=ByteTokenizer(), audio_config=AudioConfig())
+    decoded = InlineDecoder(num_threads=1).submit(layout).result()
+    np.testing.assert_array_equal(finish(layout, decoded.buffer).arrays["depth"], array[None])
 
 
 def test_a_new_modality_is_laid_out_decoded_and_delivered(depth):

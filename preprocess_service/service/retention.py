@@ -34,9 +34,8 @@ class MediaRetention:
     def keep(self, doc: Document) -> bool:
         """May ``doc`` keep its encoded bytes until it is decoded? Not one of a local uncompressed
         tar: its bytes are read again by ``pread`` when its microbatch is decoded
-        (ShardReader.rereads_cheaply), and holding them from planning to decoding (the shuffle
-        buffer, the packer and the planned steps) was the server's largest heap item in
-        bench/peers.py. The others are held while the memory budget has room."""
+        (ShardReader.rereads_cheaply), cheaper than holding them through the shuffle buffer, the
+        packer and the planned steps. The others are held while the memory budget has room."""
         if self.reader.rereads_cheaply(doc.shard):
             return False
         nbytes = media_nbytes(doc)

@@ -34,12 +34,8 @@ from disttrain_api.errors import (
 from disttrain_api.spec import config_from_spec, spec_from_config
 from preprocess_service.adapters.decode import MAX_START_FAILURES, DecodePool, InlineDecoder, shm
 from preprocess_service.adapters.infra import metrics, procmem
-from preprocess_service.adapters.infra.budget import MemoryBudget, default_budget_bytes
-from preprocess_service.adapters.io.cache import ShardCache
-from preprocess_service.adapters.io.remote import FetchPolicy
+from preprocess_service.adapters.infra.budget import MemoryBudget
 from preprocess_service.adapters.io.shards import ShardReader
-from preprocess_service.adapters.io.sources import ShardPolicy
-from preprocess_service.adapters.io.tarstream import TarLimits
 from preprocess_service.core.reorder import PLANNERS
 from preprocess_service.service.documents import expand_datasets
 from preprocess_service.service.job import Job, JobRegistry
@@ -68,19 +64,6 @@ SERVER_KEEPALIVE_OPTIONS = [
 ]
 
 
-
-
-def shard_reader(settings: ServiceSettings) -> ShardReader:
-    """A reader configured by ``settings`` (its components' own configs: ShardPolicy, TarLimits,
-    FetchPolicy, ShardCache) with a new cache of remote shards: make one per server."""
-    policy = ShardPolicy(allowed_schemes=settings.allowed_shard_schemes,
-                         allowed_prefixes=settings.allowed_shard_prefixes, max_shards=settings.max_shards)
-    tar_limits = TarLimits(max_member_bytes=settings.max_member_bytes, max_sample_bytes=settings.max_sample_bytes)
-    fetch = FetchPolicy(retries=settings.shard_fetch_retries, backoff_s=settings.shard_fetch_backoff_s,
-                        retry_window_s=settings.shard_fetch_retry_window_s, max_shard_bytes=settings.max_shard_bytes,
-                        min_bytes_per_s=settings.shard_fetch_min_bytes_per_s)
-    return ShardReader(limits=tar_limits, policy=policy, read_timeout_s=settings.shard_read_timeout_s, fetch=fetch,
-                       cache=ShardCache(settings.shard_cache_bytes, settings.shard_cache_dir))
 
 
 DEFAULTS = ServiceSettings()
@@ -112,7 +95,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         self.settings = settings
         self.authenticated = authenticated
         """Token auth is on: a client's identity is its token, and a job belongs to the one that opened it."""
-        self.reader = reader or shard_reader(settings)
+        self.reader = reader or ShardReader.configured(settings)
         """Shared by every job of this server (and its cache of remote shards)."""
         self.budget = self.jobs.budget
         self.streams = StreamLimiter(settings.max_streams_per_client)
@@ -495,7 +478,7 @@ def create_server(address: str = "[::]:0", settings: ServiceSettings = DEFAULTS,
     ServiceUnavailableError, naming the address, if Redis cannot be reached. ``tls`` serves TLS
     (mutual TLS with a client CA)."""
     settings = dataclasses.replace(settings, **overrides) if overrides else settings
-    budget = MemoryBudget(settings.memory_budget_bytes or default_budget_bytes(), wait_s=settings.memory_wait_s)
+    budget = MemoryBudget.configured(settings)
     metrics.watch_budget(budget)
     decoder = create_decoder(settings.decode_workers, budget, wait=False)  # workers start while the rest is set up
     shm.sweep_orphans()  # same-host microbatches a killed server left in /dev/shm
@@ -509,7 +492,7 @@ def create_server(address: str = "[::]:0", settings: ServiceSettings = DEFAULTS,
 def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSettings, *, tls: TlsFiles | None,
            job_options: dict | None):
     jobs = JobRegistry(budget, state_dir=settings.state_dir)
-    reader = shard_reader(settings)
+    reader = ShardReader.configured(settings)
     auth_tokens = settings.tokens()
     if settings.redis_url:
         import os

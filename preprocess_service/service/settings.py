@@ -15,20 +15,23 @@ import dataclasses
 import logging
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain_api.errors import ConfigError
+from preprocess_service.adapters.infra.config import BudgetConfig
+from preprocess_service.adapters.io.config import ReaderConfig
+from preprocess_service.adapters.io.config import setting as _doc
 
 ENV_PREFIX = "DISTTRAIN_"
 
 
-def _doc(text: str, default=None, **kw):
-    return field(default=default, metadata={"help": text}, **kw)
+@dataclass(kw_only=True, frozen=True)
+class ServiceSettings(ReaderConfig, BudgetConfig):
+    """Every setting of the service: its own below, and those of the components it composes (the
+    shard reader's: io/config.ReaderConfig; the memory budget's: infra/config.BudgetConfig), each
+    one name in the file, the environment and on the command line."""
 
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ServiceSettings:
     host: str = _doc("address to listen on", "0.0.0.0")
     port: int = _doc("gRPC port (0: any free port)", 50051)
     metrics_port: int = _doc("Prometheus /metrics port (0: no metrics endpoint)", 9400)
@@ -59,14 +62,6 @@ class ServiceSettings:
                             "overlaps the shard reads; false: at the first stream)", True)
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
-    memory_budget_bytes: int = _doc("bytes all streams and jobs may hold for data: decode buffers and shared "
-                                    "memory, prepared microbatches, kept media; 0: half the machine's or "
-                                    "container's memory", 0)
-    memory_wait_s: float = _doc("seconds a running stream waits for room in the memory budget before it fails "
-                                "RESOURCE_EXHAUSTED (its client resumes it later)", 30.0)
-    memory_sample_s: float = _doc("seconds between samples of the service's resident memory (the server's whole "
-                                  "process tree: decode workers, fork server), which the memory budget counts "
-                                  "beyond its charges; 0: charges only", 0.5)
     max_seq_len: int = _doc("longest packed sequence a job may ask for, tokens", 131_072)
     max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest), "
                                      "bytes", 512 << 20)
@@ -79,37 +74,9 @@ class ServiceSettings:
     shutdown_grace_s: float = _doc("seconds SIGTERM lets open calls finish before the process exits anyway", 10.0)
     job_idle_ttl_s: float = _doc("seconds a job may go without a stream or call before it is closed and "
                                  "freed", 1800.0)
-    allowed_shard_prefixes: tuple[str, ...] = _doc("path or URL prefixes every expanded shard must start with, "
-                                                   "compared after normalising (realpath for paths); empty: any", ())
-    allowed_shard_schemes: tuple[str, ...] = _doc(
-        "shard schemes jobs may use: file (local paths), http, https by default; add pipe (runs a shell command "
-        "per shard) or gs/s3/... (run programs) only on a trusted deployment", ("file", "http", "https"))
-    max_shards: int = _doc("most shards one job's specs may expand to (brace patterns are counted before "
-                           "they are expanded)", 100_000)
-    max_member_bytes: int = _doc("largest tar member read into memory, bytes (checked from the tar header; a "
-                                 "larger member skips its sample)", 64 << 20)
-    max_sample_bytes: int = _doc("largest sum of one sample's tar members, bytes", 128 << 20)
-    shard_read_timeout_s: float = _doc("seconds a shard may send nothing before it is reported and abandoned "
-                                       "(the job goes on); also the timeout of every socket read of a remote shard",
-                                       60.0)
-    shard_cache_bytes: int = _doc("bytes of remote shards (http, https, s3, gs) kept on local disk, so each is "
-                                  "downloaded once and re-read locally; least recently used shards not being read "
-                                  "are evicted; a shard larger than this is streamed uncached; 0: no cache", 8 << 30)
-    shard_cache_dir: str | None = _doc("directory under which the server makes its shard cache directory, removed "
-                                       "when it exits (unset: the system's temp dir, $TMPDIR or /tmp)")
-    shard_fetch_retries: int = _doc("failed attempts in a row (no byte received) before a remote shard is reported "
-                                    "failed and the job goes on without it", 5)
-    shard_fetch_backoff_s: float = _doc("seconds before the first retry of a remote shard, doubled for each next "
-                                        "one (at most 8 s); a dropped download resumes with a Range request", 0.5)
-    shard_fetch_retry_window_s: float = _doc("seconds without a byte from a remote shard after which it is not "
-                                             "retried any more", 60.0)
-    shard_fetch_min_bytes_per_s: int = _doc("slowest download into the shard cache, bytes/s, after "
-                                            "shard_fetch_retry_window_s: a slower one fails and frees its space "
-                                            "(0: no minimum)", 256 << 10)
-    max_shard_bytes: int = _doc("largest remote shard read, bytes (its Content-Length or object size; counted when "
-                                "the server gives none)", 16 << 30)
-
     def __post_init__(self) -> None:
+        self.check_reader()
+        self.check_budget()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -119,34 +86,14 @@ class ServiceSettings:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be a port number, got {getattr(self, name)}")
-        for name in ("prefetch", "max_workers", "max_shards", "max_member_bytes", "max_sample_bytes", "max_seq_len",
-                     "max_microbatch_bytes", "max_shard_bytes"):
+        for name in ("prefetch", "max_workers", "max_seq_len", "max_microbatch_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-
         for name in ("stream_stall_timeout_s", "shutdown_grace_s"):
             if not 0 < getattr(self, name) <= 86400:
                 raise ConfigError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
-        if not 0 <= self.memory_sample_s <= 60:
-            raise ConfigError(f"memory_sample_s must be in [0, 60], got {self.memory_sample_s}")
-        if self.memory_budget_bytes < 0 or not 0 < self.memory_wait_s <= 3600:
-            raise ConfigError(f"memory_budget_bytes must be >= 0 and memory_wait_s in (0, 3600], got "
-                              f"{self.memory_budget_bytes} and {self.memory_wait_s}")
         if not 1 <= self.job_idle_ttl_s <= 30 * 86400:
             raise ConfigError(f"job_idle_ttl_s must be in [1, 2592000], got {self.job_idle_ttl_s}")
-        if not 0 < self.shard_read_timeout_s <= 3600:
-            raise ConfigError(f"shard_read_timeout_s must be in (0, 3600], got {self.shard_read_timeout_s}")
-        if self.shard_cache_bytes < 0 or not 0 <= self.shard_fetch_retries <= 100:
-            raise ConfigError(f"shard_cache_bytes must be >= 0 and shard_fetch_retries in [0, 100], got "
-                              f"{self.shard_cache_bytes} and {self.shard_fetch_retries}")
-        if self.shard_fetch_min_bytes_per_s < 0:
-            raise ConfigError(f"shard_fetch_min_bytes_per_s must be >= 0, got {self.shard_fetch_min_bytes_per_s}")
-        if not 0 <= self.shard_fetch_backoff_s <= 60 or not 0 < self.shard_fetch_retry_window_s <= 3600:
-            raise ConfigError(f"shard_fetch_backoff_s must be in [0, 60] and shard_fetch_retry_window_s in (0, 3600], "
-                              f"got {self.shard_fetch_backoff_s} and {self.shard_fetch_retry_window_s}")
-        if self.max_sample_bytes < self.max_member_bytes:
-            raise ConfigError(f"max_sample_bytes ({self.max_sample_bytes}) is below max_member_bytes "
-                              f"({self.max_member_bytes})")
 
     def tokens(self) -> tuple[str, ...]:
         """auth_tokens plus those of auth_tokens_file."""

@@ -455,11 +455,11 @@ def test_s3_shards_through_s3fs_against_a_local_s3_server(data, tmp_path, monkey
 
 
 def test_the_settings_reach_the_reader(tmp_path):
-    from preprocess_service.service.server import shard_reader
+    from preprocess_service.adapters.io.shards import ShardReader
 
     cfg = settings.load(environ={"DISTTRAIN_SHARD_CACHE_BYTES": "1048576", "DISTTRAIN_SHARD_FETCH_RETRIES": "2",
                                  "DISTTRAIN_SHARD_CACHE_DIR": str(tmp_path)})
-    reader = shard_reader(cfg)
+    reader = ShardReader.configured(cfg)
     assert (reader.cache.max_bytes, reader.cache.parent, reader.fetch.retries) == (1 << 20, str(tmp_path), 2)
     with pytest.raises(Exception, match="shard_cache_bytes"):
         settings.load(environ={"DISTTRAIN_SHARD_CACHE_BYTES": "-1"})

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from disttrain_api.errors import ConfigError, ResourceExhausted
+from preprocess_service.adapters.infra.config import BUDGET_DEFAULTS, BudgetConfig
 
 
 def default_budget_bytes(fraction: float = 0.5) -> int:
@@ -71,7 +72,12 @@ tests/integration/test_memory_e2e.py holds a server under 16 streams to it, meas
 class MemoryBudget:
     """A thread-safe byte counter with a ceiling, stream commitments and a capped cache share."""
 
-    def __init__(self, total_bytes: int, *, wait_s: float = 30.0):
+    @classmethod
+    def configured(cls, config: BudgetConfig) -> MemoryBudget:
+        """The budget ``config`` sets (memory_budget_bytes 0: half the machine's or container's memory)."""
+        return cls(config.memory_budget_bytes or default_budget_bytes(), wait_s=config.memory_wait_s)
+
+    def __init__(self, total_bytes: int, *, wait_s: float = BUDGET_DEFAULTS.memory_wait_s):
         if total_bytes <= 0:
             raise ValueError(f"a memory budget must be positive, got {total_bytes}")
         self.total = int(total_bytes)

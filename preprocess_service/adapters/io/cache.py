@@ -48,10 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preprocess_service.adapters.infra import metrics
+from preprocess_service.adapters.io.config import READER_DEFAULTS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_BYTES = 8 << 30
+DEFAULT_CACHE_BYTES = READER_DEFAULTS.shard_cache_bytes
 """8 GiB: a few dozen LAION shards of 10,000 samples (200-400 MB each)."""
 DEFAULT_OWNER_SHARE = 0.5
 """Most of the cache one owner (a job) may pin or have reserved (``ShardCache.owner_share``)."""

@@ -50,6 +50,7 @@ from typing import Any
 from disttrain_api.errors import ConfigError, PermissionDenied
 from preprocess_service.adapters.io import sources
 from preprocess_service.adapters.io.cache import Claim, ShardCache
+from preprocess_service.adapters.io.config import READER_DEFAULTS
 from preprocess_service.adapters.io.sources import ShardPolicy, Source
 
 log = logging.getLogger(__name__)
@@ -78,15 +79,15 @@ class FetchError(ShardReadError):
 class FetchPolicy:
     """How remote shards are fetched (server settings shard_fetch_*, max_shard_bytes)."""
 
-    retries: int = 5
+    retries: int = READER_DEFAULTS.shard_fetch_retries
     """Failed attempts in a row without a byte received before the shard fails."""
-    backoff_s: float = 0.5
+    backoff_s: float = READER_DEFAULTS.shard_fetch_backoff_s
     """Wait before the first retry, doubled for each next one (at most MAX_BACKOFF_S)."""
-    retry_window_s: float = 60.0
+    retry_window_s: float = READER_DEFAULTS.shard_fetch_retry_window_s
     """Seconds without a byte after which no more retries are made."""
-    max_shard_bytes: int = 16 << 30
+    max_shard_bytes: int = READER_DEFAULTS.max_shard_bytes
     """Largest remote shard read (Content-Length or object size; counted when none is given)."""
-    min_bytes_per_s: int = 256 << 10
+    min_bytes_per_s: int = READER_DEFAULTS.shard_fetch_min_bytes_per_s
     """Least average throughput of a download into the cache, after a grace of retry_window_s
     (256 KiB/s: a 400 MB shard within about 27 minutes); 0: none."""
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from disttrain_api.errors import SampleError
 from preprocess_service.adapters.io import schemes, sources, tarstream
 from preprocess_service.adapters.io.cache import ShardCache
+from preprocess_service.adapters.io.config import READER_DEFAULTS, ReaderConfig
 from preprocess_service.adapters.io.remote import FetchPolicy, Opened, ShardReadError
 from preprocess_service.adapters.io.schemes.local import open_regular
 from preprocess_service.adapters.io.sources import ShardPolicy
@@ -60,7 +61,7 @@ class ShardReader:
 
     limits: TarLimits = field(default_factory=TarLimits)
     policy: ShardPolicy = field(default_factory=ShardPolicy)
-    read_timeout_s: float = 60.0
+    read_timeout_s: float = READER_DEFAULTS.shard_read_timeout_s
     """Seconds a shard may show no progress before it is reported and abandoned; also the
     timeout of every socket operation of a remote read."""
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
@@ -70,6 +71,19 @@ class ShardReader:
     owner: str | None = None
     """Whose share of the cache (ShardCache.owner_share) this reader's pins and downloads count
     against: a job's reader is ``for_owner(job id)``; None: bound by the cache's size alone."""
+
+    @classmethod
+    def configured(cls, config: ReaderConfig) -> ShardReader:
+        """A reader with ``config``'s bounds (its parts' own configs: ShardPolicy, TarLimits,
+        FetchPolicy) and a new cache of remote shards: make one per server."""
+        policy = ShardPolicy(allowed_schemes=config.allowed_shard_schemes,
+                             allowed_prefixes=config.allowed_shard_prefixes, max_shards=config.max_shards)
+        limits = TarLimits(max_member_bytes=config.max_member_bytes, max_sample_bytes=config.max_sample_bytes)
+        fetch = FetchPolicy(retries=config.shard_fetch_retries, backoff_s=config.shard_fetch_backoff_s,
+                            retry_window_s=config.shard_fetch_retry_window_s, max_shard_bytes=config.max_shard_bytes,
+                            min_bytes_per_s=config.shard_fetch_min_bytes_per_s)
+        return cls(limits=limits, policy=policy, read_timeout_s=config.shard_read_timeout_s, fetch=fetch,
+                   cache=ShardCache(config.shard_cache_bytes, config.shard_cache_dir))
 
     def for_owner(self, owner: str) -> ShardReader:
         """This reader for one owner (a job): the same limits and cache, the owner's share of it."""

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from disttrain_api.errors import ConfigError, PermissionDenied
+from preprocess_service.adapters.io.config import DEFAULT_SCHEMES, READER_DEFAULTS
 
 LOCAL_SCHEMES = ("file",)
-DEFAULT_SCHEMES = ("file", "http", "https")
 PROGRAM_SCHEMES = ("pipe", "gsutil", "ais", "sftp", "scp", "hf", "htgs")
 """Schemes webdataset's gopen serves by running a program; refused unless the operator lists them."""
 OBJECT_STORE_SCHEMES = ("s3", "gs")
@@ -57,7 +57,7 @@ class ShardPolicy:
     commands on the server (off by default)."""
     allowed_prefixes: tuple[str, ...] = ()
     """Normalised path or URL prefixes every expanded shard must start with; empty: any."""
-    max_shards: int = 100_000
+    max_shards: int = READER_DEFAULTS.max_shards
     """Most shard names one job may expand to."""
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from disttrain_api.errors import SampleError
+from preprocess_service.adapters.io.config import READER_DEFAULTS
 from preprocess_service.core.sample import NEXT_OFFSET
 
 MAX_HEADER_BLOCK_BYTES = 1 << 20
@@ -47,9 +48,9 @@ ProblemSink = Callable[[SampleError], None]
 class TarLimits:
     """Operator bounds on what one shard may make the service read (server settings)."""
 
-    max_member_bytes: int = 64 << 20
+    max_member_bytes: int = READER_DEFAULTS.max_member_bytes
     """Largest tar member read into memory; a larger one skips its sample (checked from the header)."""
-    max_sample_bytes: int = 128 << 20
+    max_sample_bytes: int = READER_DEFAULTS.max_sample_bytes
     """Largest sum of a sample's member sizes."""
     max_members_per_sample: int = 64
     """Most members one sample may have."""

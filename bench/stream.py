@@ -274,13 +274,13 @@ def prepared_serve() -> None:
     Job.finish_microbatch = timers.timed("finish_microbatch", Job.finish_microbatch)  # wait, media views
     MicrobatchStream._message = timers.timed("serialize", MicrobatchStream._message)  # header + encode
     MicrobatchStream._put = timers.timed("queue_put", MicrobatchStream._put)  # waits while the queue is full
-    scan = shards.ShardReader._scan  # re-reads a non-local shard to find a microbatch's samples
+    scan = shards._scan_file  # re-reads a streamed shard front to back to find a microbatch's samples
 
-    def counted_scan(self, url, keys):
+    def counted_scan(f, url, keys, limits):
         refetched[url] += len(keys)
-        return scan(self, url, keys)
+        return scan(f, url, keys, limits)
 
-    shards.ShardReader._scan = counted_scan
+    shards._scan_file = counted_scan
     produce = MicrobatchStream._produce
 
     def profiled_produce(self, *args):

@@ -217,7 +217,7 @@ class JobFactory(Protocol):
     def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job: ...
 
     def owner(self, job: Job, client: str) -> str:
-        """Who owns the job ``client`` just opened or joined."""
+        """Who owns the job ``client`` just opened or joined (``job.owner``: who opened it here)."""
 
     def find(self, job_id: str) -> tuple[JobConfig, shards.ShardReader] | None:
         """The config of a job opened elsewhere (another replica) and the reader to open it with
@@ -260,7 +260,7 @@ class LocalJobs:
         return job
 
     def owner(self, job: Job, client: str) -> str:
-        return job.owner or client
+        return job.owner  # whoever opened it here
 
     def find(self, job_id: str) -> tuple[JobConfig, shards.ShardReader] | None:
         return None
@@ -298,6 +298,7 @@ class JobRegistry:
         created = None
         if job is None:
             created = job = self.factory.new(config, reader, shard_urls)
+            job.owner = client
         with self._lock:
             job = self._jobs.setdefault(job_id, job)
             job.clients.add(client)

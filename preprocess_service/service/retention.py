@@ -51,9 +51,9 @@ class MediaRetention:
     def drop(self, doc: Document) -> None:
         """Drops a document's encoded bytes and their charge."""
         with self._lock:
-            data, doc.media_bytes = doc.media_bytes, None
-            if data is not None and not self._closed:  # after close() nothing is charged
-                nbytes = sum(len(b) for b in data.values())
+            nbytes = media_nbytes(doc)
+            had, doc.media_bytes = doc.media_bytes is not None, None
+            if had and not self._closed:  # after close() nothing is charged
                 self.held_bytes -= nbytes
                 self.budget.release_cache(nbytes)
 

@@ -15,14 +15,16 @@ import pytest
 from helpers import REPO
 
 
-def test_importing_the_client_loads_no_service_module_or_heavy_dependency():
-    code = ("import json, sys, time\n"
-            "t = time.perf_counter()\n"
-            "import trainer.client\n"
-            "print(json.dumps({'s': time.perf_counter() - t, 'modules': sorted(sys.modules)}))\n")
+def _loaded_by(imports: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``imports``."""
+    code = f"import json, sys\n{imports}\nprint(json.dumps(sorted(sys.modules)))\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          check=True)
-    modules = set(json.loads(out.stdout)["modules"])
+    return set(json.loads(out.stdout))
+
+
+def test_importing_the_client_loads_no_service_module_or_heavy_dependency():
+    modules = _loaded_by("import trainer.client")
     heavy = {"numba", "webdataset", "PIL", "redis", "torchaudio", "simplejpeg", "soundfile", "prometheus_client"}
     assert not heavy & modules, f"import trainer.client loads {sorted(heavy & modules)}"
     service = sorted(m for m in modules if m == "preprocess_service" or m.startswith("preprocess_service."))
@@ -33,13 +35,8 @@ def test_importing_the_client_loads_no_service_module_or_heavy_dependency():
 def test_the_server_process_loads_no_torch_until_it_decodes():
     """The service plans from headers: torch (~1 CPU-second, ~200 MiB per process) is for the
     decoders alone, so the server, the run CLI and the planner's process do not import it."""
-    code = ("import json, sys\n"
-            "import preprocess_service.service.server, preprocess_service.service.cli\n"
-            "import disttrain_tools.runner, preprocess_service.adapters.media.parse\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         check=True)
-    modules = set(json.loads(out.stdout))
+    modules = _loaded_by("import preprocess_service.service.server, preprocess_service.service.cli\n"
+                         "import disttrain_tools.runner, preprocess_service.adapters.media.parse")
     assert not {"torch", "torchaudio", "webdataset"} & modules, sorted({"torch", "torchaudio", "webdataset"} & modules)
     assert {"preprocess_service.adapters.media.imaging", "preprocess_service.adapters.media.audio"} <= modules
 

@@ -451,16 +451,16 @@ def _sample_memory(decoder, budget: MemoryBudget, settings: ServiceSettings, own
 
 
 def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = None, *, wait: bool = True):
-    """The decode stage: a pool of ``decode_workers`` processes (None: one per core), or decoding
+    """The decode stage: a pool of ``decode_workers`` processes (None: one per CPU of the quota), or decoding
     on threads in this process for 0; its buffers are charged to ``budget``. ``wait=False``
     returns while the pool's workers start (DecodePool.wait_ready)."""
     from preprocess_service.adapters.infra.budget import UNLIMITED
 
     budget = budget or UNLIMITED
     if decode_workers == 0:
-        import os
+        from preprocess_service.adapters.infra.cpus import available_cpus
 
-        return InlineDecoder(num_threads=len(os.sched_getaffinity(0)), budget=budget)
+        return InlineDecoder(num_threads=available_cpus(), budget=budget)
     return DecodePool(decode_workers, budget=budget, wait=wait)
 
 

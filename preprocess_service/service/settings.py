@@ -41,7 +41,7 @@ class ServiceSettings(ReaderConfig, BudgetConfig):
                                                 "(its own tokens: a scraper gets no data-plane access)", ())
     metrics_auth_tokens_file: str | None = _doc("file with one /metrics token per line, added to metrics_auth_tokens")
     prefetch: int = _doc("microbatches prepared ahead per stream", 2)
-    decode_workers: int | None = _doc("decode processes (unset: one per core; 0: threads in the server)")
+    decode_workers: int | None = _doc("decode processes (unset: one per CPU of the quota; 0: threads in the server)")
     max_workers: int = _doc("gRPC handler threads: the most concurrent calls (each stream holds one)", 256)
     redis_url: str | None = _doc("Redis of a multi-replica deployment, e.g. redis://redis:6379/0 (unset: single node)")
     replica_id: str | None = _doc("this replica's name in leases (default host:port:pid)")

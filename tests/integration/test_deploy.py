@@ -175,3 +175,19 @@ def test_images_install_the_right_torch_and_run_commands_that_exist():
 
     flags = synth.build_parser().parse_args(demo["command"])
     assert flags.num_shards == 4 and flags.corrupt
+
+
+def test_pods_are_sized_by_their_quota_and_ship_compiled_kernels():
+    """The decode pool sizes itself from the CPU limit, so the service asks for as much as it may
+    use; the planner's kernels are compiled into the image, outside the /tmp emptyDir."""
+    deployment = next(d for d in _k8s_documents() if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] == resources["limits"]["cpu"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    service = (DOCKER / "service.Dockerfile").read_text()
+    cache = re.search(r"NUMBA_CACHE_DIR=(\S+)", service).group(1)
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert not any(cache == m or cache.startswith(m.rstrip("/") + "/") for m in mounts), (cache, mounts)
+    assert "preprocess_service warm" in service and service.index("preprocess_service warm") < service.index("USER ")
+    assert service_cli(["warm"]) == 0  # the command the image runs exists and compiles

@@ -22,7 +22,7 @@ from preprocess_service.adapters.decode.fairqueue import FairQueue, Order
 from preprocess_service.adapters.decode.items import Decoded, missing_reason
 from preprocess_service.adapters.decode.shm import CONTROL_BYTES
 from preprocess_service.adapters.decode.worker import worker_main
-from preprocess_service.adapters.infra import procmem
+from preprocess_service.adapters.infra import cpus, procmem
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
 from preprocess_service.core.assemble import Layout, aligned
 
@@ -80,7 +80,8 @@ class _Worker:
 
 
 class DecodePool:
-    """``num_workers`` decode processes (default: one per core available to this process)."""
+    """``num_workers`` decode processes (default: one per CPU this process may use, cgroup quota
+    included: infra/cpus.py)."""
 
     def __init__(self, num_workers: int | None = None, *, max_in_flight: int = 2, start_timeout_s: float = 120.0,
                  budget: MemoryBudget = UNLIMITED, wait: bool = True):
@@ -88,7 +89,7 @@ class DecodePool:
         False: return at once while they start (``wait_ready()`` waits)."""
         self.budget = budget
         """Every arena is charged to it from creation to destruction (/dev/shm holds it meanwhile)."""
-        self.num_workers = num_workers or len(os.sched_getaffinity(0))
+        self.num_workers = num_workers or cpus.available_cpus()
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.max_in_flight = max_in_flight

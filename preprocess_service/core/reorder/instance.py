@@ -111,3 +111,26 @@ def plan_instance(instance: Instance, method: str, seed: int = 0) -> dict:
     plan = check_plan(instance, PLANNERS[method](instance, np.random.default_rng(seed)))
     return {"format": PLAN_FORMAT, "plan": plan.tolist(),
             "meta": {"method": method, "time_s": time.perf_counter() - start}}
+
+
+def warm_kernels(configs=None) -> int:
+    """Runs every registered planner and the simulator on small random batches of ``configs``
+    (default: a plain 4-stage job and one whose encoder and generator replicas are shared), so
+    numba compiles every kernel signature the planner uses into its cache (NUMBA_CACHE_DIR; the
+    service image does this at build time, so a pod's first step costs no compilation). Returns
+    the planner runs made."""
+    from disttrain_api.config import JobConfig
+
+    if configs is None:
+        configs = [JobConfig(shards=("warm",), dp_size=2, num_microbatches=4, seqs_per_microbatch=2),
+                   JobConfig(shards=("warm",), dp_size=4, num_microbatches=4, seqs_per_microbatch=1,
+                             enc_shared_by=2, gen_shared_by=2)]
+    rng = np.random.default_rng(0)
+    runs = 0
+    for config in configs:
+        D, M, S = config.dp_size, config.num_microbatches, config.seqs_per_microbatch
+        instance = Instance(D=D, M=M, S=S, model=config.stage_model(), costs=rng.random((D * M * S, 3)))
+        for method in PLANNERS:
+            evaluate(instance, PLANNERS[method](instance, np.random.default_rng(runs)))
+            runs += 1
+    return runs

@@ -161,6 +161,7 @@ class CostConfig:
 
 MODALITIES = ("text", "image", "audio")
 """Member kinds a dataset may use (DatasetConfig.modalities)."""
+DEDUP = ("pass", "shard")
 MIX_BY = ("samples", "tokens")
 MIX_EPOCH = ("first_exhausted", "all_exhausted")
 MAX_DATASETS = 256
@@ -242,10 +243,19 @@ class JobConfig:
     """Seed of every random choice: shard order, sample shuffle, random planners."""
     num_epochs: int = 1
     """Passes over the data."""
-    shuffle_buffer: int = 256
-    """Samples in the seeded shuffle buffer (1 = keep shard order)."""
+    shuffle_buffer: int = 4096
+    """Samples shuffled together: the planner reads, permutes and packs blocks of max(this, 1024)
+    documents (1 = keep the read order)."""
     shard_shuffle: bool = True
     """Shuffle the shard order per epoch (seeded)."""
+    open_shards: int = 0
+    """Shards each dataset reads from at once, the next sample drawn from one of them by the seed
+    (0 = 8 with shard_shuffle, else 1: the shards in the given order, one after another)."""
+    dedup: str = "pass"
+    """Duplicate keys: "pass" keeps the first sample of a key read in a dataset's pass, whichever
+    shard it is in (8 bytes of memory per sample read this pass; a restore reads the keys read so
+    far again); "shard" only within a shard (memory and restore independent of the position; a key
+    copied into another shard is another sample)."""
     reorder_algorithm: str = "ours"
     """Registry name of the batch planner (preprocess_service.core.reorder.PLANNERS): which rank trains on which
     sequences, grouped into which microbatches, in which order."""
@@ -282,7 +292,8 @@ class JobConfig:
 
     BOUNDS = {"seq_len": (16, MAX_SEQ_LEN), "dp_size": (1, 65_536), "num_microbatches": (1, 4096),
               "seqs_per_microbatch": (1, 1024), "seed": (0, 2**63 - 1), "num_epochs": (1, 1_000_000),
-              "shuffle_buffer": (1, 1 << 20), "pack_window": (1, 1024), "max_consecutive_errors": (1, 1_000_000)}
+              "shuffle_buffer": (1, 1 << 20), "open_shards": (0, 1024), "pack_window": (1, 1024),
+              "max_consecutive_errors": (1, 1_000_000)}
     """Accepted range of every integer field (INVALID_ARGUMENT outside it); also enc_shared_by and
     gen_shared_by in [1, dp_size], enc_split_by and gen_split_by in [1, MAX_SPLIT], max_error_fraction
     in (0, 1], at most 2^20 sequences per step and 256 stages. A server may lower seq_len's bound
@@ -330,6 +341,7 @@ class JobConfig:
                      (self.image.patch_size, self.image.merge_size),
                      f"dataset {d.name!r}: image.patch_size and image.merge_size must be the job's "
                      f"({self.image.patch_size}, {self.image.merge_size}): one encoder reads every dataset")
+        _require(self.dedup in DEDUP, f"dedup must be one of {list(DEDUP)}, got {self.dedup!r}")
         _require(self.mix_by in MIX_BY, f"mix_by must be one of {list(MIX_BY)}, got {self.mix_by!r}")
         _require(self.mix_epoch in MIX_EPOCH, f"mix_epoch must be one of {list(MIX_EPOCH)}, got {self.mix_epoch!r}")
         _in_range("mix_epoch_samples", self.mix_epoch_samples, 0, 1 << 40)
@@ -366,6 +378,22 @@ class JobConfig:
     def global_batch(self) -> int:
         """Sequences per step."""
         return self.dp_size * self.num_microbatches * self.seqs_per_microbatch
+
+    @property
+    def shards_open(self) -> int:
+        """open_shards with its default resolved."""
+        return self.open_shards or (8 if self.shard_shuffle else 1)
+
+    LAYOUT_FIELDS = ("dp_size", "num_microbatches", "seqs_per_microbatch", "reorder_algorithm", "stage_map",
+                     "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by")
+    """What a job's sequences do not depend on, only their grouping into steps and ranks: a job
+    checkpointed with one value resumes with another (elastic resume) within its lineage."""
+
+    def lineage_id(self) -> str:
+        """A hash of the config without LAYOUT_FIELDS: jobs of one lineage plan the same sequences."""
+        data = {k: v for k, v in self.to_dict().items() if k not in self.LAYOUT_FIELDS}
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return "lineage-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

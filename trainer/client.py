@@ -43,10 +43,10 @@ from disttrain_api import preprocess_pb2_grpc as pb_grpc
 from disttrain_api.channel import SERVICE_NAME, Credentials, channel_options
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import ServiceUnavailableError
-from disttrain_api.spec import spec_from_config
+from disttrain_api.spec import config_from_spec, spec_from_config
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.ABORTED}
 _END = object()
@@ -378,25 +378,37 @@ class DataClient:
 
     # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where this rank is: the next (step, microbatch) it has not been handed."""
-        return {"version": STATE_VERSION, "job_id": self.job_id, "dp_size": self.dp_size,
+        """Where this rank is: the next (step, microbatch) it has not been handed (a few numbers)."""
+        return {"version": STATE_VERSION, "job_id": self.job_id, "lineage": self.lineage_id, "dp_size": self.dp_size,
                 "dp_rank": self.dp_rank, "next_step": self._next[0], "next_microbatch": self._next[1]}
 
+    @property
+    def lineage_id(self) -> str:
+        """The job's lineage (JobConfig.lineage_id): jobs that plan the same sequences in another layout."""
+        return config_from_spec(self.info.spec).lineage_id()
+
     def load_state_dict(self, state: dict) -> None:
-        """Resume at the saved position; the job and topology must match (ValueError otherwise)."""
+        """Resume at the saved position. The same job and rank continue where this rank stood.
+        Another layout of the same lineage (elastic resume: the job restarted with fewer or more
+        ranks, the service continuing the old job's state) continues at the saved step, which must
+        be a step boundary (a checkpoint between steps, as a trainer saves it). ValueError otherwise."""
         if self._thread is not None:
             raise RuntimeError("load_state_dict() must be called before iterating")
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"data client state has version {state.get('version')!r}, expected {STATE_VERSION}")
-        if state["dp_size"] != self.dp_size:
-            raise ValueError(
-                f"data client state was saved with dp_size={state['dp_size']} but this client's job has "
-                f"dp_size={self.dp_size}: a job's data order is planned for its DP size, so a checkpoint "
-                f"cannot move to another one; resume with dp_size={state['dp_size']} (or start a new job)")
-        for name, mine in (("job_id", self.job_id), ("dp_rank", self.dp_rank)):
-            if state[name] != mine:
-                raise ValueError(f"data client state was saved with {name}={state[name]!r} but this client has "
-                                 f"{name}={mine!r}; restore into the same job and rank")
+        same_job = state["job_id"] == self.job_id
+        if not same_job:
+            if state.get("lineage") != self.lineage_id:
+                raise ValueError(f"data client state was saved with job_id={state['job_id']!r} but this client has "
+                                 f"job_id={self.job_id!r}, and the jobs plan different data (not one lineage); restore "
+                                 "into the same job, or one that differs in its layout only (dp_size, microbatches)")
+            if int(state["next_microbatch"]) != 0:
+                raise ValueError(f"data client state stands inside step {state['next_step']} (microbatch "
+                                 f"{state['next_microbatch']}): only a state saved between steps moves to another "
+                                 f"layout (dp_size {state['dp_size']} -> {self.dp_size})")
+        elif state["dp_rank"] != self.dp_rank:
+            raise ValueError(f"data client state was saved with dp_rank={state['dp_rank']!r} but this client has "
+                             f"dp_rank={self.dp_rank!r}; restore into the same job and rank")
         self._next = (int(state["next_step"]), int(state["next_microbatch"]))
 
     # --- iteration ---------------------------------------------------------------------------

@@ -6,15 +6,25 @@ into a global batch -> the job's batch planner (reorder.PLANNERS: which rank, wh
 microbatch, which order) -> StepPlan. The plan of step k is a function of the JobConfig and the
 data alone, so it can be rebuilt anywhere.
 
-The planner is a state machine, not a generator: ``state_dict()`` between two steps holds where
-it stands (epoch, step, shard cursor, the shuffle buffer's and the packer's documents as
-references, the shuffle generator, error counters, the keys read this epoch as 8-byte hashes and
-the cost coefficients), and ``load_state_dict()`` continues from there on any node: the next plan
-equals the one the original planner would have made, with no replanning from step 0. Its cost
-does not grow with the position in the epoch, except the key hashes (8 bytes per sample read this
-epoch, for duplicate detection). Pure: samples are read and parsed through one injected
-DocumentSource (the service's is service/documents.py: shards, the job's parse settings, which
-documents keep their encoded bytes, the shards' side files).
+The planner is a state machine, not a generator, and its state does not grow with the data or the
+position. Documents are planned in blocks of ``max(shuffle_buffer, MIN_BLOCK)`` documents: a
+block is read (each dataset from ``open_shards`` open shards at once, in turn: core/mixture.py),
+permuted by a generator seeded with the block's index, packed, and the packer is flushed at its
+end. A block's sequences are therefore a function of where reading stood when it
+began (its anchor: per dataset the shard order's position and a few numbers per open shard, the
+blend's counts, error counters). ``state_dict()`` between two steps is that anchor plus how many of
+the block's sequences were already batched: a few KB. ``load_state_dict()`` rebuilds the block
+from the anchor (reading one block of samples again) and drops the batched sequences: the next
+plan equals the one the original planner would have made, on any node, at any DP size (the
+sequences do not depend on the layout; the next batch takes the next ``global_batch`` of them).
+
+Duplicate keys (``JobConfig.dedup``): "pass" (default) keeps the first sample of a key read in a
+dataset's pass, in this shard or an earlier one; the key hashes (8 bytes per sample read this
+pass) live in memory, not in the state, and a restore reads them again from the shards read so
+far (their keys only, where the source can: an img2dataset manifest). "shard" keeps the first of a
+key within its shard only, so memory and restore do not grow with the position; a key copied into
+another shard is then a second sample. Pure: samples are read and parsed through one injected
+DocumentSource (the service's is service/documents.py).
 
 The last global batch of an epoch may be short: it gets ceil(n / (D*S)) microbatches per rank,
 padded with empty sequences, so every sample is delivered (no drop_last).
@@ -22,11 +32,11 @@ padded with empty sequences, so every sample is delivered (no drop_last).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
+import itertools
 import math
-import zlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,7 +47,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.core import reorder
 from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
-from preprocess_service.core.mixture import Blend, DatasetCursor, epoch_over
+from preprocess_service.core.mixture import Blend, DatasetCursor, Slot, epoch_over
 from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.core.sample import NEXT_OFFSET, Document
@@ -46,10 +56,12 @@ SkipSink = Callable[[SampleError], None]
 Parse = Callable[[dict], Document]
 """Turns a raw sample (``__key__``, ``__url__``, member -> bytes) into a Document or raises SampleError."""
 
-STATE_VERSION = 2
-"""2: a cursor, key hashes and counts per dataset of the mixture (1: one dataset, still read)."""
-MAX_SEEN_BYTES = 8 << 27
-"""Key hashes a loaded state may hold: 134 million keys (a stored state is data too)."""
+STATE_VERSION = 3
+"""3: a block's anchor and the sequences of it already batched (2: key hashes and the buffer's
+documents; not read any more)."""
+MIN_BLOCK = 1024
+"""Documents per block at least: the packer is flushed at a block's end, so a smaller block would
+pad more (with ``shuffle_buffer`` <= 1 a block is read in order, not permuted)."""
 
 
 class SampleSource(Protocol):
@@ -60,6 +72,10 @@ class SampleSource(Protocol):
 
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
         """The raw samples of ``keys`` in one shard; keys that cannot be read are missing."""
+
+    def shard_keys(self, url: str, limit: int | None = None) -> Iterator[str]:
+        """The keys of the first ``limit`` (None: all) samples ``iter_shard`` yields, in order, as
+        cheaply as the source can (a manifest, else reading the shard); problems are not reported."""
 
 
 class DocumentSource(SampleSource, Protocol):
@@ -95,8 +111,17 @@ class Documents:
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
         return self.samples.read_samples(url, keys)
 
+    def shard_keys(self, url: str, limit: int | None = None) -> Iterator[str]:
+        return keys_by_reading(self.samples, url, limit)
+
     def skipped(self, problem: SampleError) -> None:
         self.on_skip(problem)
+
+
+def keys_by_reading(samples: SampleSource, url: str, limit: int | None = None) -> Iterator[str]:
+    """SampleSource.shard_keys by reading the shard's samples (for sources without a manifest)."""
+    for sample in itertools.islice(samples.iter_shard(url, lambda problem: None), limit):
+        yield sample["__key__"]
 
 
 @dataclass(slots=True)
@@ -174,95 +199,87 @@ class EpochPlanner:
             cursor.start_pass(cfg, epoch, 0)
         self._blend = Blend.of(cfg)
         self._epoch_docs = 0
-        self._rng = np.random.default_rng([cfg.seed, epoch, 0xD15])
-        self._buffer: list[Document] = []
+        self._block = 0
+        """Index in the epoch of the next block to read."""
         self._packer = Packer(cfg.seq_len, cfg.pack_window)
         self._ready: list[PackedSequence] = []
+        self._blocks: deque[tuple[dict, int]] = deque()
+        """(anchor, sequences) of each block that still has sequences in ``_ready``, oldest first."""
+        self._taken = 0
+        """Sequences of the oldest of those blocks already batched."""
         self._drained = False
+        self._failure: DataQualityError | None = None
+        """The error tolerance failed the job while a block was read: its documents read before
+        are planned first, then this is raised (the steps before a failure are still sent)."""
         self._tolerance = ErrorTolerance(cfg.max_consecutive_errors, cfg.max_error_fraction)
         self._seen = [KeySet() for _ in self._cursors]
-        """Hashes of the keys read in each dataset's current pass (keys repeat across datasets)."""
+        """dedup "pass": hashes of the keys read in each dataset's current pass (keys repeat across datasets)."""
+
+    def _anchor(self) -> dict:
+        """Where reading stands at a block boundary: everything the next block is a function of."""
+        return {"epoch": self.epoch, "block": self._block,
+                "datasets": [cursor.state_dict() for cursor in self._cursors],
+                "blend": self._blend.counts.tolist(), "epoch_docs": self._epoch_docs, "totals": self.totals.tolist(),
+                "tolerance": [self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total]}
 
     def state_dict(self) -> dict:
-        """Where planning stands between two steps: small, JSON-serialisable, versioned."""
-        def refs(docs):
-            return [[doc.shard, doc.key] for doc in docs]
-
-        return {
-            "version": STATE_VERSION, "fingerprint": self.fingerprint,
-            "epoch": self.epoch, "step": self.step, "done": self.done,
-            "datasets": [{**cursor.state_dict(), "seen": _pack_hashes(seen)}
-                         for cursor, seen in zip(self._cursors, self._seen)],
-            "blend": self._blend.counts.tolist(), "epoch_docs": self._epoch_docs, "totals": self.totals.tolist(),
-            "rng": self._rng.bit_generator.state,
-            "buffer": refs(self._buffer),
-            "packer": [refs(seq.documents) for seq in self._packer.open],
-            "ready": [refs(seq.documents) for seq in self._ready],
-            "drained": self._drained,
-            "tolerance": [self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total],
-            "cost": {name: getattr(self.cost, name) for name in COST_FIELDS},
-        }
+        """Where planning stands between two steps: small (its size does not depend on the data or
+        the position), JSON-serialisable, versioned."""
+        anchor, taken = (self._blocks[0][0], self._taken) if self._blocks else (self._anchor(), 0)
+        return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "step": self.step, "done": self.done,
+                "anchor": anchor, "taken": taken,
+                "cost": {name: getattr(self.cost, name) for name in COST_FIELDS}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continues from ``state``: the documents it names are re-read (by key) and re-parsed,
-        so resuming costs about one shuffle buffer of reads wherever in the epoch it happens."""
+        """Continues from ``state``: the block it names is read again from its anchor, and the
+        duplicate-key hashes of the pass are rebuilt from the shards read so far."""
         version = state.get("version") if isinstance(state, dict) else state
-        if version == 1:  # one dataset: its cursor and key hashes at the top level
-            state = {**state, "datasets": [{**state["cursor"], "seen": state["seen"]}],
-                     "blend": [0], "epoch_docs": 0, "totals": [[0, 0]]}
-        elif version != STATE_VERSION:
+        if version != STATE_VERSION:
             raise ValueError(f"planner state version {version!r} is not {STATE_VERSION}")
-        if len(state["datasets"]) != len(self._cursors) or len(state["blend"]) != len(self._cursors):
-            raise ValueError(f"planner state of {len(state['datasets'])} datasets, this job has {len(self._cursors)}")
+        anchor = state["anchor"]
+        if len(anchor["datasets"]) != len(self._cursors) or len(anchor["blend"]) != len(self._cursors):
+            raise ValueError(f"planner state of {len(anchor['datasets'])} datasets, this job has {len(self._cursors)}")
         saved = state.get("fingerprint", "")
         if saved != self.fingerprint:
             raise ValueError(f"planner state planned with tokenizer file {saved[:12] or 'byte'!r}, this job's is "
                              f"{self.fingerprint[:12] or 'byte'!r}: the file changed, so would the plans")
-        self._start_epoch(int(state["epoch"]), int(state["step"]))
+        self._start_epoch(int(anchor["epoch"]), int(state["step"]))
         self.done = bool(state["done"])
-        room = MAX_SEEN_BYTES  # one bound over every dataset's key hashes
-        for i, (cursor, saved) in enumerate(zip(self._cursors, state["datasets"])):
-            cursor.load_state_dict(saved, self.config, self.epoch)
-            hashes = _unpack_hashes(saved["seen"], room)
-            room -= hashes.nbytes
-            self._seen[i] = KeySet(hashes)
-        self._blend.counts = np.array(state["blend"], dtype=np.int64)
-        self._epoch_docs = int(state["epoch_docs"])
-        self.totals = np.array(state["totals"], dtype=np.int64).reshape(len(self._cursors), 2)
-        self._rng.bit_generator.state = state["rng"]
-        self._drained = bool(state["drained"])
-        t = state["tolerance"]
+        self._block = int(anchor["block"])
+        for cursor, saved_cursor in zip(self._cursors, anchor["datasets"]):
+            cursor.load_state_dict(saved_cursor, self.config, self.epoch)
+        self._blend.counts = np.array(anchor["blend"], dtype=np.int64)
+        self._epoch_docs = int(anchor["epoch_docs"])
+        self.totals = np.array(anchor["totals"], dtype=np.int64).reshape(len(self._cursors), 2)
+        t = anchor["tolerance"]
         self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total = (int(x) for x in t)
         self.cost = dataclasses.replace(self.config.cost, **state["cost"])
-        wanted = [*state["buffer"], *(r for seq in state["packer"] for r in seq),
-                  *(r for seq in state["ready"] for r in seq)]
-        docs = self._reread(wanted)
+        for cursor in self._cursors:
+            self._replay_keys(cursor)
+        taken = int(state["taken"])
+        if taken and not self.done:
+            self._read_block()
+            if not self._blocks or taken > self._blocks[0][1]:
+                raise ValueError(f"planner state: {taken} sequences of a block that packs fewer (the data changed)")
+            del self._ready[:taken]
+            self._taken = taken
 
-        def pick(ref_list):
-            return [docs[tuple(ref)] for ref in ref_list if tuple(ref) in docs]
-
-        self._buffer = pick(state["buffer"])
-        self._packer.open = [PackedSequence(seq_len=self.config.seq_len, documents=pick(refs))
-                             for refs in state["packer"]]
-        self._ready = [PackedSequence(seq_len=self.config.seq_len, documents=pick(refs)) for refs in state["ready"]]
-
-    def _reread(self, refs: list) -> dict[tuple[str, str], Document]:
-        by_shard: dict[str, set[str]] = {}
-        for shard, key in refs:
-            by_shard.setdefault(shard, set()).add(key)
-        docs = {}
-        for shard, keys in by_shard.items():
-            found = self.source.read_samples(shard, keys)
-            for key in keys:
-                sample = found.get(key)
-                if sample is None:
-                    self.source.skipped(SampleError(key, "could not be re-read when planning resumed (the shard "
-                                                    "changed or cannot be read)", shard, "resume_reread"))
-                    continue
-                doc = self._parse(sample, shard)
-                if doc is not None:
-                    docs[(shard, key)] = doc
-        return docs
+    def _replay_keys(self, cursor: DatasetCursor) -> None:
+        """The key hashes of what the pass read before the anchor (for duplicate detection)."""
+        by_pass = self.config.dedup == "pass"
+        seen = self._seen[cursor.index]
+        if by_pass:
+            for position in cursor.read_through():
+                for key in self.source.shard_keys(cursor.order[position]):
+                    seen.add(_key_hash(key))
+        for slot in cursor.slots:
+            if slot.samples:
+                hashes = (_key_hash(k) for k in self.source.shard_keys(cursor.order[slot.position], slot.samples))
+                if by_pass:
+                    for digest in hashes:
+                        seen.add(digest)
+                else:
+                    slot.keys = set(hashes)
 
     # --- planning ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[StepPlan]:
@@ -273,10 +290,12 @@ class EpochPlanner:
         """The plan of step ``self.step``, or None once every epoch is planned."""
         cfg = self.config
         while not self.done:
-            while len(self._ready) < cfg.global_batch and self._advance():
-                pass
+            while len(self._ready) < cfg.global_batch and not self._drained and self._failure is None:
+                self._read_block()
+            if not self._ready and self._failure is not None:
+                raise self._failure
             if self._ready:
-                batch, self._ready = self._ready[:cfg.global_batch], self._ready[cfg.global_batch:]
+                batch = self._take(cfg.global_batch)
                 for seq in batch:  # priced now: a refit between two steps prices every later step
                     seq.cost = price(seq, self.cost)
                 plan = self._plan_batch(batch, self.step, self.epoch)
@@ -287,43 +306,51 @@ class EpochPlanner:
             self._next_epoch()
         return None
 
+    def _take(self, count: int) -> list[PackedSequence]:
+        batch, self._ready = self._ready[:count], self._ready[count:]
+        self._taken += len(batch)
+        while self._blocks and self._taken >= self._blocks[0][1]:
+            self._taken -= self._blocks.popleft()[1]
+        return batch
+
     def _next_epoch(self) -> None:
         if self.epoch + 1 >= self.config.num_epochs:
             self.done = True
         else:
             self._start_epoch(self.epoch + 1, self.step)
 
-    def _advance(self) -> bool:
-        """Moves one document through the shuffle buffer and the packer; False once the epoch's
-        documents are all packed (the open sequences are then ready too)."""
-        if self._drained:
-            return False
-        size = self.config.shuffle_buffer
-        doc = self._next_document()
-        out: Document | None
-        if doc is not None and size <= 1:
-            out = doc
-        elif doc is not None:
-            self._buffer.append(doc)
-            out = self._pop() if len(self._buffer) >= size else None
-        elif self._buffer:
-            out = self._pop()
-        else:
-            self._emit(self._packer.flush())
-            self._drained = True
-            return False
-        if out is not None:
-            self._emit(self._packer.add(out))
-        return True
+    @property
+    def block_size(self) -> int:
+        return max(self.config.shuffle_buffer, MIN_BLOCK)
 
-    def _pop(self) -> Document:
-        buffer = self._buffer
-        index = int(self._rng.integers(len(buffer)))
-        buffer[index], buffer[-1] = buffer[-1], buffer[index]
-        return buffer.pop()
-
-    def _emit(self, sequences: list[PackedSequence]) -> None:
+    def _read_block(self) -> None:
+        """Reads, permutes and packs the next block; sets ``_drained`` once the epoch has no more
+        documents. The permutation comes from a generator seeded with the block's index."""
+        cfg = self.config
+        anchor = self._anchor()
+        rng = np.random.default_rng([cfg.seed, self.epoch, self._block, 0xB10C])
+        self._block += 1
+        docs: list[Document] = []
+        try:
+            while len(docs) < self.block_size:
+                doc = self._next_document()
+                if doc is None:
+                    self._drained = True
+                    break
+                docs.append(doc)
+        except DataQualityError as exc:
+            if not docs:
+                raise
+            self._failure = exc
+        if not docs:
+            return
+        order = rng.permutation(len(docs)) if cfg.shuffle_buffer > 1 else range(len(docs))
+        sequences: list[PackedSequence] = []
+        for i in order:
+            sequences.extend(self._packer.add(docs[i]))
+        sequences.extend(self._packer.flush())
         self._ready.extend(sequences)
+        self._blocks.append((anchor, len(sequences)))
 
     def _problem(self, exc: SampleError) -> None:
         self.source.skipped(exc)
@@ -359,31 +386,42 @@ class EpochPlanner:
         return None
 
     def _read_from(self, cursor: DatasetCursor) -> Document | None:
-        """The next document of one dataset's pass, or None when the pass is over. Any fault of one
-        sample (reading, parsing, tokenizing, pricing; any exception) skips and reports that sample
-        only. A key already read in this pass of the dataset, in this or another of its shards, is
-        a duplicate: the first sample is kept, the later ones reported."""
+        """The next document of one dataset's pass, from its open shards in turn (mixture.py), or
+        None when the pass is over. Any fault of one sample (reading, parsing, tokenizing,
+        pricing; any exception) skips and reports that sample only. A key read before (dedup
+        "pass": in this pass of the dataset, in any of its shards; "shard": in this shard) is a
+        duplicate: the first sample is kept, the later ones reported."""
+        by_pass = self.config.dedup == "pass"
         seen = self._seen[cursor.index]
-        while cursor.shard < len(cursor.order):
-            url = cursor.order[cursor.shard]
-            if cursor.samples is None:
-                start = cursor.cursor if cursor.cursor["samples"] else None
-                cursor.samples = iter(self.source.iter_shard(url, self._problem, start))
-            for sample in cursor.samples:
-                cursor.cursor = {"samples": cursor.cursor["samples"] + 1, "offset": sample.get(NEXT_OFFSET)}
-                key = sample["__key__"]
-                digest = _key_hash(key)
-                if digest in seen:
-                    self._problem(SampleError(key, "the key was already read this epoch (from an earlier shard or "
-                                              "sample); the first sample with this key is kept", url, "duplicate_key"))
-                    continue
-                seen.add(digest)
-                doc = self._parse(sample, url)
-                if doc is None:
-                    continue
-                self._tolerance.succeeded()
+        while (slot := cursor.slot(self.config.shards_open)) is not None:
+            url = cursor.order[slot.position]
+            if slot.iterator is None:
+                start = {"samples": slot.samples, "offset": slot.offset} if slot.samples else None
+                slot.iterator = iter(self.source.iter_shard(url, self._problem, start))
+            doc = self._read_slot(slot, url, seen if by_pass else slot.keys, by_pass)
+            cursor.advance(ended=doc is None)
+            if doc is not None:
                 return doc
-            cursor.next_shard()
+        return None
+
+    def _read_slot(self, slot: Slot, url: str, seen, by_pass: bool) -> Document | None:
+        assert slot.iterator is not None
+        for sample in slot.iterator:
+            slot.samples += 1
+            slot.offset = sample.get(NEXT_OFFSET)
+            key = sample["__key__"]
+            digest = _key_hash(key)
+            if digest in seen:
+                where = "from an earlier shard or sample" if by_pass else "earlier in this shard"
+                self._problem(SampleError(key, f"the key was already read this epoch ({where}); the first sample "
+                                          "with this key is kept", url, "duplicate_key"))
+                continue
+            seen.add(digest)
+            doc = self._parse(sample, url)
+            if doc is None:
+                continue
+            self._tolerance.succeeded()
+            return doc
         return None
 
     def dataset_counts(self) -> list[dict]:
@@ -423,8 +461,9 @@ class EpochPlanner:
 
 
 class KeySet:
-    """Hashes of the keys read this epoch, 8 bytes per key: a sorted uint64 array, plus the recent
-    ones in a set merged in when it reaches an eighth of the array (O(n log n) over an epoch)."""
+    """Hashes of the keys read this pass, 8 bytes per key (in memory, never in the state): a sorted
+    uint64 array, plus the recent ones in a set merged in when it reaches an eighth of the array
+    (O(n log n) over an epoch)."""
 
     def __init__(self, hashes: np.ndarray | None = None):
         self._sorted = np.sort(np.asarray(hashes, dtype=np.uint64)) if hashes is not None \
@@ -454,19 +493,6 @@ class KeySet:
     def to_array(self) -> np.ndarray:
         self._merge()
         return self._sorted
-
-
-def _pack_hashes(keys: KeySet) -> str:
-    return base64.b64encode(zlib.compress(keys.to_array().tobytes(), 1)).decode("ascii")
-
-
-def _unpack_hashes(text: str, limit: int = MAX_SEEN_BYTES) -> np.ndarray:
-    packed = zlib.decompressobj()
-    raw = packed.decompress(base64.b64decode(text), limit)
-    if packed.unconsumed_tail or len(raw) % 8:
-        raise ValueError(f"planner state: the key hashes are not a whole number of 8-byte hashes within "
-                         f"{MAX_SEEN_BYTES} bytes")
-    return np.frombuffer(raw, dtype=np.uint64)
 
 
 def _key_hash(key: str) -> int:

@@ -19,6 +19,7 @@ from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.adapters.io import img2dataset, shards, sources
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
 from preprocess_service.adapters.media.parse import parse_document
+from preprocess_service.core.planner import keys_by_reading
 from preprocess_service.core.sample import Document
 from preprocess_service.core.tokenizer import Tokenizer
 
@@ -168,6 +169,9 @@ class JobDocuments:
 
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
         return self.reader.read_samples(url, keys)
+
+    def shard_keys(self, url: str, limit: int | None = None) -> Iterator[str]:
+        return keys_by_reading(self.reader, url, limit)
 
     def skipped(self, problem: SampleError) -> None:
         self.on_skip(problem)

@@ -49,7 +49,7 @@ class Job:
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *,
                  reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[list[str]] | None = None,
                  budget: MemoryBudget = UNLIMITED, plans: Callable[[Job], PlanSource] | None = None,
-                 retain_steps: int = 4, snapshot_every: int = 16):
+                 retain_steps: int = 4, snapshot_every: int = 1):
         self.config = config
         self.job_id = config.job_id()
         self.reader = reader.for_owner(self.job_id)
@@ -226,9 +226,10 @@ class JobFactory(Protocol):
 
 class LocalJobs:
     """Jobs in this process. With ``state_dir``, every acknowledgement that moves a job's lowest
-    acknowledged step writes the job's state (``Job.state_dict()``) to ``state_dir/JOB_ID.json``
-    (atomically), and a job opened again (the same config, after a restart of this node) continues
-    from it: at the acknowledged step, planning at most ``snapshot_every`` steps, not from step 0."""
+    acknowledged step writes the job's state (``Job.state_dict()``) to ``state_dir/LINEAGE.json``
+    (atomically; JobConfig.lineage_id), and a job of that lineage opened later (the same config
+    after a restart of this node, or the same data with another layout, e.g. fewer ranks after a
+    node was lost) continues from it at the acknowledged step, not from step 0."""
 
     def __init__(self, budget: MemoryBudget = UNLIMITED, state_dir: str | Path | None = None):
         self.budget = budget
@@ -240,7 +241,7 @@ class LocalJobs:
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
         if self.state_dir is None:
             return job
-        path = self.state_dir / f"{job.job_id}.json"
+        path = self.state_dir / f"{config.lineage_id()}.json"  # a job of another layout continues it (elastic)
         job.on_acknowledged = functools.partial(_save_state, job, path, threading.Lock())
         try:
             state = json.loads(path.read_text())
@@ -251,7 +252,8 @@ class LocalJobs:
             return job
         try:
             job.load_state_dict(state)
-            log.info("job %s: resumed from %s at step %s", job.job_id, path, state.get("snapshot_step"))
+            log.info("job %s: resumed from %s at step %s (saved by job %s, dp_size %s)", job.job_id, path,
+                     state.get("snapshot_step"), state.get("job_id"), state.get("dp_size"))
             return job
         except (ValueError, KeyError, TypeError) as exc:  # e.g. planned with another tokenizer file
             log.warning("job %s: cannot resume from %s (%s); planning from step 0", job.job_id, path, exc)

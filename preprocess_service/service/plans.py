@@ -27,7 +27,8 @@ from preprocess_service.service.retention import MediaRetention
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: the lineage, layout and acknowledged step (elastic resume); the planner state of core/planner.py."""
 REPORT_WAIT_S = 30.0
 """How long a timing report waits for a step being planned."""
 
@@ -94,7 +95,7 @@ class LocalPlans:
     """Plans made in this process by one EpochPlanner, in a bounded window; thread-safe."""
 
     def __init__(self, config: JobConfig, documents: JobDocuments, retention: MediaRetention, skips: SkipLog,
-                 *, retain_steps: int = 4, snapshot_every: int = 16):
+                 *, retain_steps: int = 4, snapshot_every: int = 1):
         self.config, self.job_id = config, config.job_id()
         self.retention, self.skips = retention, skips
         self.planner = EpochPlanner(config, documents.dataset_urls, documents)
@@ -171,11 +172,9 @@ class LocalPlans:
             if self._failure is not None or self._planning_done:
                 return
         try:
-            if self.planner.step % self.snapshot_every == 0 and not self.planner.done:
-                snapshot = self.planner.state_dict()
-                with self._lock:
-                    self._snapshots[self.planner.step] = snapshot
+            self._snapshot()
             plan = self.planner.next_plan()
+            self._snapshot()  # the state at the frontier too: an acknowledgement there resumes exactly
         except Exception as exc:  # the planner is broken: every later call must see why
             with self._lock:
                 self._failure = exc if isinstance(exc, DataQualityError) else \
@@ -195,6 +194,14 @@ class LocalPlans:
             self.num_planned_samples += sum(1 for _ in plan.documents())
             self._release_through(self._next_step - 1 - self.retain_steps)
 
+    def _snapshot(self) -> None:
+        """Keeps the planner's state before its next step (a few KB), every ``snapshot_every`` steps."""
+        step = self.planner.step
+        if step % self.snapshot_every == 0 and not self.planner.done and step not in self._snapshots:
+            snapshot = self.planner.state_dict()
+            with self._lock:
+                self._snapshots[step] = snapshot
+
     def num_steps(self) -> int:
         with self._lock:
             return self._next_step if self._planning_done else -1
@@ -206,28 +213,47 @@ class LocalPlans:
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What a restarted node needs to continue at the acknowledged step: versioned,
-        JSON-serialisable, its size independent of the position in the epoch (but for the
-        planner's key hashes, 8 bytes per sample read this epoch)."""
+        JSON-serialisable, a few KB wherever in the epoch (the planner's state at that step)."""
         with self._lock:
             acked = min((self._acked.get(r, 0) for r in range(self.config.dp_size)), default=0)
             base = max((s for s in self._snapshots if s <= acked), default=None)
-            return {"version": STATE_VERSION, "job_id": self.job_id,
+            return {"version": STATE_VERSION, "job_id": self.job_id, "lineage": self.config.lineage_id(),
+                    "dp_size": self.config.dp_size, "acked_step": acked,
                     "acked": {str(r): s for r, s in self._acked.items()},
                     "snapshot_step": base, "planner": self._snapshots.get(base)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from ``state`` (before any plan was made): the planner resumes at the snapshot
-        step, so the acknowledged step is reached by planning at most ``snapshot_every`` steps."""
-        if state.get("version") != STATE_VERSION or state.get("job_id") != self.job_id:
-            raise ValueError(f"job state (version {state.get('version')}, job {state.get('job_id')!r}) does not "
-                             f"belong to job {self.job_id!r} version {STATE_VERSION}")
+        step, so the acknowledged step is reached by planning at most ``snapshot_every`` steps.
+
+        Elastic resume: a state of another job of this lineage (the same data and sequences, another
+        layout: JobConfig.LAYOUT_FIELDS, e.g. dp_size 8 -> 6) continues at its acknowledged step,
+        every rank of this layout from there, the planner taking the next ``global_batch`` sequences
+        of the same stream. That needs the planner's state at exactly that step (ValueError if the
+        state holds an earlier one only)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"job state version {state.get('version')!r} is not {STATE_VERSION}")
+        elastic = state.get("job_id") != self.job_id
+        if elastic and state.get("lineage") != self.config.lineage_id():
+            raise ValueError(f"job state of job {state.get('job_id')!r} does not belong to job {self.job_id!r} "
+                             "or its lineage (the same data with another layout)")
+        if elastic and state["planner"] is not None and state.get("snapshot_step") != state.get("acked_step"):
+            raise ValueError(f"job state of job {state.get('job_id')!r} holds the planner at step "
+                             f"{state.get('snapshot_step')}, not at its acknowledged step {state.get('acked_step')}: "
+                             "it cannot move to another layout")
         with self._plan_lock:  # not the plans' lock: the planner charges re-read media under it
             if self._next_step:
                 raise RuntimeError("load_state_dict() must be called before planning")
             if state["planner"] is not None:
                 self.planner.load_state_dict(state["planner"])
             with self._lock:
-                self._acked = {int(r): int(s) for r, s in state["acked"].items()}
+                if elastic:
+                    step = int(state["acked_step"])
+                    self._acked = {r: step for r in range(self.config.dp_size)}
+                    log.info("job %s continues job %s at step %d: dp_size %s -> %d", self.job_id,
+                             state.get("job_id"), step, state.get("dp_size"), self.config.dp_size)
+                else:
+                    self._acked = {int(r): int(s) for r, s in state["acked"].items()}
                 if state["planner"] is not None:
                     step = int(state["snapshot_step"])
                     self._snapshots = {step: state["planner"]}

@@ -200,16 +200,24 @@ def test_the_client_passes_the_state_round_trip_harness(dataset, service):
     assert len({step for step, _, _ in steps}) >= 3
 
 
-def test_state_from_another_topology_is_refused(dataset, service):
+def test_state_moves_to_another_layout_between_steps_within_its_lineage(dataset, service):
+    """Elastic resume on the client: a rank's state moves to a job of the same data with another
+    dp_size at a step boundary; inside a step, or into a job of other data, it is refused."""
     address, _ = service
     with DataClient(address, _config(dataset, dp_size=2), 1) as client:
-        state = client.state_dict()
+        state = {**client.state_dict(), "next_step": 3}
     with DataClient(address, _config(dataset, dp_size=1), 0) as other:
-        with pytest.raises(ValueError, match="saved with dp_size=2 but this client's job has dp_size=1"):
-            other.load_state_dict(state)
+        assert other.lineage_id == state["lineage"] and other.job_id != state["job_id"]
+        other.load_state_dict(state)
+        assert (other.state_dict()["next_step"], other.state_dict()["next_microbatch"]) == (3, 0)
+        with pytest.raises(ValueError, match="stands inside step 3"):
+            other.load_state_dict({**state, "next_microbatch": 1})
     with DataClient(address, _config(dataset, seed=99), 1) as other_job:
-        with pytest.raises(ValueError, match="saved with job_id="):
+        with pytest.raises(ValueError, match="not one lineage"):
             other_job.load_state_dict(state)
+    with DataClient(address, _config(dataset, dp_size=2), 0) as other_rank:
+        with pytest.raises(ValueError, match="saved with dp_rank=1"):
+            other_rank.load_state_dict({**state, "job_id": other_rank.job_id})
     state = {**state, "version": 99}
     with DataClient(address, _config(dataset, dp_size=2), 1) as same:
         with pytest.raises(ValueError, match="version 99"):

@@ -214,4 +214,39 @@ def test_a_mixture_planner_passes_the_state_round_trip_harness(tmp_path, rule):
         return None if plan is None else [(d.dataset, d.key) for d in plan.documents()]
 
     steps, states = check_resumes(make, advance, at=lambda n: (1, n // 3, n // 2, n - 1))
-    assert len({d for step in steps for d, _ in step}) == 2 and states[-1]["datasets"]
+    assert len({d for step in steps for d, _ in step}) == 2 and states[-1]["anchor"]["datasets"]
+
+
+def test_seeking_a_cursor_by_position_continues_as_reading_up_to_it_does():
+    """Waves of open shards read in rounds: where reading stands after p samples is a function of p
+    and the shards' sizes (mixture.seek_cursor), so a far position is reached without reading."""
+    from preprocess_service.core.mixture import DatasetCursor, seek_cursor
+
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(0, 9, size=23)
+    sizes[5] = 0  # an empty shard
+    urls = [f"s{i}" for i in range(len(sizes))]
+    config = JobConfig(shards=tuple(urls), seed=4)
+
+    def read(cursor, k, limit=None):
+        """(shard, sample index) in reading order, reading shards of ``sizes`` through the cursor's turns."""
+        out = []
+        while (slot := cursor.slot(k)) is not None and (limit is None or len(out) < limit):
+            size = sizes[urls.index(cursor.order[slot.position])]
+            ended = slot.samples >= size
+            if not ended:
+                out.append((cursor.order[slot.position], slot.samples))
+                slot.samples += 1
+            cursor.advance(ended)
+        return out
+
+    for k in (1, 3, 8):
+        whole = DatasetCursor(urls, 0)
+        whole.start_pass(config, 0, 0)
+        everything = read(whole, k)
+        assert len(everything) == sizes.sum() and len(set(everything)) == len(everything)
+        for p in {0, 1, 2, 7, 30, 31, len(everything) // 2, len(everything) - 1, len(everything)}:
+            cursor = DatasetCursor(urls, 0)
+            cursor.start_pass(config, 0, 0)
+            seek_cursor(cursor, sizes, k, p)
+            assert read(cursor, k) == everything[p:], (k, p)

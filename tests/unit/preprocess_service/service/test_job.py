@@ -28,8 +28,8 @@ def _same_epoch(got: Job, want: Job) -> int:
 
 
 def test_a_job_holds_no_encoded_bytes_of_local_plain_tars_and_delivers_the_same(tmp_path):
-    """Planning holds none of a local plain tar's encoded bytes (not in the shuffle buffer, the
-    packer or the planned steps) and charges none to the budget: each microbatch's samples are
+    """Planning holds none of a local plain tar's encoded bytes (not in the planned block or the
+    planned steps) and charges none to the budget: each microbatch's samples are
     read again by pread when it is decoded, and equal those of the same shards compressed, whose
     bytes the job held."""
     from preprocess_service.adapters.infra.budget import MemoryBudget
@@ -49,11 +49,14 @@ def test_a_job_holds_no_encoded_bytes_of_local_plain_tars_and_delivers_the_same(
     lean, held = Job(config("plain"), budget=budget), Job(config("gz"), retain_steps=1000)
     lean.step_plan(0)
     held.step_plan(0)
-    assert lean.plans.planner._buffer and held.plans.planner._buffer
-    assert all(doc.media_bytes is None for doc in lean.plans.planner._buffer)
+    def block(job):  # the planned block's documents not yet in a step
+        return [doc for seq in job.plans.planner._ready for doc in seq.documents]
+
+    assert block(lean) and block(held)
+    assert all(doc.media_bytes is None for doc in block(lean))
     assert all(doc.media_bytes is None for doc in lean.step_plan(0).documents())
     assert lean.retention.held_bytes == 0 and budget.used == 0
-    assert held.retention.held_bytes > 0 and any(doc.media_bytes for doc in held.plans.planner._buffer)
+    assert held.retention.held_bytes > 0 and any(doc.media_bytes for doc in block(held))
     _same_epoch(lean, held)
     assert not lean.report()["skipped"]
 

@@ -1,5 +1,6 @@
-"""The state contract: shard cursor, planner (shuffle buffer, packer, key hashes) and job resume at
-step k from a small state, with no replanning from step 0; plans are dropped on acknowledge."""
+"""The state contract: shard cursor, planner (a block's anchor) and job resume at step k from a
+small state, with no replanning from step 0, also at another dp_size (elastic); plans are dropped
+on acknowledge."""
 
 import gzip
 import json
@@ -8,7 +9,7 @@ import pytest
 
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import NotFoundError
-from helpers import check_resumes, jpeg_bytes, write_tiny_shards
+from helpers import check_resumes, jpeg_bytes, shard_keys, write_tiny_shards
 from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.core.sample import NEXT_OFFSET
@@ -65,28 +66,19 @@ def test_planner_resumed_from_its_state_at_any_step_plans_what_the_original_plan
     plans, states = check_resumes(make, advance, at=lambda n: (1, n // 2, n // 2 + 1, n - 1))  # helpers.py
     assert len({p[1] for p in plans}) == 2, "two epochs"
     assert {e.kind for e in skipped} >= {"unreadable_image", "duplicate_key"}
-    assert len(json.dumps(states[len(plans) // 2])) < 8_000, "a small state: references, not documents"
-    middle = states[len(plans) // 2]
-    [dataset] = middle["datasets"]  # a version-1 state (before mixtures) still resumes to the same plans
-    version1 = {key: value for key, value in middle.items() if key not in ("datasets", "blend", "epoch_docs",
-                                                                            "totals", "fingerprint")}
-    version1.update(version=1, cursor={k: dataset[k] for k in ("shard", "samples", "offset")}, seen=dataset["seen"])
-    resumed = EpochPlanner(config, reader.expand(config.shards), Documents(reader, job.documents.parse_only))
-    resumed.load_state_dict(version1)
-    assert [_signature(p) for p in resumed] == plans[len(plans) // 2:]
+    assert max(len(json.dumps(state)) for state in states) < 4_000, "a few numbers per open shard, no keys"
+    middle = max(states[1:], key=lambda state: state["taken"])
+    assert middle["taken"] > 0, "resumed inside a block: its sequences rebuilt from the anchor"
     other_tokenizer = EpochPlanner(config, reader.expand(config.shards),
                                    Documents(reader, job.documents.parse_only, fingerprint="0f" * 32))
     with pytest.raises(ValueError, match="tokenizer file"):
         other_tokenizer.load_state_dict(middle)
-    with pytest.raises(ValueError, match="version"):
-        resumed.load_state_dict({**states[1], "version": 99})
-    import base64
-    import zlib
-
-    for seen in (b"x" * 9, bytes(8 * ((1 << 27) + 1))):  # not whole hashes; more than the bound
-        with pytest.raises(ValueError, match="8-byte hashes"):
-            bad = [{**states[1]["datasets"][0], "seen": base64.b64encode(zlib.compress(seen)).decode()}]
-            resumed.load_state_dict({**states[1], "datasets": bad})
+    resumed = EpochPlanner(config, reader.expand(config.shards), Documents(reader, job.documents.parse_only))
+    for version in (1, 2, 99):  # 1 and 2 held key hashes and buffered documents: replanned from step 0
+        with pytest.raises(ValueError, match="version"):
+            resumed.load_state_dict({**states[1], "version": version})
+    with pytest.raises(ValueError, match="packs fewer"):  # a state naming more sequences than its block packs
+        resumed.load_state_dict({**middle, "taken": 10_000})
 
 
 def test_a_restarted_job_continues_at_the_acknowledged_step_and_plans_are_dropped(tmp_path):
@@ -125,7 +117,7 @@ def test_a_node_restarted_with_a_state_dir_reopens_the_job_at_its_acknowledged_s
     want = [_signature(job.step_plan(s)) for s in range(num_steps)]
     for rank in range(config.dp_size):
         job.acknowledge(rank, num_steps - 2)
-    saved = tmp_path / "state" / f"{job.job_id}.json"
+    saved = tmp_path / "state" / f"{config.lineage_id()}.json"
     assert json.loads(saved.read_text())["acked"] == {"0": num_steps - 2, "1": num_steps - 2}
     first.close()
 
@@ -160,3 +152,42 @@ def test_the_round_trip_harness_fails_a_part_that_forgets_part_of_its_state():
 
     with pytest.raises(AssertionError, match="resumed at step"):
         check_resumes(Counter, advance)
+
+
+def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path):
+    """A job checkpointed at dp_size 8 resumes at 6, then at 12, twice within one epoch, over real
+    shards (with a cross-shard duplicate and a bad sample): every sample is planned exactly once."""
+    from preprocess_service.service.job import JobRegistry
+
+    paths = write_tiny_shards(tmp_path / "data", num_shards=6, samples_per_shard=40,
+                              extra={"99999bad": {"jpg": b"\xff\xd8 not a jpeg", "txt": b"x"},
+                                     "000010001": {"jpg": jpeg_bytes(64, 64), "txt": b"a copy of shard 1's"}})
+    base = dict(shards=(str(tmp_path / "data"),), seq_len=1024, num_microbatches=1, seqs_per_microbatch=1,
+                shuffle_buffer=64, open_shards=3, pack_window=3, max_error_fraction=1.0)
+    state_dir = tmp_path / "state"
+    delivered: list[tuple[str, str]] = []
+    skipped: set[tuple[str, str]] = set()
+    layouts = []
+    for dp_size, steps in ((8, 3), (6, 4), (12, None)):
+        registry = JobRegistry(state_dir=state_dir)
+        job = registry.open(JobConfig(dp_size=dp_size, **base))
+        start = job.plans.state_dict()["acked_step"] if layouts else 0
+        if layouts:
+            with pytest.raises(NotFoundError):
+                job.step_plan(start - 1)  # continues at the acknowledged step, not from 0
+        step = start
+        while (plan := job.step_plan(step)) is not None and (steps is None or step < start + steps):
+            assert plan.assignment.shape[0] == dp_size
+            delivered += [(doc.shard, doc.key) for doc in plan.documents()]
+            step += 1
+        for rank in range(dp_size):
+            job.acknowledge(rank, step)
+        layouts.append((dp_size, start, step))
+        skipped |= {(r.shard, r.key) for r in job.report()["skipped"]}
+        registry.close()
+    assert [d for d, _, _ in layouts] == [8, 6, 12] and layouts[1][1] == 3 and layouts[2][1] == 7
+    everything = {(str(p), k) for p in paths for k in shard_keys([p])}
+    assert len(delivered) == len({k for _, k in delivered}), "no key repeated across the layout changes"
+    lost = everything - set(delivered) - {(s, k) for s, k in skipped}
+    assert not lost, sorted(lost)[:5]
+    assert {k for _, k in skipped} >= {"000010001", "99999bad"}, "the cross-shard copy and the bad one reported"

@@ -13,8 +13,8 @@ import typing
 from disttrain_api.config import JobConfig, field_defaults, field_help
 
 JOB_ARGUMENTS = ("seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs",
-                 "shuffle_buffer", "shard_shuffle", "open_shards", "dedup", "pack_window", "reorder_algorithm",
-                 "stage_map",
+                 "shuffle_buffer", "shard_shuffle", "open_shards", "dedup", "manifests", "pack_window",
+                 "reorder_algorithm", "stage_map",
                  "enc_shared_by", "gen_shared_by", "cost_feedback", "max_consecutive_errors", "max_error_fraction",
                  "tokenizer", "mix_by", "mix_epoch", "mix_epoch_samples")
 """The scalar JobConfig fields a CLI offers (shards, image, audio, generation and cost are set otherwise)."""

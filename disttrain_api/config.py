@@ -162,6 +162,7 @@ class CostConfig:
 MODALITIES = ("text", "image", "audio")
 """Member kinds a dataset may use (DatasetConfig.modalities)."""
 DEDUP = ("pass", "shard")
+MANIFESTS = ("auto", "off")
 MIX_BY = ("samples", "tokens")
 MIX_EPOCH = ("first_exhausted", "all_exhausted")
 MAX_DATASETS = 256
@@ -244,13 +245,18 @@ class JobConfig:
     num_epochs: int = 1
     """Passes over the data."""
     shuffle_buffer: int = 4096
-    """Samples shuffled together: the planner reads, permutes and packs blocks of max(this, 1024)
-    documents (1 = keep the read order)."""
+    """Samples shuffled together: the planner reads, permutes and packs blocks of this many
+    documents (the packer is flushed at a block's end, so blocks of a few hundred or fewer pad
+    more); 1 = keep the read order (blocks of 1024, not permuted)."""
     shard_shuffle: bool = True
     """Shuffle the shard order per epoch (seeded)."""
     open_shards: int = 0
     """Shards each dataset reads from at once, the next sample drawn from one of them by the seed
     (0 = 8 with shard_shuffle, else 1: the shards in the given order, one after another)."""
+    manifests: str = "auto"
+    """"auto": a local shard whose img2dataset parquet describes plain image-caption rows is planned
+    from the parquet alone (its tar is read only to decode the planned samples); "off": every shard
+    is read as a tar."""
     dedup: str = "pass"
     """Duplicate keys: "pass" keeps the first sample of a key read in a dataset's pass, whichever
     shard it is in (8 bytes of memory per sample read this pass; a restore reads the keys read so
@@ -341,6 +347,7 @@ class JobConfig:
                      (self.image.patch_size, self.image.merge_size),
                      f"dataset {d.name!r}: image.patch_size and image.merge_size must be the job's "
                      f"({self.image.patch_size}, {self.image.merge_size}): one encoder reads every dataset")
+        _require(self.manifests in MANIFESTS, f"manifests must be one of {list(MANIFESTS)}, got {self.manifests!r}")
         _require(self.dedup in DEDUP, f"dedup must be one of {list(DEDUP)}, got {self.dedup!r}")
         _require(self.mix_by in MIX_BY, f"mix_by must be one of {list(MIX_BY)}, got {self.mix_by!r}")
         _require(self.mix_epoch in MIX_EPOCH, f"mix_epoch must be one of {list(MIX_EPOCH)}, got {self.mix_epoch!r}")

@@ -174,8 +174,16 @@ def run_job(config: JobConfig, *, address: str | None = None, prefetch: int = 4,
                        "num_samples": b.num_samples, "iteration_s": b.iteration_s,
                        "arrival_iteration_s": b.arrival_iteration_s, "lower_bound_s": b.lower_bound_s}
                       for b in report.step_balance],
-        shard_keys=all_keys(list(info.shard_urls)), seconds=seconds,
+        shard_keys=all_keys(_listed(info)), seconds=seconds,
         datasets=_dataset_rows(info, report), num_epochs=config.num_epochs)
+
+
+def _listed(info: pb.JobInfo) -> list[str]:
+    """Every shard of the job, which the exactly-once check reads the keys of."""
+    if info.num_shards > len(info.shard_urls):
+        raise SystemExit(f"run's exactly-once check reads every shard's keys; this job has {info.num_shards} "
+                         f"shards, more than the service lists ({len(info.shard_urls)}): train with DataClient instead")
+    return list(info.shard_urls)
 
 
 def _dataset_rows(info: pb.JobInfo, report: pb.JobReport) -> list[dict]:

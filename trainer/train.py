@@ -19,6 +19,13 @@ its own DP group, takes one optimizer step per global batch, and logs per-step t
 each rank's busy/idle time (the bubble). With --checkpoint-dir every rank saves its module,
 optimizer and (backbone stage 0) the data client's state at step boundaries, and a restart
 continues from the newest complete checkpoint with exactly the data it would have had.
+
+Elastic restart: a run restarted with another number of processes (a node lost: --bb-dp 2 -> 1,
+or more ranks) continues from the newest complete checkpoint when only data-parallel sizes
+changed (the same pipeline stages and TP degrees): each rank loads the weights and optimizer of
+the saved rank in its place at DP replica 0 (data parallelism keeps replicas equal), and the data
+clients continue the job's lineage at that step with the new dp_size (the service plans the next
+global batches of the same sequence stream; every sample of the epoch is still delivered once).
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ def parse(argv):
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--log-json", type=Path, help="rank 0 appends one JSON line per step here")
     p.add_argument("--save-params", type=Path, help="every rank writes its module's final parameters here")
+    p.add_argument("--keys-log", type=Path, help="each data rank appends a STEP KEY line per sample it receives to "
+                                                "DIR/bbD.keys (D: its data-parallel rank)")
     p.add_argument("--feedback", action="store_true",
                    help="report each microbatch's measured stage times; the service refits its cost model")
     return p.parse_args(argv)
@@ -191,15 +200,51 @@ def checkpoint_path(directory: Path, step: int, rank: int) -> Path:
 
 
 def latest_checkpoint(directory: Path | None, world: int) -> int:
-    """The newest step every rank saved (0: none)."""
+    """The newest step every rank of the run that saved it saved (its ``layout.json`` names its
+    world size; without one, ``world``); 0: none."""
     if directory is None or not directory.exists():
         return 0
     steps = sorted((int(d.name[4:]) for d in directory.glob("step*")
-                    if all((d / f"rank{r}.pt").exists() for r in range(world))), reverse=True)
+                    if all((d / f"rank{r}.pt").exists() for r in range(saved_world(d, world)))), reverse=True)
     return steps[0] if steps else 0
 
 
 LAYOUT_FIELDS = ("enc_dp", "bb_dp", "bb_pp", "gen_dp", "enc_tp", "bb_tp", "gen_tp")
+
+
+def saved_world(step_dir: Path, default: int) -> int:
+    try:
+        return int(json.loads((step_dir / "layout.json").read_text())["world"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+def saved_layout(directory: Path, step: int) -> PipelineLayout | None:
+    """The layout the checkpoint of ``step`` was saved with (None: an older checkpoint without one)."""
+    try:
+        saved = json.loads((checkpoint_path(directory, step, 0).parent / "layout.json").read_text())
+        return PipelineLayout(*(int(saved[name]) for name in LAYOUT_FIELDS))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def source_rank(saved: PipelineLayout, layout: PipelineLayout, rank: int) -> int:
+    """The saved rank whose weights ``rank`` of ``layout`` loads: its own place at DP replica 0 of the
+    saved layout (a backbone rank: its own DP index where the saved layout had it). SystemExit when
+    the layouts differ in more than data-parallel sizes."""
+    for name in ("bb_pp", "enc_tp", "bb_tp", "gen_tp"):
+        if getattr(saved, name) != getattr(layout, name):
+            raise SystemExit(f"the checkpoint was saved with {name}={getattr(saved, name)}, this run has "
+                             f"{getattr(layout, name)}: only data-parallel sizes may change on a restart")
+    if (saved.enc_dp == 0) != (layout.enc_dp == 0) or (saved.gen_dp == 0) != (layout.gen_dp == 0):
+        raise SystemExit("the checkpoint's encoder or generator placement (monolithic or not) differs from this run's")
+    role, tp = layout.role(rank), layout.tp_rank(rank)
+    if role[0] == "enc":
+        return saved.enc_rank(0, tp)
+    if role[0] == "gen":
+        return saved.gen_rank(0, tp)
+    dp = role[1] if role[1] < saved.bb_dp else 0  # its own data rank where it existed (the same data client)
+    return saved.bb_rank(dp, role[2], tp)
 
 
 def settle_layout(args, rank: int, world: int, start: int, control=None,
@@ -212,8 +257,9 @@ def settle_layout(args, rank: int, world: int, start: int, control=None,
     n = len(LAYOUT_FIELDS)
     vec = torch.zeros(n + 2 + Measured.SIZE, dtype=torch.float64)
     if rank == 0:
+        elastic = start and saved_world(checkpoint_path(args.checkpoint_dir, start, 0).parent, world) != world
         saved = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False,
-                           map_location="cpu", mmap=True).get("orchestration") if start else None
+                           map_location="cpu", mmap=True).get("orchestration") if start and not elastic else None
         if saved is not None:
             vec = torch.tensor(saved, dtype=torch.float64)
         else:
@@ -304,20 +350,26 @@ def main(argv=None) -> int:
     sizes = {name: len(ranks) for name, ranks in layout.groups().items()}
     connect(channels, message_pairs(layout, args.num_microbatches), device)  # NCCL connects lazily: not in a step
     worker = build_worker(args, layout, rank, groups, cost, device, channels, stage0)
+    if args.keys_log and getattr(worker, "client", None) is not None:
+        args.keys_log.mkdir(parents=True, exist_ok=True)
+        worker.keys_log = args.keys_log / f"bb{worker.dp}.keys"
     group = layout.group_of(rank)
     params = worker.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     source = layout.bb_rank(0, 0)  # reads the first microbatch of every step
     traces = {}
     if start:
+        saved = saved_layout(args.checkpoint_dir, start)
+        loaded = rank if saved is None or saved == layout else source_rank(saved, layout, rank)
         # on the host: load_state_dict moves AdamW's moments to their parameters' device and keeps its
         # step counts on the host (on a GPU they would cost a sync each per parameter and step)
-        state = torch.load(checkpoint_path(args.checkpoint_dir, start, rank), weights_only=False, map_location="cpu")
+        state = torch.load(checkpoint_path(args.checkpoint_dir, start, loaded), weights_only=False,
+                           map_location="cpu")
         for p, saved in zip(params, state["params"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         if getattr(worker, "client", None) is not None:
-            worker.client.load_state_dict(state["data"])
+            worker.client.load_state_dict(state["data"])  # another layout: continues the job's lineage
     counter = HostSyncCounter().install() if args.count_host_syncs else None
     counting = counter.counting if counter else contextlib.nullcontext
     for step in range(start, args.steps):
@@ -400,6 +452,9 @@ def _feed_back(worker, layout: PipelineLayout, step: int, bubble: float, control
 def _save(args, step: int, rank: int, worker, params, optimizer, settled: list[float]) -> None:
     path = checkpoint_path(args.checkpoint_dir, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # what a restart with another number of processes maps its ranks from
+        layout = {name: int(getattr(args, name)) for name in LAYOUT_FIELDS}
+        (path.parent / "layout.json").write_text(json.dumps({**layout, "world": int(dist.get_world_size())}))
     state = {"params": [p.detach() for p in params], "optimizer": optimizer.state_dict(), "orchestration": settled}
     if getattr(worker, "client", None) is not None:
         state["data"] = worker.client.state_dict()

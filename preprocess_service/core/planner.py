@@ -7,7 +7,7 @@ microbatch, which order) -> StepPlan. The plan of step k is a function of the Jo
 data alone, so it can be rebuilt anywhere.
 
 The planner is a state machine, not a generator, and its state does not grow with the data or the
-position. Documents are planned in blocks of ``max(shuffle_buffer, MIN_BLOCK)`` documents: a
+position. Documents are planned in blocks of ``shuffle_buffer`` documents (UNSHUFFLED_BLOCK for 1): a
 block is read (each dataset from ``open_shards`` open shards at once, in turn: core/mixture.py),
 permuted by a generator seeded with the block's index, packed, and the packer is flushed at its
 end. A block's sequences are therefore a function of where reading stood when it
@@ -47,7 +47,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.core import reorder
 from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
-from preprocess_service.core.mixture import Blend, DatasetCursor, Slot, epoch_over
+from preprocess_service.core.mixture import Blend, DatasetCursor, Slot, epoch_over, seek_cursor
 from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.core.sample import NEXT_OFFSET, Document
@@ -59,9 +59,9 @@ Parse = Callable[[dict], Document]
 STATE_VERSION = 3
 """3: a block's anchor and the sequences of it already batched (2: key hashes and the buffer's
 documents; not read any more)."""
-MIN_BLOCK = 1024
-"""Documents per block at least: the packer is flushed at a block's end, so a smaller block would
-pad more (with ``shuffle_buffer`` <= 1 a block is read in order, not permuted)."""
+UNSHUFFLED_BLOCK = 1024
+"""Documents per block with ``shuffle_buffer`` 1 (read in order, not permuted): the packer is
+flushed at a block's end, so blocks of one document would pad each to a sequence."""
 
 
 class SampleSource(Protocol):
@@ -281,6 +281,25 @@ class EpochPlanner:
                 else:
                     slot.keys = set(hashes)
 
+    def seek(self, samples: int, shard_sizes: np.ndarray, step: int) -> int:
+        """Moves a one-dataset planner at the start of its epoch to the block holding the epoch's
+        sample ``samples``, without reading what comes before: the shard order and the waves are a
+        function of the position given every shard's sample count (``shard_sizes`` in the listed
+        order, e.g. from manifests). Returns the block's first sample. Exact when every sample
+        gives a document. Two things are not functions of the position: the step number (how many
+        sequences the earlier blocks packed; the caller gives it) and, with dedup "pass", the key
+        hashes of everything read before (rebuilt here by reading every earlier shard's keys)."""
+        if len(self._cursors) != 1 or self._epoch_docs or self._ready:
+            raise ValueError("seek() needs a one-dataset planner at the start of an epoch")
+        start = samples // self.block_size * self.block_size
+        cursor = self._cursors[0]
+        seek_cursor(cursor, shard_sizes, self.config.shards_open, start)
+        self._block, self._epoch_docs, self.step = start // self.block_size, start, step
+        self._blend.counts[0] = start
+        self.totals[0, 0] += start
+        self._replay_keys(cursor)
+        return start
+
     # --- planning ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[StepPlan]:
         while (plan := self.next_plan()) is not None:
@@ -321,7 +340,7 @@ class EpochPlanner:
 
     @property
     def block_size(self) -> int:
-        return max(self.config.shuffle_buffer, MIN_BLOCK)
+        return self.config.shuffle_buffer if self.config.shuffle_buffer > 1 else UNSHUFFLED_BLOCK
 
     def _read_block(self) -> None:
         """Reads, permutes and packs the next block; sets ``_drained`` once the epoch has no more

@@ -119,7 +119,7 @@ def _status_text(info, report) -> str:
     total = f"of {info.num_steps}" if report.planning_done else "(planning goes on)"
     sent_steps = report.num_sent_microbatches / max(1, info.spec.dp_size * info.spec.num_microbatches)
     lines = [f"job {info.job_id}: {info.spec.dp_size} ranks x {info.spec.num_microbatches} microbatches x "
-             f"{info.spec.seqs_per_microbatch} sequences of {info.spec.seq_len} tokens, {len(info.shard_urls)} shards",
+             f"{info.spec.seqs_per_microbatch} sequences of {info.spec.seq_len} tokens, {info.num_shards} shards",
              f"  planned  {report.num_planned_steps} steps {total}, {report.num_planned_samples} samples",
              f"  sent     {report.num_sent_microbatches} microbatches (~{sent_steps:.1f} steps)",
              f"  skipped  {len(report.skipped)} samples"

@@ -4,6 +4,13 @@ DocumentSource the core planner reads through (core/planner.py).
 Around the planner's reads it decides what the core must not know: which parsed documents keep
 their encoded bytes until they are decoded (a MediaRetention: the memory budget's policy), and a
 shard's img2dataset side files (its failed downloads, reported when a pass starts the shard).
+
+Plans from manifests: a local shard whose img2dataset parquet is plain (every successful row one
+image and a caption with its stored size: ``Manifest.plannable``) is planned from the parquet
+alone. Its samples are the parquet's successful rows, in order, their images sized from the
+``width``/``height`` columns and their text the ``caption`` column; the tar is not read until a
+planned sample is decoded, by its members' offsets (ShardReader.read_samples). Other shards are
+read as tars.
 Skipped samples go to the sink it was made with (the job's report, or a replica's batch for Redis)."""
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from disttrain_api.config import MODALITIES, DatasetConfig, JobConfig
 from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.adapters.io import img2dataset, shards, sources
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
-from preprocess_service.adapters.media.parse import parse_document
+from preprocess_service.adapters.media.parse import KnownImage, parse_document
 from preprocess_service.core.planner import keys_by_reading
 from preprocess_service.core.sample import Document
 from preprocess_service.core.tokenizer import Tokenizer
@@ -26,6 +33,8 @@ from preprocess_service.core.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 SkipSink = Callable[[SampleError], None]
+FROM_MANIFEST = "__manifest__"
+"""Marks a raw sample made from a shard's manifest row: no encoded bytes (read at decode)."""
 REPORT_WAIT_S = 30.0
 """How long a report waits for side files being read."""
 MANIFEST_DEFER_S = 10.0
@@ -133,6 +142,14 @@ class SideFiles:
                     self._lock.notify_all()
 
 
+def _manifest_samples(url: str, manifest: img2dataset.Manifest, first: int) -> Iterator[dict]:
+    """Raw samples of a shard's manifest rows from ``first`` on: key, caption, the image's size."""
+    for i in range(first, manifest.num_samples):
+        caption = manifest.captions[i] or ""
+        yield {"__key__": manifest.keys[i], "__url__": url, "txt": caption.encode("utf-8", "replace"),
+               "jpg": KnownImage(int(manifest.width[i]), int(manifest.height[i])), FROM_MANIFEST: True}
+
+
 @dataclass
 class JobDocuments:
     """The job's DocumentSource: its datasets' shards through ``reader``, parsed with the settings
@@ -165,12 +182,25 @@ class JobDocuments:
     def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None) -> Iterator[dict]:
         if start is None:
             self._shard_started(url)
+        manifest = self.manifest(url)
+        if manifest is not None:
+            return _manifest_samples(url, manifest, int((start or {}).get("samples", 0)))
         return self.reader.iter_shard(url, on_problem, start)
+
+    def manifest(self, url: str) -> img2dataset.Manifest | None:
+        """The shard's img2dataset manifest if the shard is planned from it (module docstring)."""
+        if self.config.manifests == "off":
+            return None
+        manifest = img2dataset.read_manifest(url)
+        return manifest if manifest is not None and manifest.plannable else None
 
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
         return self.reader.read_samples(url, keys)
 
     def shard_keys(self, url: str, limit: int | None = None) -> Iterator[str]:
+        manifest = self.manifest(url)
+        if manifest is not None:
+            return iter(manifest.keys[:limit])
         return keys_by_reading(self.reader, url, limit)
 
     def skipped(self, problem: SampleError) -> None:
@@ -179,7 +209,7 @@ class JobDocuments:
     def parse(self, sample: dict) -> Document:
         """A Document of ``sample`` with its dataset's settings, holding its bytes if ``keep`` says so."""
         doc = self.parse_only(sample)
-        if doc.media_bytes is not None and not self.keep(doc):
+        if sample.get(FROM_MANIFEST) or (doc.media_bytes is not None and not self.keep(doc)):
             doc.media_bytes = None
         return doc
 

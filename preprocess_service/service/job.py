@@ -301,6 +301,7 @@ class JobRegistry:
         if job is None:
             created = job = self.factory.new(config, reader, shard_urls)
             job.owner = client
+            self._continue_lineage(job, client)
         with self._lock:
             job = self._jobs.setdefault(job_id, job)
             job.clients.add(client)
@@ -309,6 +310,32 @@ class JobRegistry:
             job.plan_ahead()
         job.touch()
         return job
+
+    def _continue_lineage(self, job: Job, client: str) -> None:
+        """Elastic resume in a running service: a new job of the lineage of a job open here (the
+        same data, another layout: a trainer restarted with fewer or more ranks) continues from
+        that job's acknowledged step, as a restarted node does from its state_dir. Only a job
+        planned here (LocalPlans) and not resumed already; with token auth, only the same owner's."""
+        if not isinstance(job.plans, LocalPlans) or job.plans.state_dict()["planner"] is not None:
+            return
+        lineage = job.config.lineage_id()
+        with self._lock:
+            previous = [other for other in self._jobs.values() if other.job_id != job.job_id
+                        and other.config.lineage_id() == lineage and isinstance(other.plans, LocalPlans)
+                        and (other.owner == client or not other.owner.startswith("token:"))]
+        if not previous:
+            return
+        newest = max(previous, key=lambda other: other.plans.state_dict()["acked_step"])
+        state = newest.plans.state_dict()
+        if not state["acked_step"]:
+            return
+        try:
+            job.load_state_dict(state)
+            log.info("job %s continues job %s of its lineage at step %d (dp_size %d -> %d)", job.job_id,
+                     newest.job_id, state["acked_step"], newest.config.dp_size, job.config.dp_size)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("job %s: cannot continue job %s of its lineage (%s); planning from step 0", job.job_id,
+                        newest.job_id, exc)
 
     def close_job(self, job_id: str) -> int:
         """Closes and forgets a job; returns the number of streams that were ended."""

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.io import shards
+from preprocess_service.adapters.media.parse import IMAGE_EXTENSIONS
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.sample import Document
 
@@ -84,7 +85,19 @@ class MediaRetention:
             for doc, data in pairs:
                 if data is None and doc.media:
                     sample = fetched.get((doc.shard, doc.key), {})
-                    data = {m.member: sample[m.member] for m in doc.media if m.member in sample}
+                    data = {m.member: found for m in doc.media if (found := _member(sample, m.member)) is not None}
                 documents.append(dataclasses.replace(doc, media_bytes=data))
             out.append(dataclasses.replace(seq, documents=documents))
         return out
+
+
+def _member(sample: dict, member: str) -> bytes | None:
+    """A re-read sample's member. An image member it lacks is its only image member under another
+    extension (a sample planned from an img2dataset manifest names its image "jpg"; the tar may
+    store png or webp): the decoder reads the format from the bytes."""
+    if member in sample:
+        return sample[member]
+    if member not in IMAGE_EXTENSIONS:
+        return None
+    images = [ext for ext in sample if ext in IMAGE_EXTENSIONS]
+    return sample[images[0]] if len(images) == 1 else None

@@ -51,6 +51,8 @@ from preprocess_service.service.settings import ServiceSettings
 from preprocess_service.service.streams import MicrobatchStream, StreamCounters, abort_rpc, status_of
 
 log = logging.getLogger(__name__)
+MAX_LISTED_SHARDS = 100_000
+"""JobInfo lists at most this many shard URLs (every rank asks for it; a million would be ~30 MB)."""
 
 SERVER_KEEPALIVE_OPTIONS = [
     # the server pings its clients too: a vanished peer's connection (and its stream) is closed
@@ -136,7 +138,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _info(self, job: Job) -> pb.JobInfo:
         return pb.JobInfo(job_id=job.job_id, spec=spec_from_config(job.config),
                           global_batch_sequences=job.config.global_batch, num_steps=job.num_steps(),
-                          shard_urls=job.shard_urls, tokenizer=pb.TokenizerInfo(**job.tokenizer_info))
+                          shard_urls=job.shard_urls[:MAX_LISTED_SHARDS], num_shards=len(job.shard_urls),
+                          tokenizer=pb.TokenizerInfo(**job.tokenizer_info))
 
     def OpenJob(self, request, context):
         try:

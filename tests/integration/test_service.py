@@ -224,6 +224,18 @@ def test_state_moves_to_another_layout_between_steps_within_its_lineage(dataset,
             same.load_state_dict(state)
 
 
+def test_job_info_lists_a_bounded_number_of_shards_and_counts_them_all(dataset, service, monkeypatch):
+    """A LAION-scale job has a million shards; every rank's OpenJob answer lists a bounded prefix."""
+    from preprocess_service.service import server
+
+    address, _ = service
+    with DataClient(address, _config(dataset), 0) as client:
+        assert client.info.num_shards == len(client.info.shard_urls) == 3
+    monkeypatch.setattr(server, "MAX_LISTED_SHARDS", 2)
+    with DataClient(address, _config(dataset, seed=17), 0) as client:
+        assert client.info.num_shards == 3 and len(client.info.shard_urls) == 2
+
+
 def test_microbatches_above_grpc_default_4mib(dataset, service):
     address, _ = service
     config = _config(dataset, dp_size=1, seq_len=8192, seqs_per_microbatch=2)

@@ -227,6 +227,47 @@ def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(serv
     assert [r["loss"] for r in resumed] == pytest.approx([expected[r["step"]] for r in resumed], rel=1e-6)
 
 
+def test_a_run_restarted_with_fewer_processes_continues_its_epoch(service, tmp_path):
+    """Elastic restart: a 4-process run (backbone DP 2) checkpointed at step 3 restarts with 3
+    processes (backbone DP 1). It continues at step 3 with the checkpoint's weights, and its data
+    continues the job's lineage: the samples of steps 0-5 are the lineage's stream (2 ranks' global
+    batches, then 1 rank's), none twice."""
+    from disttrain_api.errors import NotFoundError
+    from preprocess_service.service.job import Job
+
+    address, shards, servicer = service
+    run = tmp_path / "elastic"
+    run.mkdir()
+    extra = ["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", "3", "--seed", "23",
+             "--keys-log", str(run / "keys")]
+    first = _args(address, shards, run, 3, extra=extra)
+    _torchrun(4, first)
+    second = _args(address, shards, run, 6, layout=("1", "1", "1", "1"), extra=extra)
+    _torchrun(3, second)
+    assert [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()] == list(range(6))
+    old, new = (job_config(parse(argv)) for argv in (first, second))
+    assert (old.dp_size, new.dp_size) == (2, 1) and old.lineage_id() == new.lineage_id()
+    job = servicer.jobs.get(new.job_id())
+    with pytest.raises(NotFoundError):
+        job.step_plan(2)  # the new layout's job began at the checkpoint, not at step 0
+    assert job.state_dict()["acked"] == {"0": 6}
+    received: dict[int, list[str]] = {}
+    for path in (run / "keys").glob("*.keys"):
+        for line in path.read_text().splitlines():
+            step, key = line.split(" ", 1)
+            received.setdefault(int(step), []).append(key)
+    reference = Job(old)  # the lineage's stream, planned here from scratch
+    want = {s: [d.key for d in reference.step_plan(s).documents()] for s in range(3)}
+    for rank in range(old.dp_size):
+        reference.acknowledge(rank, 3)
+    continued = Job(new)
+    continued.load_state_dict(reference.state_dict())
+    want.update({s: [d.key for d in continued.step_plan(s).documents()] for s in range(3, 6)})
+    assert {s: sorted(k) for s, k in received.items()} == {s: sorted(k) for s, k in want.items()}
+    every = [k for keys in received.values() for k in keys]
+    assert len(every) == len(set(every)), "no sample twice across the restart"
+
+
 def test_bf16_autocast_runs_the_same_code_and_stays_near_the_fp32_losses(service, tmp_path):
     """--bf16 (autocast; the GPU path's option, run here on the CPU) trains the same steps: the
     losses are bf16-close to fp32's, and not equal (autocast was on)."""

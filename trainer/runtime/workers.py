@@ -268,6 +268,8 @@ class BackboneWorker(Worker):
         self.stage0_group = stage0_group
         """CPU (gloo) group of the backbone's stage-0 ranks of TP rank 0: the step's counts."""
         self._first = None
+        self.keys_log = None
+        """A file the data rank appends "STEP KEY" lines to, one per sample it receives (--keys-log)."""
         self.first, self.last = stage == 0, stage == self.layout.bb_pp - 1
         self.blocks = stage_layers(self.model.config.layers, self.layout.bb_pp)[stage]
         self.local_encoder = self.first and self.layout.enc_dp == 0
@@ -323,6 +325,9 @@ class BackboneWorker(Worker):
         totals = torch.from_numpy(counts)
         dist.all_reduce(totals, group=self.stage0_group)  # a CPU group: no device round trip
         lm_total, gen_total = (int(v) for v in totals.numpy())
+        if self.keys_log is not None:
+            with open(self.keys_log, "a") as f:
+                f.writelines(f"{step} {key}\n" for mb in hosts for key in mb.sample_keys)
         out = []
         for m, mb in enumerate(hosts):
             # host facts from the client's host tensors, before anything moves to the device

@@ -26,7 +26,7 @@ class ReaderConfig:
         "shard schemes jobs may use: file (local paths), http, https by default; add pipe (runs a shell command "
         "per shard) or gs/s3/... (run programs) only on a trusted deployment", DEFAULT_SCHEMES)
     max_shards: int = setting("most shards one job's specs may expand to (brace patterns are counted before "
-                              "they are expanded)", 100_000)
+                              "they are expanded; a million names take about 100 MB)", 1_000_000)
     max_member_bytes: int = setting("largest tar member read into memory, bytes (checked from the tar header; a "
                                     "larger member skips its sample)", 64 << 20)
     max_sample_bytes: int = setting("largest sum of one sample's tar members, bytes", 128 << 20)

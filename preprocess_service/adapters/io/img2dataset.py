@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_api.errors import SampleError
+from preprocess_service.adapters.io.tarstream import MAX_KEY_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,13 @@ SUCCESS = "success"
 REQUIRED_COLUMNS = ("key", "status")
 SIZE_COLUMNS = ("width", "height", "original_width", "original_height")
 FAILURE_COLUMNS = ("error_message", "url")
-COLUMNS = (*REQUIRED_COLUMNS, *SIZE_COLUMNS, *FAILURE_COLUMNS, "caption")
+MULTIMODAL_COLUMNS = ("num_images", "num_audio", "duration", "durations", "order", "generate", "conversations")
+"""Columns a richer dataset (disttrain's synth demo) adds: a row with any of them set (num_images
+other than 1) describes more than one image and a caption, so its shard is not planned from the
+manifest."""
+COLUMNS = (*REQUIRED_COLUMNS, *SIZE_COLUMNS, *FAILURE_COLUMNS, "caption", *MULTIMODAL_COLUMNS)
+MAX_CAPTION_CHARS = 1 << 16
+"""A caption kept for planning is cut here (a sequence cannot hold more text anyway)."""
 MISSING = -1
 """A size or caption length the parquet does not give."""
 
@@ -108,6 +115,11 @@ class Manifest:
     """All failed rows."""
     more_failed: tuple[tuple[str, int], ...] = ()
     """(error message, rows) of the most common messages among the failed rows not in ``failed``."""
+    captions: tuple[str | None, ...] = ()
+    """The successful rows' captions (cut to MAX_CAPTION_CHARS), aligned with ``keys``."""
+    plain: bool = False
+    """Every successful row is one image and a caption, with its stored size (img2dataset's own
+    output): the shard can be planned from this manifest alone (``plannable``)."""
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -124,12 +136,21 @@ class Manifest:
         """About the memory it takes (keys, their index, sizes and the failed rows kept)."""
         per_key = 160 + 5 * 8  # str, tuple slot and index entry; five int64 sizes
         return (sum(len(k) for k in self.keys) + per_key * len(self.keys) + 400
+                + sum(len(c) + 60 for c in self.captions if c is not None)
                 + sum(len(r.key) + len(r.status) + len(r.error_message) + len(r.url) + 300 for r in self.failed)
                 + sum(len(m) + 100 for m, _ in self.more_failed))
 
     def __post_init__(self) -> None:
         if not self._index:
             self._index.update((k, i) for i, k in enumerate(self.keys))
+
+    @property
+    def plannable(self) -> bool:
+        """Whether the shard may be planned from this manifest: plain rows, each with a caption
+        and a stored image size, and unique keys (a repeated key would need the tar's order)."""
+        return self.plain and bool(self.keys) and len(self._index) == len(self.keys) \
+            and bool((self.width > 0).all() and (self.height > 0).all()) \
+            and all(0 < len(k) <= MAX_KEY_CHARS and "/" not in k for k in self.keys)
 
     def sizes(self, key: str) -> SampleSizes | None:
         """The sizes of a successful sample, or None for a key the parquet does not list as one."""
@@ -363,6 +384,16 @@ def _manifest(path: str, batches: list) -> Manifest:
     captions = _plain(table.column("caption")) if "caption" in names else None
     is_text = captions is not None and (pa.types.is_string(captions.type) or pa.types.is_large_string(captions.type))
     chars = _ints(pc.utf8_length(captions) if is_text else None, rows)[ok]
+    plain = is_text and bool(pc.all(pc.is_valid(pc.filter(captions, pa.array(ok)))).as_py() or not ok.any())
+    for name in MULTIMODAL_COLUMNS:
+        if plain and name in names:
+            column = pc.filter(_plain(table.column(name)), pa.array(ok))
+            if name == "num_images":
+                plain = bool(pc.all(pc.or_kleene(pc.is_null(column), pc.equal(column, 1))).as_py() in (True, None))
+            else:
+                plain = column.null_count == len(column)
+    kept_captions = tuple(None if c is None else c[:MAX_CAPTION_CHARS]
+                          for c, good in zip(captions.to_pylist(), ok) if good) if is_text else ()
     failed_rows = np.flatnonzero(~ok)
     kept, rest = failed_rows[:MAX_FAILED_ROWS], failed_rows[MAX_FAILED_ROWS:]
     details = {name: _cut_texts(table.column(name), kept) if name in names else [None] * len(kept)
@@ -372,7 +403,7 @@ def _manifest(path: str, batches: list) -> Manifest:
                                                       details["url"]))
     more = _common_messages(table.column("error_message"), rest) if "error_message" in names and len(rest) else ()
     return Manifest(parquet=path, keys=good_keys, caption_chars=chars, failed=failed,
-                    num_failed=len(failed_rows), more_failed=more, **sizes)
+                    num_failed=len(failed_rows), more_failed=more, captions=kept_captions, plain=plain, **sizes)
 
 
 def _plain(column):

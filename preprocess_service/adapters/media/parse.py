@@ -78,6 +78,15 @@ def register_member_kind(kind: MemberKind) -> MemberKind:
     return kind
 
 
+@dataclass(frozen=True, slots=True)
+class KnownImage:
+    """An image member planned from a manifest (an img2dataset parquet): its stored size instead
+    of its bytes, which are read by offset when it is decoded. Checked like a header's size."""
+
+    width: int
+    height: int
+
+
 def classify_members(sample: dict) -> dict[str, str]:
     """{member: "text" | a registered kind ("image", "audio", ...)} of a raw sample's content members."""
     return {ext: _KIND_OF_EXT[m.group(2)] for ext in sample
@@ -278,7 +287,14 @@ def _parse_json(raw: bytes | None) -> dict:
     return meta
 
 
-def _image_ref(ext: str, data: bytes, config: ImageConfig) -> ImageRef:
+def _image_ref(ext: str, data: bytes | KnownImage, config: ImageConfig) -> ImageRef:
+    if isinstance(data, KnownImage):  # stored by img2dataset, which re-encodes without EXIF orientation
+        if not (0 < data.width and 0 < data.height) or data.width * data.height > config.max_source_pixels:
+            raise SampleError("", f"image {ext}: the manifest's size {data.width}x{data.height} is out of bounds "
+                                  f"(max_source_pixels {config.max_source_pixels})", kind="decompression_bomb")
+        height, width = imaging.target_size(data.width, data.height, config)
+        return ImageRef(member=ext, height=height, width=width, orientation=1,
+                        tokens=imaging.num_image_tokens(height, width, config))
     try:
         header = imaging.read_header(data)
     except imaging.DecompressionBomb as exc:

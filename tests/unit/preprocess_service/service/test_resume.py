@@ -154,9 +154,12 @@ def test_the_round_trip_harness_fails_a_part_that_forgets_part_of_its_state():
         check_resumes(Counter, advance)
 
 
-def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path):
+@pytest.mark.parametrize("restart", [True, False], ids=["node-restarted", "service-running"])
+def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path, restart):
     """A job checkpointed at dp_size 8 resumes at 6, then at 12, twice within one epoch, over real
-    shards (with a cross-shard duplicate and a bad sample): every sample is planned exactly once."""
+    shards (with a cross-shard duplicate and a bad sample): every sample is planned exactly once.
+    Restarted: the service restarts each time and continues from its state_dir; running: the new
+    job continues from the open job of its lineage."""
     from preprocess_service.service.job import JobRegistry
 
     paths = write_tiny_shards(tmp_path / "data", num_shards=6, samples_per_shard=40,
@@ -168,8 +171,9 @@ def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path)
     delivered: list[tuple[str, str]] = []
     skipped: set[tuple[str, str]] = set()
     layouts = []
+    running = JobRegistry()
     for dp_size, steps in ((8, 3), (6, 4), (12, None)):
-        registry = JobRegistry(state_dir=state_dir)
+        registry = JobRegistry(state_dir=state_dir) if restart else running
         job = registry.open(JobConfig(dp_size=dp_size, **base))
         start = job.plans.state_dict()["acked_step"] if layouts else 0
         if layouts:
@@ -184,7 +188,9 @@ def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path)
             job.acknowledge(rank, step)
         layouts.append((dp_size, start, step))
         skipped |= {(r.shard, r.key) for r in job.report()["skipped"]}
-        registry.close()
+        if restart:
+            registry.close()
+    running.close()
     assert [d for d, _, _ in layouts] == [8, 6, 12] and layouts[1][1] == 3 and layouts[2][1] == 7
     everything = {(str(p), k) for p in paths for k in shard_keys([p])}
     assert len(delivered) == len({k for _, k in delivered}), "no key repeated across the layout changes"

@@ -181,7 +181,7 @@ class EpochPlanner:
             else [list(shard_urls)]  # type: ignore[arg-type]
         if len(self.dataset_urls) != len(config.mixture()):
             raise ValueError(f"{len(self.dataset_urls)} shard lists for {len(config.mixture())} datasets")
-        self.totals = np.zeros((len(self.dataset_urls), 2), dtype=np.int64)
+        self.totals = [[0, 0] for _ in self.dataset_urls]
         """Documents and tokens drawn from each dataset over all epochs."""
         self.source = source
         self.fingerprint = source.fingerprint
@@ -219,7 +219,8 @@ class EpochPlanner:
         """Where reading stands at a block boundary: everything the next block is a function of."""
         return {"epoch": self.epoch, "block": self._block,
                 "datasets": [cursor.state_dict() for cursor in self._cursors],
-                "blend": self._blend.counts.tolist(), "epoch_docs": self._epoch_docs, "totals": self.totals.tolist(),
+                "blend": self._blend.counts.tolist(), "epoch_docs": self._epoch_docs,
+                "totals": [list(t) for t in self.totals],
                 "tolerance": [self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total]}
 
     def state_dict(self) -> dict:
@@ -250,7 +251,9 @@ class EpochPlanner:
             cursor.load_state_dict(saved_cursor, self.config, self.epoch)
         self._blend.counts = np.array(anchor["blend"], dtype=np.int64)
         self._epoch_docs = int(anchor["epoch_docs"])
-        self.totals = np.array(anchor["totals"], dtype=np.int64).reshape(len(self._cursors), 2)
+        self.totals = [[int(docs), int(tokens)] for docs, tokens in anchor["totals"]]
+        if len(self.totals) != len(self._cursors):
+            raise ValueError(f"planner state: totals of {len(self.totals)} datasets, this job has {len(self._cursors)}")
         t = anchor["tolerance"]
         self._tolerance.consecutive, self._tolerance.bad, self._tolerance.total = (int(x) for x in t)
         self.cost = dataclasses.replace(self.config.cost, **state["cost"])
@@ -296,7 +299,7 @@ class EpochPlanner:
         seek_cursor(cursor, shard_sizes, self.config.shards_open, start)
         self._block, self._epoch_docs, self.step = start // self.block_size, start, step
         self._blend.counts[0] = start
-        self.totals[0, 0] += start
+        self.totals[0][0] += start
         self._replay_keys(cursor)
         return start
 
@@ -382,8 +385,7 @@ class EpochPlanner:
         ends the epoch, by mix_epoch / mix_epoch_samples."""
         cfg = self.config
         while not epoch_over(cfg, self._cursors, None, self._epoch_docs):
-            live = np.array([not c.dead for c in self._cursors])
-            index = self._blend.choose(live)
+            index = 0 if len(self._cursors) == 1 else self._blend.choose(np.array([not c.dead for c in self._cursors]))
             cursor = self._cursors[index]
             doc = self._read_from(cursor)
             if doc is not None:
@@ -391,7 +393,9 @@ class EpochPlanner:
                 cursor.epoch_docs += 1
                 self._blend.record(index, doc.num_tokens)
                 self._epoch_docs += 1
-                self.totals[index] += (1, doc.num_tokens)
+                total = self.totals[index]
+                total[0] += 1
+                total[1] += doc.num_tokens
                 return doc
             if cursor.pass_docs == 0:
                 cursor.dead = True
@@ -445,7 +449,7 @@ class EpochPlanner:
 
     def dataset_counts(self) -> list[dict]:
         """Per dataset: documents and tokens drawn over all epochs, documents this epoch, restarts."""
-        return [{"name": d.name, "num_samples": int(self.totals[i, 0]), "num_tokens": int(self.totals[i, 1]),
+        return [{"name": d.name, "num_samples": self.totals[i][0], "num_tokens": self.totals[i][1],
                  "epoch_samples": c.epoch_docs, "restarts": c.passes}
                 for i, (d, c) in enumerate(zip(self.config.mixture(), self._cursors))]
 

@@ -88,6 +88,11 @@ class Document:
     """Index of the job's dataset (JobConfig.mixture()) it comes from."""
     media_bytes: dict[str, bytes] | None = field(default=None, repr=False)
     """Encoded media members by extension; dropped once delivered, refetched from the shard if needed."""
+    _num_tokens: int = field(default=0, init=False, repr=False, compare=False)
+    """num_tokens, counted once: the planner asks for it several times per document."""
+
+    def __post_init__(self) -> None:
+        self._num_tokens = 2 + sum(s.tokens for s in self.segments)
 
     @property
     def images(self) -> tuple[ImageRef, ...]:
@@ -112,7 +117,8 @@ class Document:
 
     @property
     def num_tokens(self) -> int:
-        return 2 + sum(s.tokens for s in self.segments)
+        """BOS + the segments' tokens + EOS (segments are fixed when a document is made)."""
+        return self._num_tokens
 
     @property
     def trains_eos(self) -> bool:

@@ -59,6 +59,9 @@ Parse = Callable[[dict], Document]
 STATE_VERSION = 3
 """3: a block's anchor and the sequences of it already batched (2: key hashes and the buffer's
 documents; not read any more)."""
+RAMP_BLOCK = 256
+"""The first block of an epoch holds at most this many documents, each next one twice as many up
+to ``shuffle_buffer``: an epoch's first step waits for 256 documents to be read, not 4096."""
 UNSHUFFLED_BLOCK = 1024
 """Documents per block with ``shuffle_buffer`` 1 (read in order, not permuted): the packer is
 flushed at a block's end, so blocks of one document would pad each to a sequence."""
@@ -294,10 +297,13 @@ class EpochPlanner:
         hashes of everything read before (rebuilt here by reading every earlier shard's keys)."""
         if len(self._cursors) != 1 or self._epoch_docs or self._ready:
             raise ValueError("seek() needs a one-dataset planner at the start of an epoch")
-        start = samples // self.block_size * self.block_size
+        block = 0
+        while self.block_start(block + 1) <= samples:
+            block += 1 if block < 64 else (samples - self.block_start(block)) // self.block_size(block)
+        start = self.block_start(block)
         cursor = self._cursors[0]
         seek_cursor(cursor, shard_sizes, self.config.shards_open, start)
-        self._block, self._epoch_docs, self.step = start // self.block_size, start, step
+        self._block, self._epoch_docs, self.step = block, start, step
         self._blend.counts[0] = start
         self.totals[0][0] += start
         self._replay_keys(cursor)
@@ -341,9 +347,16 @@ class EpochPlanner:
         else:
             self._start_epoch(self.epoch + 1, self.step)
 
-    @property
-    def block_size(self) -> int:
-        return self.config.shuffle_buffer if self.config.shuffle_buffer > 1 else UNSHUFFLED_BLOCK
+    def block_size(self, block: int) -> int:
+        """Documents of the epoch's block ``block``: RAMP_BLOCK doubling up to shuffle_buffer."""
+        full = self.config.shuffle_buffer if self.config.shuffle_buffer > 1 else UNSHUFFLED_BLOCK
+        return min(full, RAMP_BLOCK << block) if block < 32 else full
+
+    def block_start(self, block: int) -> int:
+        """The epoch position of block ``block``'s first document (every block full before it)."""
+        ramp = min(block, 32)
+        start = sum(self.block_size(b) for b in range(ramp))
+        return start + (block - ramp) * self.block_size(block)
 
     def _read_block(self) -> None:
         """Reads, permutes and packs the next block; sets ``_drained`` once the epoch has no more
@@ -351,10 +364,11 @@ class EpochPlanner:
         cfg = self.config
         anchor = self._anchor()
         rng = np.random.default_rng([cfg.seed, self.epoch, self._block, 0xB10C])
+        size = self.block_size(self._block)
         self._block += 1
         docs: list[Document] = []
         try:
-            while len(docs) < self.block_size:
+            while len(docs) < size:
                 doc = self._next_document()
                 if doc is None:
                     self._drained = True

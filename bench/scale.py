@@ -21,7 +21,8 @@ Printed:
 - dedup "pass" (exact duplicate keys across shards): its memory (8 bytes per sample read this
   pass) and its restore (reading the keys of every shard read so far) are not functions of the
   position; measured over a few shards and extrapolated to 1e9, labelled;
-- shard expansion: a brace pattern of --shards names and of a million names.
+- shard expansion: a brace pattern of --shards https names and of a million, expanded, parsed
+  and checked as OpenJob does (local paths add a realpath per folder and an lstat per file).
 
 Ratios and per-sample figures, not seconds, are what to compare: these machines are noisy.
 """
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchjson
 
 from disttrain_api.config import JobConfig
-from preprocess_service.adapters.io.sources import expand
+from preprocess_service.adapters.io.sources import ShardPolicy, resolve
 from preprocess_service.adapters.media.imaging import num_image_tokens, target_size
 from preprocess_service.core.planner import EpochPlanner, _key_hash, keys_by_reading
 from preprocess_service.core.sample import Document, ImageRef, TextSegment
@@ -192,13 +193,14 @@ def main(argv: list[str] | None = None) -> int:
           f"(extrapolated); memory 8 bytes per sample read this pass -> {8e9 / 2**30:.1f} GiB at 1e9 (by design)")
 
     expansion = []
-    for count in (args.shards, 1_000_000):
-        pattern = f"/laion/{{000000..{count - 1:06d}}}.tar"
+    for count in (args.shards, 1_000_000):  # brace expansion, then every name parsed and checked (OpenJob's path)
+        pattern = f"https://data.example/laion/{{000000..{count - 1:06d}}}.tar"
         began = time.perf_counter()
-        names = expand(pattern, 1_000_000)
+        names = resolve([pattern], ShardPolicy(allowed_schemes=("https",), max_shards=1_000_000))
         expansion.append([count, round(time.perf_counter() - began, 3)])
         assert len(names) == count
-    print("\nshard expansion: " + ", ".join(f"{n:,} names in {s} s" for n, s in expansion))
+    print("\nshard expansion (https names resolved and checked): "
+          + ", ".join(f"{n:,} names in {s} s" for n, s in expansion))
 
     cpu_goal = max(r[4] for r in rows_cpu)
     state_goal = max(r[1] for r in rows_state)

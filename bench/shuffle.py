@@ -15,8 +15,8 @@ length growing with the sample's index). Each system reads one epoch of it; prin
   and the most file handles the process held open while reading.
 
 Systems, at equal memory (--buffer samples held for shuffling):
-- ours: the service's planner (JobConfig shuffle_buffer = --buffer, open_shards 8; it also parses,
-  packs and plans steps, so its CPU counts more work than a shuffle);
+- ours: the service's planner (JobConfig shuffle_buffer = --buffer, open_shards at its default,
+  16; it also parses, packs and plans steps, so its CPU counts more work than a shuffle);
 - ours-1: the same with open_shards 1 (one shard after another: the block shuffle alone);
 - webdataset: ``WebDataset(urls, shardshuffle=len(urls), seed=...)`` + ``.shuffle(--buffer)``
   (every shard shuffled, then its sample buffer);
@@ -27,7 +27,7 @@ Systems, at equal memory (--buffer samples held for shuffling):
   where the wheel cannot be had;
 - sequential: no shuffle (the floor of quality).
 
-A second table sweeps ours over open_shards x shuffle_buffer (the defaults, 8 and 4096, were chosen
+A second table sweeps ours over open_shards x shuffle_buffer (the defaults, 16 and 4096, were chosen
 from it: quality against the memory a block holds and the shards open at once).
 
 ``--quick`` is a smoke run (8 shards of 200 samples, a 1024-sample buffer), not a measurement.
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         urls = write_sorted(Path(tmp), args.shards, args.per_shard)
-        runs = {"ours": lambda: read_ours(urls, args.buffer, 8), "ours-1": lambda: read_ours(urls, args.buffer, 1),
+        runs = {"ours": lambda: read_ours(urls, args.buffer, 0), "ours-1": lambda: read_ours(urls, args.buffer, 1),
                 "webdataset": lambda: read_webdataset(urls, args.buffer),
                 "sequential": lambda: (list(range(total)), 0.0, open_handles())}
         get, where = py1e()

@@ -252,7 +252,8 @@ class JobConfig:
     """Shuffle the shard order per epoch (seeded)."""
     open_shards: int = 0
     """Shards each dataset reads from at once, the next sample drawn from one of them by the seed
-    (0 = 8 with shard_shuffle, else 1: the shards in the given order, one after another)."""
+    (0 = 16 with shard_shuffle, chosen with bench/shuffle.py; else 1: the shards in the given order,
+    one after another)."""
     manifests: str = "auto"
     """"auto": a local shard whose img2dataset parquet describes plain image-caption rows is planned
     from the parquet alone (its tar is read only to decode the planned samples); "off": every shard
@@ -389,7 +390,7 @@ class JobConfig:
     @property
     def shards_open(self) -> int:
         """open_shards with its default resolved."""
-        return self.open_shards or (8 if self.shard_shuffle else 1)
+        return self.open_shards or (16 if self.shard_shuffle else 1)
 
     LAYOUT_FIELDS = ("dp_size", "num_microbatches", "seqs_per_microbatch", "reorder_algorithm", "stage_map",
                      "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by")

@@ -88,15 +88,17 @@ def resolve(specs: Sequence[str], policy: ShardPolicy = ShardPolicy()) -> list[S
     if len(specs) > MAX_SPECS:
         raise ConfigError(f"a job may give at most {MAX_SPECS} shard specs, got {len(specs)}")
     named: list[tuple[Source, str]] = []
+    dirs: dict[str, str] = {}  # realpath of each folder, once per call: a million names share a few
+    allowed = _allowed(policy)
     for spec in specs:  # every name is parsed and checked before any is looked up on disk
         _check_text(spec)
         for name in expand(spec, policy.max_shards - len(named)):
-            source = parse(name, spec)
-            check(source, policy, spec)
+            source = parse(name, spec, dirs)
+            check(source, policy, spec, allowed)
             named.append((source, spec))
     sources: list[Source] = []
     for source, spec in named:
-        sources.extend(_directory_tars(source, spec, policy, policy.max_shards - len(sources)))
+        sources.extend(_directory_tars(source, spec, policy, policy.max_shards - len(sources), dirs, allowed))
     if not sources:
         raise ConfigError(f"the shard specs {list(specs)!r} expand to no shard")
     return sources
@@ -238,9 +240,10 @@ def _items(item) -> Iterator[str]:
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
-def parse(name: str, spec: str = "") -> Source:
+def parse(name: str, spec: str = "", dirs: dict[str, str] | None = None) -> Source:
     """One expanded shard name -> Source. Local paths lose nothing but ``.``/duplicate slashes and
-    symlinks (realpath); a ``..`` component is refused outright rather than resolved."""
+    symlinks (realpath); a ``..`` component is refused outright rather than resolved. ``dirs``
+    caches the realpath of folders across the names of one expansion."""
     spec = spec or name
     match = _SCHEME.match(name)
     scheme = match.group(1).lower() if match else ""
@@ -252,7 +255,7 @@ def parse(name: str, spec: str = "") -> Source:
             if parts.netloc not in ("", "localhost"):
                 raise ConfigError(f"shard {name!r} (from {spec!r}): file URLs must name this host")
             path = unquote(parts.path)
-        return Source("file", _local(path, name, spec))
+        return Source("file", _local(path, name, spec, dirs))
     if naming == "url":  # s3://bucket/key: the bucket is the host
         return Source(scheme, _url(name, scheme, spec))
     _refuse_chain(name, spec, name)
@@ -269,17 +272,26 @@ def _refuse_chain(name: str, spec: str, text: str) -> None:
 
 
 def _has_dotdot(path: str) -> bool:
-    return any(part == ".." for part in re.split(r"[/\\]", path))
+    return ".." in path and any(part == ".." for part in re.split(r"[/\\]", path))
 
 
-def _local(path: str, name: str, spec: str) -> str:
+def _local(path: str, name: str, spec: str, dirs: dict[str, str] | None = None) -> str:
     if not path:
         raise ConfigError(f"shard {name!r} (from {spec!r}) names no path")
     if "\x00" in path:
         raise ConfigError(f"shard {name!r} (from {spec!r}) contains a NUL byte")
     if _has_dotdot(path):
         raise ConfigError(f"shard {name!r} (from {spec!r}) contains a '..' component; give the path without it")
-    return os.path.realpath(path)
+    if dirs is None:
+        return os.path.realpath(path)
+    folder, base = os.path.split(os.path.abspath(path))
+    if not base:
+        return os.path.realpath(path)
+    real = dirs.get(folder)
+    if real is None:
+        real = dirs[folder] = os.path.realpath(folder)
+    full = os.path.join(real, base)
+    return os.path.realpath(full) if os.path.islink(full) else full  # the file itself may be a link
 
 
 def _url(name: str, scheme: str, spec: str) -> str:
@@ -308,8 +320,20 @@ def _url(name: str, scheme: str, spec: str) -> str:
     return urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
 
 
-def check(source: Source, policy: ShardPolicy, spec: str = "") -> None:
-    """Raises PermissionDenied unless the operator's policy allows ``source``."""
+def _allowed(policy: ShardPolicy) -> list[Source]:
+    """The policy's allowed prefixes, parsed (a prefix that cannot be parsed allows nothing)."""
+    out = []
+    for prefix in policy.allowed_prefixes:
+        try:
+            out.append(parse(prefix))
+        except ConfigError:
+            continue
+    return out
+
+
+def check(source: Source, policy: ShardPolicy, spec: str = "", allowed: list[Source] | None = None) -> None:
+    """Raises PermissionDenied unless the operator's policy allows ``source`` (``allowed``: the
+    policy's prefixes already parsed, _allowed)."""
     spec = spec or source.location
     if source.scheme not in policy.allowed_schemes:
         hint = (" it runs a program on the server; the operator can allow it with allowed_shard_schemes"
@@ -321,23 +345,20 @@ def check(source: Source, policy: ShardPolicy, spec: str = "") -> None:
                                f"service does not read ({', '.join(policy.allowed_schemes)}):{hint}")
     if not policy.allowed_prefixes:
         return
-    if not any(_under(source, prefix) for prefix in policy.allowed_prefixes):
+    if not any(_under(source, prefix) for prefix in (_allowed(policy) if allowed is None else allowed)):
         raise PermissionDenied(f"shard {source.location!r} (from {spec!r}) is outside the prefixes this service may "
                                f"read ({', '.join(policy.allowed_prefixes)}; allowed_shard_prefixes)")
 
 
-def _under(source: Source, prefix: str) -> bool:
-    try:
-        allowed = parse(prefix)
-    except ConfigError:
-        return False
+def _under(source: Source, allowed: Source) -> bool:
     if allowed.scheme != source.scheme:
         return False
     base = allowed.location.rstrip("/")
     return source.location == base or source.location.startswith(base + "/")
 
 
-def _directory_tars(source: Source, spec: str, policy: ShardPolicy, room: int) -> list[Source]:
+def _directory_tars(source: Source, spec: str, policy: ShardPolicy, room: int, dirs: dict[str, str] | None = None,
+                    allowed: list[Source] | None = None) -> list[Source]:
     """A local directory -> its *.tar files (sorted, each resolved and checked: a symlink inside
     may point elsewhere); a local file must exist."""
     if not source.is_local:
@@ -353,9 +374,9 @@ def _directory_tars(source: Source, spec: str, policy: ShardPolicy, room: int) -
                         raise ConfigError(f"shard directory {path!r} holds more than {room} *.tar files (max_shards)")
         if not tars:
             raise ConfigError(f"shard directory {path!r} holds no *.tar file")
-        out = [parse(os.path.join(path, name), spec) for name in sorted(tars)]
+        out = [parse(os.path.join(path, name), spec, dirs) for name in sorted(tars)]
         for tar in out:
-            check(tar, policy, spec)
+            check(tar, policy, spec, allowed)
         return out
     if not os.path.exists(path):
         origin = f" (from {spec!r})" if spec != path else ""

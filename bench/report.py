@@ -24,7 +24,7 @@ REPO = benchjson.REPO
 RESULTS = REPO / "docs" / "results"
 OUTPUT = REPO / "docs" / "benchmarks.md"
 ORDER = ("peers", "reorder", "paper", "train", "decode", "stream", "load", "soak", "replicas", "chaos",
-         "remote", "resume", "mixture")
+         "remote", "resume", "scale", "shuffle", "mixture")
 """Sections in this order (the headline comparisons first); any other bench follows by name."""
 
 HEADER = """# Benchmarks

@@ -26,7 +26,6 @@ from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.adapters.io import img2dataset, shards, sources
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
 from preprocess_service.adapters.media.parse import KnownImage, parse_document
-from preprocess_service.core.planner import keys_by_reading
 from preprocess_service.core.sample import Document
 from preprocess_service.core.tokenizer import Tokenizer
 
@@ -201,7 +200,7 @@ class JobDocuments:
         manifest = self.manifest(url)
         if manifest is not None:
             return iter(manifest.keys[:limit])
-        return keys_by_reading(self.reader, url, limit)
+        return self.reader.shard_keys(url, limit)
 
     def skipped(self, problem: SampleError) -> None:
         self.on_skip(problem)

@@ -138,6 +138,16 @@ class ShardReader:
 
         yield from self._watched(produce, url, on_problem)
 
+    def shard_keys(self, url: str, limit: int | None = None) -> Iterator[str]:
+        """The keys of the first ``limit`` (None: all) samples ``iter_shard`` yields, in order, from
+        the tar's headers alone (members skipped, not read into memory); problems are not reported."""
+        def produce(report: ProblemSink, progress: Progress):
+            with self._opened(url, progress) as opened:
+                for sample in tarstream.iter_samples(opened.file, url, self.limits, report, keys_only=True):
+                    yield sample["__key__"]
+
+        return itertools.islice(self._watched(produce, url, lambda problem: None), limit)
+
     def _watched(self, produce: Callable[[ProblemSink, Progress], Iterator], url: str,
                  on_problem: ProblemSink) -> Iterator:
         """Runs ``produce`` on a reader thread; gives up after read_timeout_s without an item or

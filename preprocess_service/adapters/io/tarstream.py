@@ -116,11 +116,13 @@ def _printable_key(key: str) -> str:
 
 
 def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink,
-                 base_offset: int | None = None) -> Iterator[dict]:
+                 base_offset: int | None = None, keys_only: bool = False) -> Iterator[dict]:
     """Raw samples of one tar stream; problems go to ``on_problem`` (SampleError, with key where
     known) and never end the stream early, except a broken or cut tar, which ends it after
     reporting the sample it was reading. With ``base_offset`` (where ``fileobj`` starts in the
-    shard file), an uncompressed tar's samples carry NEXT_OFFSET: where the next sample starts."""
+    shard file), an uncompressed tar's samples carry NEXT_OFFSET: where the next sample starts.
+    ``keys_only``: the same samples, decided by the same headers, without their members' bytes
+    (skipped, not read into memory; a member cut short still ends the stream at that sample)."""
     current: _Sample | None = None
     seen: set[str] = set()
     try:
@@ -145,7 +147,7 @@ def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink,
                     current.problem = SampleError(key, "the key appears again later in the shard; the first "
                                                   "sample with this key is kept", url, "duplicate_key")
                 seen.add(key)
-            _add_member(current, info, tar, suffix, url, limits, on_problem)
+            _add_member(current, info, tar, suffix, url, limits, on_problem, keys_only)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         lost = current.key if current is not None else ""
         where = f"while reading sample {lost!r}" if lost else "before its first sample"
@@ -160,7 +162,8 @@ def iter_samples(fileobj, url: str, limits: TarLimits, on_problem: ProblemSink,
             yield sample
 
 
-def _add_member(current: _Sample, info, tar, suffix: str, url: str, limits: TarLimits, on_problem) -> None:
+def _add_member(current: _Sample, info, tar, suffix: str, url: str, limits: TarLimits, on_problem,
+                keys_only: bool = False) -> None:
     if current.problem is not None:
         return  # the sample is lost anyway: its remaining members are skipped unread
     if suffix in current.members:
@@ -178,6 +181,10 @@ def _add_member(current: _Sample, info, tar, suffix: str, url: str, limits: TarL
     if current.nbytes + info.size > limits.max_sample_bytes:
         current.problem = SampleError(current.key, f"members add up to more than max_sample_bytes "
                                       f"{limits.max_sample_bytes}", url, "oversize")
+        return
+    if keys_only:  # tarfile skips the data to the next header, and fails there if it is cut short
+        current.members[suffix] = b""
+        current.nbytes += info.size
         return
     data = tar.extractfile(info).read()
     if len(data) != info.size:

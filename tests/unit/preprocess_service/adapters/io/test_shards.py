@@ -109,3 +109,34 @@ def test_a_shard_scheme_is_one_registered_class(tmp_path):
     finally:
         schemes.SCHEMES.pop("memtest", None)
         sources.NAMING.pop("memtest", None)
+
+
+def _tar(entries: list[tuple[str, bytes]]) -> bytes:
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("cut", [None, *range(300, 9000, 331)])  # cut in headers, members and padding
+def test_keys_from_headers_are_the_keys_a_full_read_yields(tmp_path, cut):
+    """ShardReader.shard_keys (a restore's duplicate-key hashes) skips members' bytes but decides
+    by the same headers: repeated keys, duplicate members, oversize and bad keys, a cut tail."""
+    limits = shards.TarLimits(max_member_bytes=300)
+    body = _tar([("a.txt", b"x" * 10), ("a.jpg", b"j" * 20), ("b.txt", b"y" * 500),  # b: oversize
+                 ("c.txt", b"1"), ("c.txt", b"2"), ("a.txt", b"again"),  # a duplicate member, a key again
+                 ("d.txt", b"z" * 100), (("k" * 1100) + ".txt", b"long key"), ("e.txt", b"e" * 50)])
+    path = tmp_path / "s.tar"
+    path.write_bytes(body if cut is None else body[:cut])
+    reader = shards.ShardReader(limits=limits)
+    full = [s["__key__"] for s in reader.iter_shard(str(path), lambda problem: None)]
+    assert list(reader.shard_keys(str(path))) == full
+    assert list(reader.shard_keys(str(path), 2)) == full[:2]
+    if cut is None:
+        assert full == ["a", "c", "d", "e"]

@@ -55,6 +55,26 @@ Progress = Callable[[], None]
 """Called by a reader whenever it made progress (the watchdog of ``_watched`` sees it)."""
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked once per planned document: realpath each time cost more than the rest
+def _rereads_cheaply(url: str) -> bool:
+    source = sources.parse(url)
+    return schemes.scheme_of(source).rereads_cheaply(source)
+
+
+def _without_problems(items: list, on_problem: ProblemSink) -> Iterator:
+    """A hand-over's samples; its problems go to ``on_problem`` in order with them."""
+    for item in items:
+        if isinstance(item, SampleError):
+            on_problem(item)
+        else:
+            yield item
+
+
+READ_BATCH = 16
+"""Samples (and problems) a shard's reader thread hands over at once: a hand-over costs a thread
+switch, which cost more than the sample when it was one per sample."""
+
+
 @dataclass(frozen=True, slots=True)
 class ShardReader:
     """Reads shards within the operator's bounds; shared by every job of a server."""
@@ -107,8 +127,7 @@ class ShardReader:
         need not hold its encoded bytes from planning to decoding. A remote shard (its cached copy
         may be evicted), a compressed one or a program scheme is re-read by fetching or scanning
         it, so holding its bytes is worth their memory."""
-        source = sources.parse(url)
-        return schemes.scheme_of(source).rereads_cheaply(source)
+        return _rereads_cheaply(url)
 
     # --- reading ------------------------------------------------------------------------------
     def iter_shard(self, url: str, on_problem: ProblemSink, start: dict | None = None) -> Iterator[dict]:
@@ -157,11 +176,13 @@ class ShardReader:
         quit_ = threading.Event()
         done = object()
         last_progress = [time.monotonic()]
+        batch: list = []  # items handed over READ_BATCH at a time: one thread switch each, not one per sample
+        batch_lock = threading.Lock()
 
         def progress() -> None:
             last_progress[0] = time.monotonic()
 
-        def put(item) -> None:
+        def hand_over(item) -> None:
             while not quit_.is_set():
                 try:
                     items.put(item, timeout=0.2)
@@ -169,40 +190,60 @@ class ShardReader:
                 except queue.Full:
                     continue
 
+        def take() -> list:
+            with batch_lock:
+                out = batch[:]
+                batch.clear()
+            return out
+
+        def flush() -> None:
+            out = take()
+            if out:
+                hand_over(out)
+
+        def put(item) -> None:
+            with batch_lock:
+                batch.append(item)
+                full = len(batch) >= READ_BATCH
+            if full:
+                flush()
+
         def run():
             try:
                 for item in produce(put, progress):
                     put(item)
                     if quit_.is_set():
                         return
-                put(done)
+                flush()
+                hand_over(done)
             except BaseException as exc:  # handed over; the consumer decides
-                put(exc)
+                flush()
+                hand_over(exc)
 
         thread = threading.Thread(target=run, name=f"shard-reader:{url[-40:]}", daemon=True)
         thread.start()
         try:
             while True:
                 try:
-                    item = items.get(timeout=min(1.0, self.read_timeout_s))
+                    got = items.get(timeout=min(1.0, self.read_timeout_s))
                 except queue.Empty:
+                    got = take()  # a reader that stalls mid-batch: what it read so far comes first
+                    if got:
+                        yield from _without_problems(got, on_problem)
                     if time.monotonic() - last_progress[0] < self.read_timeout_s:
                         continue
                     on_problem(SampleError("", f"no data for {self.read_timeout_s:g} s; the shard is abandoned "
                                            "(read_timeout_s)", url, "read_timeout"))
                     return
                 progress()
-                if item is done:
+                if got is done:
                     return
-                if isinstance(item, SampleError):
-                    on_problem(item)
-                    continue
-                if isinstance(item, (MemoryError, ImportError)):
-                    raise item
-                if isinstance(item, BaseException):
-                    on_problem(SampleError("", f"shard read error: {type(item).__name__}: {item}", url, "shard_error"))
+                if isinstance(got, (MemoryError, ImportError)):
+                    raise got
+                if isinstance(got, BaseException):
+                    on_problem(SampleError("", f"shard read error: {type(got).__name__}: {got}", url, "shard_error"))
                     return
-                yield item
+                yield from _without_problems(got, on_problem)
         finally:
             quit_.set()
 

@@ -397,9 +397,13 @@ class JobConfig:
     """What a job's sequences do not depend on, only their grouping into steps and ranks: a job
     checkpointed with one value resumes with another (elastic resume) within its lineage."""
 
+    PRICING_FIELDS = ("cost", "cost_feedback")
+    """What prices the sequences, not what they hold (a restarted trainer may measure new costs)."""
+
     def lineage_id(self) -> str:
-        """A hash of the config without LAYOUT_FIELDS: jobs of one lineage plan the same sequences."""
-        data = {k: v for k, v in self.to_dict().items() if k not in self.LAYOUT_FIELDS}
+        """A hash of the config without LAYOUT_FIELDS and PRICING_FIELDS: jobs of one lineage plan
+        the same sequences."""
+        data = {k: v for k, v in self.to_dict().items() if k not in (*self.LAYOUT_FIELDS, *self.PRICING_FIELDS)}
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return "lineage-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 

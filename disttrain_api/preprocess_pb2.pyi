@@ -205,10 +205,12 @@ class CloseJobResponse(_message.Message):
     def __init__(self, num_streams_closed: _Optional[int] = ...) -> None: ...
 
 class OpenJobRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "continue_at_step")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_AT_STEP_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    continue_at_step: int
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., continue_at_step: _Optional[int] = ...) -> None: ...
 
 class DescribeJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -406,6 +406,15 @@ class DataClient:
                 raise ValueError(f"data client state stands inside step {state['next_step']} (microbatch "
                                  f"{state['next_microbatch']}): only a state saved between steps moves to another "
                                  f"layout (dp_size {state['dp_size']} -> {self.dp_size})")
+            if int(state["next_step"]) and isinstance(self._job, JobConfig):  # the service continues the lineage
+                request = pb.OpenJobRequest(spec=spec_from_config(self._job), continue_at_step=int(state["next_step"]))
+                try:
+                    self.info = self._unary(lambda stub: stub.OpenJob(request, timeout=self.call_timeout_s))
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE):
+                        raise
+                    raise ValueError(f"the service cannot continue this job's lineage at step {state['next_step']}: "
+                                     f"{exc.details()}") from None
         elif state["dp_rank"] != self.dp_rank:
             raise ValueError(f"data client state was saved with dp_rank={state['dp_rank']!r} but this client has "
                              f"dp_rank={self.dp_rank!r}; restore into the same job and rank")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import ConfigError, NotFoundError
+from disttrain_api.errors import ConfigError, NotFoundError, ServiceUnavailableError
 from preprocess_service.adapters.decode import Decoder
 from preprocess_service.adapters.infra import metrics
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
@@ -226,10 +226,11 @@ class JobFactory(Protocol):
 
 class LocalJobs:
     """Jobs in this process. With ``state_dir``, every acknowledgement that moves a job's lowest
-    acknowledged step writes the job's state (``Job.state_dict()``) to ``state_dir/LINEAGE.json``
-    (atomically; JobConfig.lineage_id), and a job of that lineage opened later (the same config
-    after a restart of this node, or the same data with another layout, e.g. fewer ranks after a
-    node was lost) continues from it at the acknowledged step, not from step 0."""
+    acknowledged step writes the job's state (``Job.state_dict()``) to ``state_dir/JOB_ID.json``
+    and ``state_dir/LINEAGE.json`` (atomically; JobConfig.lineage_id). The same job opened again
+    (after a restart of this node) continues from the first at its acknowledged step, not from
+    step 0; a job of the lineage with another layout continues from the second when a client asks
+    (JobRegistry.continue_lineage: elastic resume)."""
 
     def __init__(self, budget: MemoryBudget = UNLIMITED, state_dir: str | Path | None = None):
         self.budget = budget
@@ -241,25 +242,34 @@ class LocalJobs:
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
         if self.state_dir is None:
             return job
-        path = self.state_dir / f"{config.lineage_id()}.json"  # a job of another layout continues it (elastic)
-        job.on_acknowledged = functools.partial(_save_state, job, path, threading.Lock())
-        try:
-            state = json.loads(path.read_text())
-        except FileNotFoundError:
-            return job
-        except (OSError, ValueError) as exc:
-            log.warning("job %s: ignoring its saved state %s (%s); planning from step 0", job.job_id, path, exc)
+        own = self.state_dir / f"{job.job_id}.json"
+        job.on_acknowledged = functools.partial(_save_state, job, [own, self.lineage_path(config)], threading.Lock())
+        state = self.saved(own)
+        if state is None:
             return job
         try:
             job.load_state_dict(state)
-            log.info("job %s: resumed from %s at step %s (saved by job %s, dp_size %s)", job.job_id, path,
-                     state.get("snapshot_step"), state.get("job_id"), state.get("dp_size"))
+            log.info("job %s: resumed from %s at step %s", job.job_id, own, state.get("snapshot_step"))
             return job
         except (ValueError, KeyError, TypeError) as exc:  # e.g. planned with another tokenizer file
-            log.warning("job %s: cannot resume from %s (%s); planning from step 0", job.job_id, path, exc)
+            log.warning("job %s: cannot resume from %s (%s); planning from step 0", job.job_id, own, exc)
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
-        job.on_acknowledged = functools.partial(_save_state, job, path, threading.Lock())
+        job.on_acknowledged = functools.partial(_save_state, job, [own, self.lineage_path(config)], threading.Lock())
         return job
+
+    def lineage_path(self, config: JobConfig) -> Path:
+        """The newest state any job of ``config``'s lineage saved (what an elastic resume reads)."""
+        assert self.state_dir is not None
+        return self.state_dir / f"{config.lineage_id()}.json"
+
+    def saved(self, path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the saved job state %s (%s)", path, exc)
+            return None
 
     def owner(self, job: Job, client: str) -> str:
         return job.owner  # whoever opened it here
@@ -268,12 +278,15 @@ class LocalJobs:
         return None
 
 
-def _save_state(job: Job, path: Path, lock: threading.Lock, _low: int) -> None:
-    """Writes the job's state next to ``path`` and renames it over ``path`` (never half written)."""
+def _save_state(job: Job, paths: list[Path], lock: threading.Lock, _low: int) -> None:
+    """Writes the job's state to each of ``paths`` through a file of its own renamed over it (never
+    half written; two jobs of one lineage do not share a temporary file)."""
     with lock:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(job.state_dict()))
-        os.replace(tmp, path)
+        text = json.dumps(job.state_dict())
+        for path in paths:
+            tmp = path.with_name(f".{path.name}.{job.job_id}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
 
 
 class JobRegistry:
@@ -284,6 +297,7 @@ class JobRegistry:
                  factory: JobFactory | None = None):
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
+        self._continuing = threading.Lock()
         self.factory: JobFactory = factory or LocalJobs(budget, state_dir)
         self.budget = self.factory.budget
         self.plan_ahead = True
@@ -301,7 +315,6 @@ class JobRegistry:
         if job is None:
             created = job = self.factory.new(config, reader, shard_urls)
             job.owner = client
-            self._continue_lineage(job, client)
         with self._lock:
             job = self._jobs.setdefault(job_id, job)
             job.clients.add(client)
@@ -311,31 +324,62 @@ class JobRegistry:
         job.touch()
         return job
 
-    def _continue_lineage(self, job: Job, client: str) -> None:
-        """Elastic resume in a running service: a new job of the lineage of a job open here (the
-        same data, another layout: a trainer restarted with fewer or more ranks) continues from
-        that job's acknowledged step, as a restarted node does from its state_dir. Only a job
-        planned here (LocalPlans) and not resumed already; with token auth, only the same owner's."""
-        if not isinstance(job.plans, LocalPlans) or job.plans.state_dict()["planner"] is not None:
-            return
-        lineage = job.config.lineage_id()
+    def continue_lineage(self, config: JobConfig, step: int, client: str, *,
+                         shard_urls: list[list[str]] | None = None,
+                         reader: shards.ShardReader = shards.DEFAULT_READER) -> Job:
+        """Elastic resume, asked for by a client whose checkpoint stands at ``step`` of another
+        layout of ``config``'s lineage (the same data; a trainer restarted with fewer or more
+        ranks): the job of ``config`` continues from the lineage's state acknowledged at exactly
+        ``step``, from a job of the lineage open here or the state_dir. A job that already starts
+        there is returned as it is; one that has sent microbatches from elsewhere, or a lineage with
+        no state at ``step``, is NotFoundError (never a silent restart from step 0)."""
+        with self._continuing:  # ranks ask at once: the first continues the job, the others find it done
+            return self._continue(config, step, client, shard_urls, reader)
+
+    def _continue(self, config: JobConfig, step: int, client: str, shard_urls: list[list[str]] | None,
+                  reader: shards.ShardReader) -> Job:
+        job = self.open(config, shard_urls=shard_urls, reader=reader, client=client)
+        plans = job.plans
+        if not isinstance(plans, LocalPlans):
+            raise NotFoundError("elastic resume needs a single-node service (this job's plans are shared in Redis)")
+        if plans.first_step() == step:
+            return job
+        if plans.num_sent_microbatches or any(plans.state_dict()["acked"].values()):
+            raise NotFoundError(f"job {job.job_id} already streams from step {plans.first_step()}; it cannot "
+                                f"continue its lineage at step {step}")
+        state = self._lineage_state(config, step, client)
         with self._lock:
-            previous = [other for other in self._jobs.values() if other.job_id != job.job_id
-                        and other.config.lineage_id() == lineage and isinstance(other.plans, LocalPlans)
-                        and (other.owner == client or not other.owner.startswith("token:"))]
-        if not previous:
-            return
-        newest = max(previous, key=lambda other: other.plans.state_dict()["acked_step"])
-        state = newest.plans.state_dict()
-        if not state["acked_step"]:
-            return
-        try:
-            job.load_state_dict(state)
-            log.info("job %s continues job %s of its lineage at step %d (dp_size %d -> %d)", job.job_id,
-                     newest.job_id, state["acked_step"], newest.config.dp_size, job.config.dp_size)
-        except (ValueError, RuntimeError) as exc:
-            log.warning("job %s: cannot continue job %s of its lineage (%s); planning from step 0", job.job_id,
-                        newest.job_id, exc)
+            if self._jobs.get(job.job_id) is not job:
+                raise ServiceUnavailableError(f"job {job.job_id} changed while it was continued; open it again")
+        fresh = self.factory.new(config, reader, shard_urls or job.documents.dataset_urls)
+        fresh.owner, fresh.clients = job.owner, set(job.clients)
+        fresh.load_state_dict(state)
+        with self._lock:
+            self._jobs[job.job_id] = fresh
+        job.close()  # its plan-ahead of step 0 ends; nothing was sent from it
+        if self.plan_ahead:
+            fresh.plan_ahead()
+        log.info("job %s continues job %s of its lineage at step %d (dp_size %s -> %d)", fresh.job_id,
+                 state.get("job_id"), step, state.get("dp_size"), config.dp_size)
+        return fresh
+
+    def _lineage_state(self, config: JobConfig, step: int, client: str) -> dict:
+        lineage = config.lineage_id()
+        with self._lock:
+            open_jobs = [other for other in self._jobs.values() if other.job_id != config.job_id()
+                         and other.config.lineage_id() == lineage and isinstance(other.plans, LocalPlans)
+                         and (other.owner == client or not other.owner.startswith("token:"))]
+        states = [other.plans.state_dict() for other in open_jobs]
+        if isinstance(self.factory, LocalJobs) and self.factory.state_dir is not None:
+            saved = self.factory.saved(self.factory.lineage_path(config))
+            if saved is not None:
+                states.append(saved)
+        for state in states:
+            if state.get("acked_step") == step and state.get("planner") is not None:
+                return state
+        found = sorted({state.get("acked_step") for state in states if state.get("acked_step") is not None})
+        raise NotFoundError(f"no job of this lineage acknowledged step {step} here (acknowledged: {found or 'none'}); "
+                            "elastic resume continues from the step every rank acknowledged")
 
     def close_job(self, job_id: str) -> int:
         """Closes and forgets a job; returns the number of streams that were ended."""

@@ -202,6 +202,11 @@ class LocalPlans:
             with self._lock:
                 self._snapshots[step] = snapshot
 
+    def first_step(self) -> int:
+        """The lowest step still held (a continued job's starting step)."""
+        with self._lock:
+            return self._first_held
+
     def num_steps(self) -> int:
         with self._lock:
             return self._next_step if self._planning_done else -1
@@ -237,6 +242,9 @@ class LocalPlans:
         if elastic and state.get("lineage") != self.config.lineage_id():
             raise ValueError(f"job state of job {state.get('job_id')!r} does not belong to job {self.job_id!r} "
                              "or its lineage (the same data with another layout)")
+        if elastic and state["planner"] is None and state.get("acked_step"):
+            raise ValueError(f"job state of job {state.get('job_id')!r} holds no planner state at its acknowledged "
+                             f"step {state.get('acked_step')}: it cannot move to another layout")
         if elastic and state["planner"] is not None and state.get("snapshot_step") != state.get("acked_step"):
             raise ValueError(f"job state of job {state.get('job_id')!r} holds the planner at step "
                              f"{state.get('snapshot_step')}, not at its acknowledged step {state.get('acked_step')}: "

@@ -151,8 +151,12 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             client = self._identity(context)
             if not self.jobs.is_open(config.job_id()):
                 self._check_job_limits(client, config)
-            job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader, client=client)
-        except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted) as exc:
+            if request.continue_at_step:
+                job = self.jobs.continue_lineage(config, int(request.continue_at_step), client,
+                                                 shard_urls=shard_urls, reader=self.reader)
+            else:
+                job = self.jobs.open(config, shard_urls=shard_urls, reader=self.reader, client=client)
+        except (ConfigError, ServiceUnavailableError, PermissionDenied, ResourceExhausted, NotFoundError) as exc:
             abort_rpc(context, exc)
         self._check_access(job, client, context)
         return self._info(job)

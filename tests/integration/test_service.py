@@ -208,8 +208,9 @@ def test_state_moves_to_another_layout_between_steps_within_its_lineage(dataset,
         state = {**client.state_dict(), "next_step": 3}
     with DataClient(address, _config(dataset, dp_size=1), 0) as other:
         assert other.lineage_id == state["lineage"] and other.job_id != state["job_id"]
-        other.load_state_dict(state)
-        assert (other.state_dict()["next_step"], other.state_dict()["next_microbatch"]) == (3, 0)
+        other.load_state_dict({**state, "next_step": 0})  # from the start: nothing to continue
+        with pytest.raises(ValueError, match="no job of this lineage acknowledged step 3"):
+            other.load_state_dict(state)  # the service never acknowledged step 3: refused, not replanned from 0
         with pytest.raises(ValueError, match="stands inside step 3"):
             other.load_state_dict({**state, "next_microbatch": 1})
     with DataClient(address, _config(dataset, seed=99), 1) as other_job:

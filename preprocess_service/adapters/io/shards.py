@@ -172,7 +172,7 @@ class ShardReader:
         """Runs ``produce`` on a reader thread; gives up after read_timeout_s without an item or
         a progress call. Problems the reader reports travel through the same queue, so
         ``on_problem`` is only ever called on the consumer's thread, in order with the samples."""
-        items: queue.Queue = queue.Queue(maxsize=4)
+        items: queue.Queue = queue.Queue(maxsize=1)  # at most 2 x READ_BATCH samples read ahead per shard
         quit_ = threading.Event()
         done = object()
         last_progress = [time.monotonic()]
@@ -190,14 +190,14 @@ class ShardReader:
                 except queue.Full:
                     continue
 
-        def take() -> list:
-            with batch_lock:
-                out = batch[:]
-                batch.clear()
+        def take() -> list:  # the caller holds batch_lock
+            out = batch[:]
+            batch.clear()
             return out
 
         def flush() -> None:
-            out = take()
+            with batch_lock:
+                out = take()
             if out:
                 hand_over(out)
 
@@ -227,7 +227,8 @@ class ShardReader:
                 try:
                     got = items.get(timeout=min(1.0, self.read_timeout_s))
                 except queue.Empty:
-                    got = take()  # a reader that stalls mid-batch: what it read so far comes first
+                    with batch_lock:  # a reader that stalls mid-batch: what it read so far comes first, unless
+                        got = take() if items.empty() else []  # a hand-over came meanwhile (it is older)
                     if got:
                         yield from _without_problems(got, on_problem)
                     if time.monotonic() - last_progress[0] < self.read_timeout_s:

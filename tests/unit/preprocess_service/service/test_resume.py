@@ -117,8 +117,9 @@ def test_a_node_restarted_with_a_state_dir_reopens_the_job_at_its_acknowledged_s
     want = [_signature(job.step_plan(s)) for s in range(num_steps)]
     for rank in range(config.dp_size):
         job.acknowledge(rank, num_steps - 2)
-    saved = tmp_path / "state" / f"{config.lineage_id()}.json"
+    saved = tmp_path / "state" / f"{job.job_id}.json"
     assert json.loads(saved.read_text())["acked"] == {"0": num_steps - 2, "1": num_steps - 2}
+    assert (tmp_path / "state" / f"{config.lineage_id()}.json").read_text() == saved.read_text()
     first.close()
 
     restarted = JobRegistry(state_dir=tmp_path / "state").open(config)  # the same job after a restart
@@ -174,7 +175,12 @@ def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path,
     running = JobRegistry()
     for dp_size, steps in ((8, 3), (6, 4), (12, None)):
         registry = JobRegistry(state_dir=state_dir) if restart else running
-        job = registry.open(JobConfig(dp_size=dp_size, **base))
+        config = JobConfig(dp_size=dp_size, **base)
+        if layouts:  # the trainer asks for it (DataClient.load_state_dict): never implicit
+            assert registry.open(config).plans.first_step() == 0, "a job of another layout does not continue alone"
+            job = registry.continue_lineage(config, layouts[-1][2], client="")
+        else:
+            job = registry.open(config)
         start = job.plans.state_dict()["acked_step"] if layouts else 0
         if layouts:
             with pytest.raises(NotFoundError):
@@ -197,3 +203,5 @@ def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path,
     lost = everything - set(delivered) - {(s, k) for s, k in skipped}
     assert not lost, sorted(lost)[:5]
     assert {k for _, k in skipped} >= {"000010001", "99999bad"}, "the cross-shard copy and the bad one reported"
+    with pytest.raises(NotFoundError, match="acknowledged step 5"):  # a step nobody acknowledged: refused
+        JobRegistry(state_dir=state_dir).continue_lineage(JobConfig(dp_size=3, **base), 5, client="")

@@ -231,7 +231,7 @@ class EpochPlanner:
         the position), JSON-serialisable, versioned."""
         anchor, taken = (self._blocks[0][0], self._taken) if self._blocks else (self._anchor(), 0)
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "step": self.step, "done": self.done,
-                "anchor": anchor, "taken": taken,
+                "anchor": anchor, "taken": taken, "failure": "" if self._failure is None else str(self._failure),
                 "cost": {name: getattr(self.cost, name) for name in COST_FIELDS}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -262,6 +262,8 @@ class EpochPlanner:
         self.cost = dataclasses.replace(self.config.cost, **state["cost"])
         for cursor in self._cursors:
             self._replay_keys(cursor)
+        if state.get("failure"):  # the job failed its error tolerance there: it stays failed after a restore
+            self._failure = DataQualityError(str(state["failure"]))
         taken = int(state["taken"])
         if taken and not self.done:
             self._read_block()

@@ -76,3 +76,33 @@ def test_seeking_to_a_block_gives_the_documents_reading_up_to_it_gives(dedup):
         resumed.load_state_dict(state)
         resumed._read_block()
         assert [d.key for seq in resumed._ready for d in seq.documents] == blocks[target], target
+
+
+def test_a_job_failed_by_its_error_tolerance_stays_failed_after_a_restore():
+    """The steps before the failure are planned; a state taken after them fails again on load,
+    instead of going on from counters that were already over the limit."""
+    from disttrain_api.errors import DataQualityError, SampleError
+
+    class Bad(Rows):
+        def parse(self, sample):
+            if int(sample["__key__"].rsplit("-", 1)[1]) >= 20:
+                raise SampleError(sample["__key__"], "bad", sample["__url__"], "parse_failed")
+            return super().parse(sample)
+
+        def skipped(self, problem):
+            pass
+
+    config = JobConfig(shards=("x",), seq_len=256, dp_size=2, num_microbatches=2, reorder_algorithm="arrival",
+                       max_consecutive_errors=10, open_shards=1, max_error_fraction=1.0)
+    planner = EpochPlanner(config, [f"s{i:03d}" for i in range(2)], Bad([200, 200]))
+    plans = []
+    with pytest.raises(DataQualityError, match="in a row"):
+        while (plan := planner.next_plan()) is not None:
+            plans.append(plan)
+    assert plans, "the steps before the failure were planned"
+    state = json.loads(json.dumps(planner.state_dict()))
+    assert "in a row" in state["failure"]
+    resumed = EpochPlanner(config, [f"s{i:03d}" for i in range(2)], Bad([200, 200]))
+    resumed.load_state_dict(state)
+    with pytest.raises(DataQualityError, match="in a row"):
+        resumed.next_plan()

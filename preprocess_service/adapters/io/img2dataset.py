@@ -147,10 +147,11 @@ class Manifest:
     @property
     def plannable(self) -> bool:
         """Whether the shard may be planned from this manifest: plain rows, each with a caption
-        and a stored image size, and unique keys (a repeated key would need the tar's order)."""
+        and a stored image size, and unique keys a tar member name keeps whole (no "/" or ".",
+        where webdataset splits a name; a repeated key would need the tar's order)."""
         return self.plain and bool(self.keys) and len(self._index) == len(self.keys) \
             and bool((self.width > 0).all() and (self.height > 0).all()) \
-            and all(0 < len(k) <= MAX_KEY_CHARS and "/" not in k for k in self.keys)
+            and all(0 < len(k) <= MAX_KEY_CHARS and "/" not in k and "." not in k for k in self.keys)
 
     def sizes(self, key: str) -> SampleSizes | None:
         """The sizes of a successful sample, or None for a key the parquet does not list as one."""

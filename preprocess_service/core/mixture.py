@@ -16,21 +16,24 @@ or, with ``mix_epoch_samples`` > 0, after that many documents, datasets restarti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from disttrain_api.config import JobConfig
+from preprocess_service.core.shardnames import Permuted, positions
 
 
-def shard_order(urls: list[str], *, seed: int, epoch: int, shuffle: bool, salt: tuple[int, ...] = ()) -> list[str]:
-    """An epoch's shard order: a seeded permutation (or the given order). ``salt`` tells the
-    datasets of a mixture and their passes apart; () is a plain job's first pass."""
+def shard_order(urls: Sequence[str], *, seed: int, epoch: int, shuffle: bool,
+                salt: tuple[int, ...] = ()) -> Sequence[str]:
+    """An epoch's shard order: a seeded permutation of the names (a view: shardnames.Permuted),
+    or the names as given. ``salt`` tells the datasets of a mixture and their passes apart; () is
+    a plain job's first pass."""
     if not shuffle:
-        return list(urls)
+        return urls
     rng = np.random.default_rng([seed, epoch, 0x5A4D, *salt])
-    return [urls[i] for i in rng.permutation(len(urls))]
+    return Permuted(urls, rng.permutation(len(urls)))
 
 
 @dataclass(slots=True)
@@ -61,10 +64,10 @@ class DatasetCursor:
     samples is therefore a function of that number (``seek``), and the state is a few numbers per
     open shard, whatever the dataset's size."""
 
-    urls: list[str]
+    urls: Sequence[str]
     index: int
     """The dataset's position in JobConfig.mixture()."""
-    order: list[str] = field(default_factory=list)
+    order: Sequence[str] = ()
     passes: int = 0
     """Passes started this epoch, minus one (0 in the first)."""
     next_shard: int = 0
@@ -169,7 +172,7 @@ def seek_cursor(cursor: DatasetCursor, sizes: np.ndarray, open_shards: int, samp
     pass, given every shard's size (``sizes`` in the dataset's listed order, e.g. from manifests):
     whole waves from a prefix sum, the last one by wave_progress. Exact when every sample gives a
     document (a skipped sample moves the reading on without one)."""
-    ordered = np.asarray(sizes, dtype=np.int64)[_positions(cursor)]
+    ordered = np.asarray(sizes, dtype=np.int64)[positions(cursor.order, cursor.urls)]
     wave_sizes = np.add.reduceat(ordered, np.arange(0, len(ordered), open_shards)) if len(ordered) else ordered
     ends = np.cumsum(wave_sizes)
     wave = int(np.searchsorted(ends, samples, side="right"))
@@ -185,11 +188,6 @@ def seek_cursor(cursor: DatasetCursor, sizes: np.ndarray, open_shards: int, samp
     cursor.slots = [Slot(first + i, int(n)) for i, n in enumerate(read) if n < members[i]] if samples > done else []
     cursor.next_shard = cursor.next_shard if cursor.slots else first
     cursor.turn = turn if cursor.slots else 0
-
-
-def _positions(cursor: DatasetCursor) -> np.ndarray:
-    index = {url: i for i, url in enumerate(cursor.urls)}
-    return np.fromiter((index[u] for u in cursor.order), dtype=np.int64, count=len(cursor.order))
 
 
 @dataclass(slots=True)

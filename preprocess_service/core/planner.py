@@ -37,7 +37,7 @@ import hashlib
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +51,7 @@ from preprocess_service.core.mixture import Blend, DatasetCursor, Slot, epoch_ov
 from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
 from preprocess_service.core.sample import NEXT_OFFSET, Document
+from preprocess_service.core.shardnames import ShardNames, as_names
 
 SkipSink = Callable[[SampleError], None]
 Parse = Callable[[dict], Document]
@@ -91,6 +92,11 @@ class DocumentSource(SampleSource, Protocol):
     """What else the plans depend on (the tokenizer file's digest): saved in the state, and a
     state with another one is refused, since it was planned with other token counts."""
 
+    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None,
+                   dataset: int | None = None) -> Iterator[dict]:
+        """SampleSource.iter_shard of a shard of dataset ``dataset`` (its index in the mixture):
+        the source parses that shard's samples with that dataset's settings."""
+
     def parse(self, sample: dict) -> Document:
         """A Document of a raw sample (``__key__``, ``__url__``, member -> bytes), or SampleError."""
 
@@ -108,7 +114,8 @@ class Documents:
     on_skip: SkipSink = lambda problem: None
     fingerprint: str = ""
 
-    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None) -> Iterator[dict]:
+    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None,
+                   dataset: int | None = None) -> Iterator[dict]:
         return self.samples.iter_shard(url, on_problem, start)
 
     def read_samples(self, url: str, keys: set[str]) -> dict[str, dict]:
@@ -172,16 +179,17 @@ class EpochPlanner:
     """Plans a job's steps in order (``next_plan()``) from what ``source`` reads and parses; skipped
     samples go to ``source.skipped``."""
 
-    def __init__(self, config: JobConfig, shard_urls: list[list[str]] | list[str], source: DocumentSource):
+    def __init__(self, config: JobConfig, shard_urls: Sequence[Sequence[str]] | Sequence[str],
+                 source: DocumentSource):
         """``shard_urls``: each dataset's shard names, in ``config.mixture()`` order (a flat list is
         the one dataset of a plain job)."""
         self.config = config
         if config.reorder_algorithm not in PLANNERS:
             raise ConfigError(f"unknown reorder_algorithm {config.reorder_algorithm!r}; this server has "
                               f"{sorted(PLANNERS)}")
-        self.dataset_urls: list[list[str]] = \
-            [list(urls) for urls in shard_urls] if shard_urls and not isinstance(shard_urls[0], str) \
-            else [list(shard_urls)]  # type: ignore[arg-type]
+        self.dataset_urls: list[ShardNames] = \
+            [as_names(urls) for urls in shard_urls] if len(shard_urls) and not isinstance(shard_urls[0], str) \
+            else [as_names(shard_urls)]  # type: ignore[arg-type]
         if len(self.dataset_urls) != len(config.mixture()):
             raise ValueError(f"{len(self.dataset_urls)} shard lists for {len(config.mixture())} datasets")
         self.totals = [[0, 0] for _ in self.dataset_urls]
@@ -436,7 +444,7 @@ class EpochPlanner:
             url = cursor.order[slot.position]
             if slot.iterator is None:
                 start = {"samples": slot.samples, "offset": slot.offset} if slot.samples else None
-                slot.iterator = iter(self.source.iter_shard(url, self._problem, start))
+                slot.iterator = iter(self.source.iter_shard(url, self._problem, start, dataset=cursor.index))
             doc = self._read_slot(slot, url, seen if by_pass else slot.keys, by_pass)
             cursor.advance(ended=doc is None)
             if doc is not None:

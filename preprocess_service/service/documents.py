@@ -27,6 +27,7 @@ from preprocess_service.adapters.io import img2dataset, shards, sources
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
 from preprocess_service.adapters.media.parse import KnownImage, parse_document
 from preprocess_service.core.sample import Document
+from preprocess_service.core.shardnames import Concat, ShardNames, as_names
 from preprocess_service.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,27 +37,31 @@ FROM_MANIFEST = "__manifest__"
 """Marks a raw sample made from a shard's manifest row: no encoded bytes (read at decode)."""
 REPORT_WAIT_S = 30.0
 """How long a report waits for side files being read."""
+DATASET_MEMO = 1 << 16
+"""Shards whose dataset a job remembers (those it opened or looked up last)."""
 MANIFEST_DEFER_S = 10.0
 """Longest a job defers reading its first shards' img2dataset manifests for its first microbatch."""
 
 
-def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[list[str]]:
-    """Each dataset's checked, normalised shard names (JobConfig.mixture() order). ConfigError for
-    a shard in two datasets (whose settings would it take?) or more names in all than the
-    operator's max_shards."""
-    out: list[list[str]] = []
-    owner: dict[str, str] = {}
+def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[ShardNames]:
+    """Each dataset's checked, normalised shard names (JobConfig.mixture() order; a large pattern
+    is held as its pattern, sources.PatternNames). ConfigError for a shard in two datasets (whose
+    settings would it take?) or more names in all than the operator's max_shards."""
+    out: list[ShardNames] = []
     total = 0
     for dataset in config.mixture():
         urls = reader.expand(dataset.shards)
         total += len(urls)
         if total > reader.policy.max_shards:
             raise ConfigError(f"the datasets expand to more than {reader.policy.max_shards} shards (max_shards)")
-        for url in urls:
-            if owner.setdefault(url, dataset.name) != dataset.name:
-                raise ConfigError(f"shard {url!r} is in datasets {owner[url]!r} and {dataset.name!r}; "
-                                  "a shard belongs to one dataset")
         out.append(urls)
+    datasets = config.mixture()
+    for j in range(1, len(out)):  # a mixture: each name looked up in the earlier datasets' indexes
+        for url in out[j]:
+            for i in range(j):
+                if out[i].position(url) is not None:
+                    raise ConfigError(f"shard {url!r} is in datasets {datasets[i].name!r} and "
+                                      f"{datasets[j].name!r}; a shard belongs to one dataset")
     return out
 
 
@@ -157,17 +162,19 @@ class JobDocuments:
 
     config: JobConfig
     reader: shards.ShardReader
-    dataset_urls: list[list[str]]
+    dataset_urls: list[ShardNames]
     tokenizer: Tokenizer
     on_skip: SkipSink
     keep: Callable[[Document], bool] = lambda doc: True
     side_files: SideFiles | None = None
     fingerprint: str = ""
     _dataset_of: dict[str, int] = field(init=False, repr=False)
+    """The dataset of each shard opened or looked up lately (bounded: DATASET_MEMO)."""
     _options: list = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._dataset_of = {url: i for i, urls in enumerate(self.dataset_urls) for url in urls}
+        self.dataset_urls = [as_names(urls) for urls in self.dataset_urls]
+        self._dataset_of = {}
         self._options = [_parse_options(self.config, dataset) for dataset in self.config.mixture()]
 
     def with_sink(self, on_skip: SkipSink, keep: Callable[[Document], bool], side_files: SideFiles | None):
@@ -175,10 +182,14 @@ class JobDocuments:
         return dataclasses.replace(self, on_skip=on_skip, keep=keep, side_files=side_files)
 
     @property
-    def shard_urls(self) -> list[str]:
-        return [url for urls in self.dataset_urls for url in urls]
+    def shard_urls(self) -> ShardNames:
+        """Every dataset's shard names, one after the other (a view)."""
+        return Concat(self.dataset_urls)
 
-    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None) -> Iterator[dict]:
+    def iter_shard(self, url: str, on_problem: SkipSink, start: dict | None = None,
+                   dataset: int | None = None) -> Iterator[dict]:
+        if dataset is not None:  # the planner says whose shard it opens (else it is looked up)
+            self._remember(url, dataset)
         if start is None:
             self._shard_started(url)
         manifest = self.manifest(url)
@@ -215,7 +226,7 @@ class JobDocuments:
     def parse_only(self, sample: dict) -> Document:
         """A Document of ``sample`` with the settings of the dataset its shard belongs to."""
         url = sample.get("__url__", "")
-        dataset = self._dataset_of.get(url)
+        dataset = self._dataset(url)
         if dataset is None:  # a plan or a record naming a shard the job does not have: data too
             raise SampleError(sample.get("__key__", ""), f"shard {url!r} is not one of this job's", url, "shard_error")
         modalities, image, generation = self._options[dataset]
@@ -223,6 +234,22 @@ class JobDocuments:
                              audio_config=self.config.audio, generation=generation, modalities=modalities)
         doc.dataset = dataset
         return doc
+
+    def _remember(self, url: str, dataset: int) -> None:
+        if len(self._dataset_of) >= DATASET_MEMO:
+            self._dataset_of.clear()
+        self._dataset_of[url] = dataset
+
+    def _dataset(self, url: str) -> int | None:
+        """The dataset ``url`` belongs to: the planner said so when it opened the shard, or it is
+        looked up in the datasets' names (a plan record or a replica's read; the first lookup in
+        a large pattern names all its shards once)."""
+        dataset = self._dataset_of.get(url)
+        if dataset is None and isinstance(url, str):
+            dataset = next((i for i, names in enumerate(self.dataset_urls) if names.position(url) is not None), None)
+            if dataset is not None:
+                self._remember(url, dataset)
+        return dataset
 
     def _shard_started(self, url: str) -> None:
         """The shard's side files, fault-isolated: what they hold is data too."""

@@ -31,6 +31,7 @@ from preprocess_service.adapters.io import shards
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
 from preprocess_service.core.assemble import MicrobatchArrays
 from preprocess_service.core.planner import StepPlan
+from preprocess_service.core.shardnames import ShardNames
 from preprocess_service.core.tokenizer import Tokenizer
 from preprocess_service.service.assembly import Assembly, PendingMicrobatch
 from preprocess_service.service.documents import JobDocuments, SideFiles, expand_datasets, job_tokenizer
@@ -47,7 +48,7 @@ class Job:
     planner every ``snapshot_every`` steps."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *,
-                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[list[str]] | None = None,
+                 reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[ShardNames] | None = None,
                  budget: MemoryBudget = UNLIMITED, plans: Callable[[Job], PlanSource] | None = None,
                  retain_steps: int = 4, snapshot_every: int = 1):
         self.config = config
@@ -82,13 +83,21 @@ class Job:
         """Called (outside the job's lock) when the lowest acknowledged step moves (the registry saves the state)."""
 
     @property
-    def dataset_urls(self) -> list[list[str]]:
+    def dataset_urls(self) -> list[ShardNames]:
         """Each dataset's shard names (JobConfig.mixture() order)."""
         return self.documents.dataset_urls
 
     @property
-    def shard_urls(self) -> list[str]:
+    def shard_urls(self) -> ShardNames:
         return self.documents.shard_urls
+
+    def listed_shards(self, limit: int) -> list[str]:
+        """The first ``limit`` shard names, named once per job (every rank's OpenJob lists them;
+        a large pattern makes each name when asked)."""
+        listed = self.__dict__.get("_listed")
+        if listed is None or listed[0] != limit:
+            listed = self.__dict__["_listed"] = (limit, list(self.shard_urls[:limit]))
+        return listed[1]
 
     # --- plans --------------------------------------------------------------------------------
     def step_plan(self, step: int, stop: threading.Event | None = None) -> StepPlan | None:
@@ -214,7 +223,7 @@ class JobFactory(Protocol):
     budget: MemoryBudget
     """What the jobs' held media are charged to."""
 
-    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job: ...
+    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job: ...
 
     def owner(self, job: Job, client: str) -> str:
         """Who owns the job ``client`` just opened or joined (``job.owner``: who opened it here)."""
@@ -238,7 +247,7 @@ class LocalJobs:
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
 
-    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job:
+    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
         if self.state_dir is None:
             return job
@@ -303,7 +312,7 @@ class JobRegistry:
         self.plan_ahead = True
         """A job opened here plans its first step at once (Job.plan_ahead); False: at its first stream."""
 
-    def open(self, config: JobConfig, *, shard_urls: list[list[str]] | None = None,
+    def open(self, config: JobConfig, *, shard_urls: list[ShardNames] | None = None,
              reader: shards.ShardReader = shards.DEFAULT_READER, client: str = "") -> Job:
         """The open job of ``config``, opened if need be (``client`` becomes its owner) and joined by
         ``client``; its shards are expanded before the lock is taken (an expansion can take a
@@ -325,7 +334,7 @@ class JobRegistry:
         return job
 
     def continue_lineage(self, config: JobConfig, step: int, client: str, *,
-                         shard_urls: list[list[str]] | None = None,
+                         shard_urls: list[ShardNames] | None = None,
                          reader: shards.ShardReader = shards.DEFAULT_READER) -> Job:
         """Elastic resume, asked for by a client whose checkpoint stands at ``step`` of another
         layout of ``config``'s lineage (the same data; a trainer restarted with fewer or more
@@ -336,7 +345,7 @@ class JobRegistry:
         with self._continuing:  # ranks ask at once: the first continues the job, the others find it done
             return self._continue(config, step, client, shard_urls, reader)
 
-    def _continue(self, config: JobConfig, step: int, client: str, shard_urls: list[list[str]] | None,
+    def _continue(self, config: JobConfig, step: int, client: str, shard_urls: list[ShardNames] | None,
                   reader: shards.ShardReader) -> Job:
         job = self.open(config, shard_urls=shard_urls, reader=reader, client=client)
         plans = job.plans

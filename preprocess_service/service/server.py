@@ -138,7 +138,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
     def _info(self, job: Job) -> pb.JobInfo:
         return pb.JobInfo(job_id=job.job_id, spec=spec_from_config(job.config),
                           global_batch_sequences=job.config.global_batch, num_steps=job.num_steps(),
-                          shard_urls=job.shard_urls[:MAX_LISTED_SHARDS], num_shards=len(job.shard_urls),
+                          shard_urls=job.listed_shards(MAX_LISTED_SHARDS), num_shards=len(job.shard_urls),
                           tokenizer=pb.TokenizerInfo(**job.tokenizer_info))
 
     def OpenJob(self, request, context):

@@ -59,6 +59,7 @@ from preprocess_service.core.feedback import (
 )
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
+from preprocess_service.core.shardnames import ShardNames
 from preprocess_service.service.documents import SideFiles
 from preprocess_service.service.job import Job, JobRegistry
 from preprocess_service.service.report import SkippedRecord, plan_balance
@@ -391,7 +392,7 @@ class SharedJobs:
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
         self.plan_options = plan_options
 
-    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[list[str]] | None) -> Job:
+    def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
         def plans(job: Job) -> SharedPlans:
             return SharedPlans(job, self.store, self.replica_id, **self.plan_options)
 

@@ -45,6 +45,7 @@ from preprocess_service.adapters.io.remote import FetchPolicy, Opened, ShardRead
 from preprocess_service.adapters.io.schemes.local import open_regular
 from preprocess_service.adapters.io.sources import ShardPolicy
 from preprocess_service.adapters.io.tarstream import TarLimits
+from preprocess_service.core.shardnames import ShardNames
 
 __all__ = ["DEFAULT_READER", "ProblemSink", "ShardReadError", "ShardReader", "expand_shards", "iter_shard",
            "open_regular"]
@@ -109,9 +110,10 @@ class ShardReader:
         """This reader for one owner (a job): the same limits and cache, the owner's share of it."""
         return dataclasses.replace(self, owner=owner)
 
-    def expand(self, specs: Iterable[str]) -> list[str]:
-        """The checked, normalised shard names of a job's specs (sources.resolve)."""
-        return [source.url for source in sources.resolve(list(specs), self.policy)]
+    def expand(self, specs: Iterable[str]) -> ShardNames:
+        """The checked, normalised shard names of a job's specs (sources.resolve_names): a
+        sequence that makes a large pattern's names when asked for."""
+        return sources.resolve_names(list(specs), self.policy)
 
     # --- opening ------------------------------------------------------------------------------
     @contextmanager
@@ -309,7 +311,7 @@ def _tar_index(path: str, mtime_ns: int, size: int, limits: TarLimits) -> dict[s
 DEFAULT_READER = ShardReader()
 
 
-def expand_shards(specs: Iterable[str], policy: ShardPolicy = ShardPolicy()) -> list[str]:
+def expand_shards(specs: Iterable[str], policy: ShardPolicy = ShardPolicy()) -> ShardNames:
     """The checked, normalised shard names of ``specs`` under ``policy`` (sources.resolve)."""
     return ShardReader(policy=policy).expand(specs)
 

@@ -21,7 +21,7 @@ class Rows:
         self.urls = [f"s{i:03d}" for i in range(len(sizes))]
         self.reads = 0
 
-    def iter_shard(self, url, on_problem, start=None):
+    def iter_shard(self, url, on_problem, start=None, dataset=None):
         index = self.urls.index(url)
         for row in range(int((start or {}).get("samples", 0)), int(self.sizes[index])):
             self.reads += 1

@@ -154,3 +154,43 @@ def test_a_microbatch_handed_to_the_decoder_holds_no_encoded_bytes_and_is_rebuil
     again = job.microbatch(plan, 0, 0, DECODER)
     for name in first.arrays:
         np.testing.assert_array_equal(again.arrays[name], first.arrays[name], err_msg=name)
+
+
+def test_a_job_over_patterns_held_lazily_reads_their_shards_and_reports_a_missing_one(tmp_path, monkeypatch):
+    """Patterns larger than EAGER_NAMES are held as patterns (their names made when a shard opens):
+    a shard missing in the middle is reported by name and every other sample is planned once; a
+    mixture's datasets parse with their own settings; a shard in two datasets is still refused."""
+    import pytest
+
+    from disttrain_api.config import DatasetConfig
+    from disttrain_api.errors import ConfigError
+    from preprocess_service.adapters.io import sources
+    from preprocess_service.service.documents import expand_datasets
+
+    monkeypatch.setattr(sources, "EAGER_NAMES", 2)
+    monkeypatch.setattr(sources, "SPOT_CHECKS", 2)
+    paths = write_tiny_shards(tmp_path, num_shards=6, samples_per_shard=8)
+    paths[2].unlink()
+    pattern = str(tmp_path / "{00000..00005}.tar")
+    job = Job(JobConfig(shards=(pattern,), seq_len=1024, dp_size=2, num_microbatches=2, shuffle_buffer=16))
+    assert isinstance(job.dataset_urls[0], sources.PatternNames) and len(job.shard_urls) == 6
+    job.plan_all()
+    keys = sorted(doc.key for step in range(job.num_steps()) for doc in job.step_plan(step).documents())
+    assert keys == sorted(f"{s:05d}{i:04d}" for s in (0, 1, 3, 4, 5) for i in range(8))
+    missing = [r for r in job.report()["skipped"] if r.shard == str(paths[2])]
+    assert len(missing) == 1 and missing[0].kind == "shard_error" and "cannot open" in missing[0].reason
+
+    mixture = JobConfig(datasets=(DatasetConfig(name="images", shards=(str(tmp_path / "{00000..00001}.tar"),)),
+                                  DatasetConfig(name="text", shards=(str(tmp_path / "{00003..00005}.tar"),),
+                                                modalities=("text",))),
+                        seq_len=1024, dp_size=2, num_microbatches=2, shuffle_buffer=16)
+    mixed = Job(mixture)
+    mixed.plan_all()
+    docs = [doc for step in range(mixed.num_steps()) for doc in mixed.step_plan(step).documents()]
+    assert {doc.dataset for doc in docs if doc.shard < str(paths[2])} == {0}
+    assert {doc.dataset for doc in docs if doc.shard > str(paths[2])} == {1}
+    assert not any(doc.images for doc in docs if doc.dataset == 1) and any(doc.images for doc in docs)
+    overlapping = JobConfig(datasets=(DatasetConfig(name="a", shards=(str(tmp_path / "{00000..00003}.tar"),)),
+                                      DatasetConfig(name="b", shards=(str(tmp_path / "{00003..00005}.tar"),))))
+    with pytest.raises(ConfigError, match="00003.tar' is in datasets 'a' and 'b'"):
+        expand_datasets(job.reader, overlapping)

@@ -61,6 +61,11 @@ class ShardNames(Sequence[str]):
         head = ", ".join(repr(self.name(i)) for i in range(min(3, len(self))))
         return f"{type(self).__name__}([{head}{', ...' if len(self) > 3 else ''}] of {len(self)})"
 
+    def quick_names(self) -> Iterator[str]:
+        """Every name, as cheaply as the sequence can make them (a pattern's spelling where it is
+        its normalised name): for whole-list checks such as a mixture's overlap."""
+        return iter(self)
+
     def __contains__(self, url: object) -> bool:
         return isinstance(url, str) and self.position(url) is not None
 
@@ -126,6 +131,10 @@ class Concat(ShardNames):
     def __iter__(self) -> Iterator[str]:
         for part in self.parts:
             yield from part
+
+    def quick_names(self) -> Iterator[str]:
+        for part in self.parts:
+            yield from part.quick_names()
 
     def position(self, url: str) -> int | None:
         for start, part in zip(self._starts, self.parts):

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from disttrain_api.config import MODALITIES, DatasetConfig, JobConfig
 from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.adapters.io import img2dataset, shards, sources
@@ -55,14 +57,23 @@ def expand_datasets(reader: shards.ShardReader, config: JobConfig) -> list[Shard
         if total > reader.policy.max_shards:
             raise ConfigError(f"the datasets expand to more than {reader.policy.max_shards} shards (max_shards)")
         out.append(urls)
-    datasets = config.mixture()
-    for j in range(1, len(out)):  # a mixture: each name looked up in the earlier datasets' indexes
-        for url in out[j]:
-            for i in range(j):
-                if out[i].position(url) is not None:
-                    raise ConfigError(f"shard {url!r} is in datasets {datasets[i].name!r} and "
-                                      f"{datasets[j].name!r}; a shard belongs to one dataset")
+    if len(out) > 1:
+        _refuse_shared(out, [dataset.name for dataset in config.mixture()])
     return out
+
+
+def _refuse_shared(names: list[ShardNames], datasets: list[str]) -> None:
+    """ConfigError for a shard in two datasets: every name hashed once (a pattern's as spelled:
+    ShardNames.quick_names), and only names whose hashes meet compared."""
+    hashes = [np.fromiter((hash(url) for url in urls.quick_names()), dtype=np.int64, count=len(urls))
+              for urls in names]
+    for j in range(1, len(names)):
+        for i in range(j):
+            for k in np.flatnonzero(np.isin(hashes[j], hashes[i])):
+                url = names[j][int(k)]
+                if names[i].position(url) is not None:
+                    raise ConfigError(f"shard {url!r} is in datasets {datasets[i]!r} and {datasets[j]!r}; "
+                                      "a shard belongs to one dataset")
 
 
 def download_failures(url: str) -> list[SampleError]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import bisect
 import os
 import re
+import stat
+import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -416,7 +418,51 @@ def _directory_tars(source: Source, spec: str, policy: ShardPolicy, room: int, d
     if not os.path.exists(path):
         origin = f" (from {spec!r})" if spec != path else ""
         raise ConfigError(f"shard {path!r} does not exist{origin}")
+    refuse_foreign_format(path, spec)
     return [source.url]
+
+
+READ_FORMATS = "WebDataset tar shards (.tar, or a .tar compressed with gzip, bzip2 or xz) or a folder of them"
+"""What a shard spec may name, for error messages."""
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
+_LOOKS_LIKE = ((b"PAR1", "a Parquet file"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x89PNG", "a PNG image"),
+               (b"PK\x03\x04", "a zip archive"), (b"\x28\xb5\x2f\xfd", "zstd-compressed"), (b"fLaC", "a FLAC file"),
+               (b"RIFF", "a RIFF (WAV/WebP) file"))
+
+
+def refuse_foreign_format(path: str, spec: str = "") -> None:
+    """ConfigError for a local file that is plainly another format (by its first 512 bytes: not a
+    tar header with a valid checksum or a compressor's magic, but JSON, text, Parquet, an image,
+    a zip ...), naming what it looks like and what is read. An empty, unreadable or unrecognised
+    file (a damaged shard) is left to the reader to report."""
+    try:  # never blocks: a FIFO or a device is not read here (the reader fails that shard)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        head = os.pread(fd, 512, 0)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    if not head or head.startswith(_COMPRESSED):
+        return
+    if len(head) == 512:
+        try:
+            tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+            return
+        except tarfile.HeaderError:
+            pass
+    text = head.lstrip()
+    kind = next((name for magic, name in _LOOKS_LIKE if head.startswith(magic)), None) or (
+        "JSON (LLaVA-style instruction data?)" if text[:1] in (b"{", b"[") else
+        "text" if all(32 <= c < 127 or c in (9, 10, 13) for c in head) else None)
+    if kind is None:  # unknown bytes: a damaged shard, reported by the reader with the rest
+        return
+    origin = f" (from {spec!r})" if spec and spec != path else ""
+    raise ConfigError(f"shard {path!r}{origin} is {kind}, not a format this service reads: {READ_FORMATS}")
 
 
 # --- names held lazily ------------------------------------------------------------------------
@@ -478,6 +524,16 @@ class PatternNames(ShardNames):
             i += 1
         return None if self._spelled_as_made else super().position(url)
 
+    def quick_names(self) -> Iterator[str]:
+        if not self._spelled_as_made:
+            return iter(self)
+        simple = self._node.single_range()
+        if simple is None:
+            return (self.raw(i) for i in range(len(self)))
+        before, (a, b, step, width, letters), after = simple
+        values = range(a, b + 1, step) if b >= a else range(a, b - 1, -step)
+        return (before + (chr(v) if letters else f"{v:0{width}d}" if width else str(v)) + after for v in values)
+
     def spot_check(self) -> None:
         """Names spread over the pattern (its first and last among them) made and checked now, so
         a pattern that names what it may not, or local files that are not there, is refused when
@@ -486,9 +542,11 @@ class PatternNames(ShardNames):
         picks = sorted({round(k * (n - 1) / max(1, SPOT_CHECKS - 1)) for k in range(SPOT_CHECKS)})
         urls = [self.name(i) for i in picks]
         self._spelled_as_made = all(url == self.raw(i) for url, i in zip(urls, picks))
-        for url in urls:  # every one allowed first, then there
-            if parse(url).is_local and not os.path.exists(url):
-                raise ConfigError(f"shard {url!r} (from {self.spec!r}) does not exist")
+        for url in urls:  # every one allowed first, then there (and a shard)
+            if parse(url).is_local:
+                if not os.path.exists(url):
+                    raise ConfigError(f"shard {url!r} (from {self.spec!r}) does not exist")
+                refuse_foreign_format(url, self.spec)
 
 
 class FolderNames(ShardNames):
@@ -510,7 +568,7 @@ class FolderNames(ShardNames):
                     if len(names) > room:
                         raise ConfigError(f"shard directory {path!r} holds more than {room} *.tar files (max_shards)")
         if not names:
-            raise ConfigError(f"shard directory {path!r} holds no *.tar file")
+            raise ConfigError(f"shard directory {path!r} holds no *.tar file; this service reads {READ_FORMATS}")
         names.sort()
         self._links: dict[int, str] = {}
         for link in links:  # a link may point anywhere: resolved and checked like a named file
@@ -552,11 +610,18 @@ class _Node:
         if self.kind == "alt":
             k = bisect.bisect_right(self.starts, i) - 1
             return self.body[k].nth(i - self.starts[k])
-        out = []
-        for item in reversed(self.body):  # "seq"
+        out = list(self.starts)  # "seq": its literals, a variable item's place empty
+        for k, item in self.body:
             i, r = divmod(i, item.count)
-            out.append(item.nth(r))
-        return "".join(reversed(out))
+            out[k] = item.nth(r)
+        return "".join(out)
+
+    def single_range(self) -> tuple[str, tuple, str] | None:
+        """(text before, range, text after) of a sequence whose one varying item is a range."""
+        if self.kind != "seq" or len(self.body) != 1 or self.body[0][1].kind != "range":
+            return None
+        k, item = self.body[0]
+        return "".join(self.starts[:k]), item.body, "".join(self.starts[k + 1:])
 
 
 def _compile(seq) -> _Node:
@@ -577,4 +642,7 @@ def _compile(seq) -> _Node:
     count = 1
     for node in items:
         count *= node.count
-    return _Node("seq", items, count)
+    # a sequence keeps its varying items (last first: the last varies fastest) and its literals in place
+    varying = [(k, node) for k, node in enumerate(items) if node.kind != "lit"][::-1]
+    literals = [node.body if node.kind == "lit" else "" for node in items]
+    return _Node("seq", varying, count, literals)

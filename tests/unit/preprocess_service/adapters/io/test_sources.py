@@ -108,3 +108,30 @@ def test_a_folder_is_held_as_one_string_and_its_links_resolved(tmp_path):
     assert list(names) == sorted(str(data / n) for n in os.listdir(data) if n != "zz.tar") + [str(outside / "o.tar")]
     assert names.position(str(data / "01234.tar")) == 1234
     assert len(names._blob) == 3000 * 10 + 7  # one string, not 3,001 objects
+
+
+def test_a_file_in_a_format_not_read_is_refused_naming_it_and_the_formats_read(tmp_path):
+    import gzip
+
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "ok.tar")) as writer:
+        writer.write({"__key__": "a", "txt": b"x"})
+    (tmp_path / "ok.tar.gz").write_bytes(gzip.compress((tmp_path / "ok.tar").read_bytes()))
+    (tmp_path / "empty.tar").write_bytes(b"")  # nothing to tell: the reader reports it
+    assert len(resolve([str(tmp_path / "ok.tar"), str(tmp_path / "ok.tar.gz"), str(tmp_path / "empty.tar")])) == 3
+    foreign = {"llava.json": (b'[{"id": "1", "image": "a.jpg", "conversations": []}]', "JSON"),
+               "train.parquet": (b"PAR1" + bytes(600), "a Parquet file"),
+               "notes.txt": (b"just some words\n" * 40, "text"),
+               "photo.tar": (b"\xff\xd8\xff\xe0" + bytes(600), "a JPEG image"),
+               "x.tar.zst": (b"\x28\xb5\x2f\xfd" + bytes(600), "zstd-compressed")}
+    (tmp_path / "noise.tar").write_bytes(bytes(range(256)) * 3)  # damaged, not foreign: the reader reports it
+    assert len(resolve([str(tmp_path / "noise.tar")])) == 1
+    for name, (data, kind) in foreign.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=f"{name}' is {kind}.*not a format this service reads: WebDataset tar"):
+            resolve([str(tmp_path / name)])
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "llava.json").write_bytes(foreign["llava.json"][0])
+    with pytest.raises(ConfigError, match="holds no .*tar file; this service reads WebDataset tar"):
+        resolve([str(tmp_path / "sub")])

@@ -186,14 +186,15 @@ def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(serv
     import time
 
     address, shards, servicer = service
+    steps = 9  # checkpoints after steps 2 and 5; killed after the first
     whole = tmp_path / "whole"
     whole.mkdir()
-    _torchrun(4, _args(address, shards, whole, 12))
+    _torchrun(4, _args(address, shards, whole, steps))
     expected = {r["step"]: r["loss"] for r in map(json.loads, (whole / "log.jsonl").read_text().splitlines())}
 
     run = tmp_path / "killed"
     run.mkdir()
-    argv = _args(address, shards, run, 12, extra=["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", "3"])
+    argv = _args(address, shards, run, steps, extra=["--checkpoint-dir", str(run / "ckpt"), "--checkpoint-every", "3"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "trainer.train", *argv]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -205,24 +206,24 @@ def test_kill_and_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(serv
     _kill_all(str(run / "ckpt"))  # torchrun and every worker (elastic starts them in their own sessions)
     proc.wait()
     killed_after = len(log.read_text().splitlines())
-    assert killed_after < 12, "killed before the end"
+    assert killed_after < steps, "killed before the end"
     _torchrun(4, argv)  # restarts from the newest complete checkpoint
     records = [json.loads(line) for line in log.read_text().splitlines()]
     resumed = records[killed_after:]
     first = resumed[0]["step"]
     assert first % 3 == 0 and 3 <= first < killed_after, "resumed at a checkpoint before the kill"
-    assert [r["step"] for r in resumed] == list(range(first, 12))
+    assert [r["step"] for r in resumed] == list(range(first, steps))
     job = servicer.jobs.get(job_config(parse(argv)).job_id())
-    assert job.state_dict()["acked"] == {str(r): 12 for r in range(job.config.dp_size)}, \
+    assert job.state_dict()["acked"] == {str(r): steps for r in range(job.config.dp_size)}, \
         "every data rank acknowledged the last committed checkpoint"
     from disttrain_api.errors import NotFoundError
 
     with pytest.raises(NotFoundError, match="acknowledged"):
-        job.step_plan(11)  # the plans before the acknowledged step were dropped
-    assert job.plans.num_held_plans() <= 12, "only the steps the streams read ahead are held"
+        job.step_plan(steps - 1)  # the plans before the acknowledged step were dropped
+    assert job.plans.num_held_plans() <= steps, "only the steps the streams read ahead are held"
     from prometheus_client import REGISTRY
 
-    assert REGISTRY.get_sample_value("disttrain_job_acknowledged_step", {"job": job.job_id}) == 12
+    assert REGISTRY.get_sample_value("disttrain_job_acknowledged_step", {"job": job.job_id}) == steps
     assert REGISTRY.get_sample_value("disttrain_job_held_plans", {"job": job.job_id}) == job.plans.num_held_plans()
     assert [r["loss"] for r in resumed] == pytest.approx([expected[r["step"]] for r in resumed], rel=1e-6)
 

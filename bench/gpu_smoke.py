@@ -65,6 +65,8 @@ def _torchrun(nproc: int, args: list[str], timeout_s: float, log: Path) -> tuple
     if proc.returncode:
         raise SystemExit(f"FAILED ({proc.returncode}): {' '.join(cmd)}\n{stdout[-2000:]}\n{stderr[-4000:]}")
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    for line in [line for line in stderr.splitlines() if "host syncs" in line][:3]:  # which calls, where more than one
+        print(line[:1500])
     return time.monotonic() - started, records, stdout[-2000:]
 
 

@@ -20,6 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What sync debug mode warns at each synchronizing call (not its notice that the mode is a
+prototype, which the first switch to it also warns)."""
 TENSOR_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu")
 
 
@@ -74,7 +77,8 @@ class HostSyncCounter:
                     yield
                 finally:
                     torch.cuda.set_sync_debug_mode(previous)
-            self.device_calls += [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)]
+            self.device_calls += [f"{w.filename}:{w.lineno}: {str(w.message)[:200]}"  # where in Python
+                                  for w in caught if SYNC_WARNING in str(w.message)]
         finally:
             self._active = False
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from disttrain_api.errors import SampleError
-from preprocess_service.adapters.io import schemes, sources, tarstream
+from preprocess_service.adapters.io import formats, schemes, sources, tarstream
 from preprocess_service.adapters.io.cache import ShardCache
 from preprocess_service.adapters.io.config import READER_DEFAULTS, ReaderConfig
 from preprocess_service.adapters.io.remote import FetchPolicy, Opened, ShardReadError
@@ -148,6 +148,15 @@ class ShardReader:
         if not (isinstance(offset, int) and offset >= 0):
             offset = None
 
+        fmt = formats.format_of(url)
+        if fmt is not None:  # another format (formats/): read from the start, the samples read before dropped
+            def produce_format(report: ProblemSink, progress: Progress):
+                with self._format_file(url, fmt, progress) as (f, path):
+                    yield from itertools.islice(fmt.iter_samples(f, path, url, self.limits, report), skip, None)
+
+            yield from self._watched(produce_format, url, on_problem)
+            return
+
         def produce(report: ProblemSink, progress: Progress):
             with self._opened(url, progress, offset or 0) as opened:
                 positioned = opened.positioned
@@ -162,7 +171,13 @@ class ShardReader:
     def shard_keys(self, url: str, limit: int | None = None) -> Iterator[str]:
         """The keys of the first ``limit`` (None: all) samples ``iter_shard`` yields, in order, from
         the tar's headers alone (members skipped, not read into memory); problems are not reported."""
+        fmt = formats.format_of(url)
+
         def produce(report: ProblemSink, progress: Progress):
+            if fmt is not None:
+                with self._format_file(url, fmt, progress) as (f, path):
+                    yield from fmt.keys(f, path, url, self.limits)
+                return
             with self._opened(url, progress) as opened:
                 for sample in tarstream.iter_samples(opened.file, url, self.limits, report, keys_only=True):
                     yield sample["__key__"]
@@ -264,7 +279,21 @@ class ShardReader:
             result = found
         return result
 
+    @contextmanager
+    def _format_file(self, url: str, fmt: formats.Format, progress: Progress):
+        """(file, local path) of a shard of another format: the file itself or a remote shard's
+        cached copy; a stream (no room in the cache, a program scheme) cannot be read so."""
+        with self._opened(url, progress) as opened:
+            if opened.path is None:
+                raise ShardReadError(f"{url} is a {fmt.name} file, read from a local file or the shard cache only; "
+                                     "this one could only be streamed (no room in the shard cache)")
+            yield opened.file, opened.path
+
     def _read_samples(self, url: str, keys: set[str], progress: Progress) -> dict[str, dict]:
+        fmt = formats.format_of(url)
+        if fmt is not None:
+            with self._format_file(url, fmt, progress) as (f, path):
+                return fmt.read_samples(f, path, url, keys, self.limits)
         with self._opened(url, progress) as opened:
             if opened.path is None:  # a stream (a program scheme, or the cache had no room for it)
                 return {s["__key__"]: s for s in _scan_file(opened.file, url, keys, self.limits)}

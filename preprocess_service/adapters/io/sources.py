@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import numpy as np
 
 from disttrain_api.errors import ConfigError, PermissionDenied
+from preprocess_service.adapters.io import formats
 from preprocess_service.adapters.io.config import DEFAULT_SCHEMES, READER_DEFAULTS
 from preprocess_service.core.shardnames import Concat, ListNames, ShardNames
 
@@ -422,7 +423,9 @@ def _directory_tars(source: Source, spec: str, policy: ShardPolicy, room: int, d
     return [source.url]
 
 
-READ_FORMATS = "WebDataset tar shards (.tar, or a .tar compressed with gzip, bzip2 or xz) or a folder of them"
+READ_FORMATS = ("WebDataset tar shards (.tar, or a .tar compressed with gzip, bzip2 or xz), Hugging Face Parquet "
+                "files (.parquet), LLaVA-style JSON or JSON Lines (.json, .jsonl), or a folder of tars or Parquet "
+                "files")
 """What a shard spec may name, for error messages."""
 _COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
 _LOOKS_LIKE = ((b"PAR1", "a Parquet file"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x89PNG", "a PNG image"),
@@ -447,6 +450,12 @@ def refuse_foreign_format(path: str, spec: str = "") -> None:
         return
     finally:
         os.close(fd)
+    fmt = formats.format_of(path)
+    if fmt is not None:  # named as a format we read: it must look like one
+        if not head or not fmt.magic or head.lstrip().startswith(fmt.magic):
+            return
+        raise ConfigError(f"shard {path!r} is named as a {fmt.name} file but does not start like one "
+                          f"({head[:16]!r})")
     if not head or head.startswith(_COMPRESSED):
         return
     if len(head) == 512:
@@ -559,16 +568,21 @@ class FolderNames(ShardNames):
         self.path = path
         names: list[str] = []
         links: list[str] = []
-        with os.scandir(path) as entries:
-            for entry in entries:
-                if entry.name.endswith(".tar"):
-                    names.append(entry.name)
-                    if entry.is_symlink():
-                        links.append(entry.name)
-                    if len(names) > room:
-                        raise ConfigError(f"shard directory {path!r} holds more than {room} *.tar files (max_shards)")
+        for suffix in (".tar", *(s for s, fmt in formats.FORMATS.items() if fmt.in_folders)):  # tars, else ...
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if entry.name.endswith(suffix):
+                        names.append(entry.name)
+                        if entry.is_symlink():
+                            links.append(entry.name)
+                        if len(names) > room:
+                            raise ConfigError(f"shard directory {path!r} holds more than {room} *{suffix} files "
+                                              "(max_shards)")
+            if names:
+                break
         if not names:
-            raise ConfigError(f"shard directory {path!r} holds no *.tar file; this service reads {READ_FORMATS}")
+            raise ConfigError(f"shard directory {path!r} holds no *.tar or *.parquet file; this service reads "
+                              f"{READ_FORMATS}")
         names.sort()
         self._links: dict[int, str] = {}
         for link in links:  # a link may point anywhere: resolved and checked like a named file

@@ -120,8 +120,8 @@ def test_a_file_in_a_format_not_read_is_refused_naming_it_and_the_formats_read(t
     (tmp_path / "ok.tar.gz").write_bytes(gzip.compress((tmp_path / "ok.tar").read_bytes()))
     (tmp_path / "empty.tar").write_bytes(b"")  # nothing to tell: the reader reports it
     assert len(resolve([str(tmp_path / "ok.tar"), str(tmp_path / "ok.tar.gz"), str(tmp_path / "empty.tar")])) == 3
-    foreign = {"llava.json": (b'[{"id": "1", "image": "a.jpg", "conversations": []}]', "JSON"),
-               "train.parquet": (b"PAR1" + bytes(600), "a Parquet file"),
+    foreign = {"llava.bin": (b'[{"id": "1", "image": "a.jpg", "conversations": []}]', "JSON"),
+               "train.tar": (b"PAR1" + bytes(600), "a Parquet file"),
                "notes.txt": (b"just some words\n" * 40, "text"),
                "photo.tar": (b"\xff\xd8\xff\xe0" + bytes(600), "a JPEG image"),
                "x.tar.zst": (b"\x28\xb5\x2f\xfd" + bytes(600), "zstd-compressed")}
@@ -132,6 +132,6 @@ def test_a_file_in_a_format_not_read_is_refused_naming_it_and_the_formats_read(t
         with pytest.raises(ConfigError, match=f"{name}' is {kind}.*not a format this service reads: WebDataset tar"):
             resolve([str(tmp_path / name)])
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "llava.json").write_bytes(foreign["llava.json"][0])
-    with pytest.raises(ConfigError, match="holds no .*tar file; this service reads WebDataset tar"):
+    (tmp_path / "sub" / "llava.json").write_bytes(foreign["llava.bin"][0])  # named by itself, not by its folder
+    with pytest.raises(ConfigError, match="holds no .*tar or .*parquet file; this service reads WebDataset tar"):
         resolve([str(tmp_path / "sub")])

@@ -13,9 +13,10 @@ is skipped with a reason (video is not read yet). A sample's key is the record's
 a short printable string or a number, else its place in the file (nine digits); a repeated id is a
 duplicate key (the planner keeps the first).
 
-A JSON array is parsed whole, so it may be at most MAX_ARRAY_BYTES (LLaVA-665k's 1 GB file is
-read as JSON Lines: ``jq -c '.[]' in.json > out.jsonl``); JSON Lines are read a line at a time,
-each at most max_sample_bytes.
+A JSON array is parsed whole, so it may be at most MAX_ARRAY_BYTES (64 MiB: parsed, it takes
+several times that); a larger one (LLaVA-665k's file is 1 GB) is given as JSON Lines:
+``jq -c '.[]' in.json > out.jsonl``. JSON Lines are read a line at a time, each at most
+max_sample_bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from preprocess_service.adapters.io.formats._base import Format, ProblemSink, re
 from preprocess_service.adapters.io.formats.parquet import media_extension
 from preprocess_service.adapters.io.tarstream import TarLimits
 
-MAX_ARRAY_BYTES = 256 << 20
+MAX_ARRAY_BYTES = 64 << 20
 MAX_IMAGES = 32
 """Most images one record may name."""
 MAX_ID_CHARS = 128

@@ -14,7 +14,8 @@ anything the file holds:
 
 A sample's key is the file's name without ``.parquet`` and its row number (nine digits):
 ``train-00000-of-00004/000000017``, unique across the files of a dataset. Rows are read a batch at a time
-(BATCH_ROWS), so memory is a batch's, and a value larger than max_member_bytes (or a row larger
+(BATCH_ROWS) within one row group; a row group whose footer declares more than max_sample_bytes
+a row is not read (its rows reported), and a value larger than max_member_bytes (or a row larger
 than max_sample_bytes) skips that row with a reason.
 """
 
@@ -62,17 +63,22 @@ class HFParquet(Format):
                                f"reads (columns: {', '.join(pf.schema_arrow.names)[:300]})", url, "shard_error"))
             return
         row = 0
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=list(columns)):
-            values = batch.to_pydict()
-            for i in range(batch.num_rows):
-                sample = _sample(_key(url, row), {name: values[name][i] for name in values}, columns, url, limits,
-                                 report)
-                if sample is not None:
-                    yield sample
-                row += 1
-
-    def keys(self, f: BinaryIO, path: str, url: str, limits: TarLimits) -> Iterator[str]:
-        return (_key(url, row) for row in range(self._file(f).metadata.num_rows))
+        for group in range(pf.num_row_groups):
+            meta = pf.metadata.row_group(group)
+            if meta.total_byte_size > max(1, meta.num_rows) * limits.max_sample_bytes:  # bounded before reading
+                for skipped in range(row, row + meta.num_rows):
+                    report(SampleError(_key(url, skipped), f"its row group {group} holds {meta.total_byte_size} bytes "
+                                       f"for {meta.num_rows} rows, more than max_sample_bytes a row", url, "oversize"))
+                row += meta.num_rows
+                continue
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=list(columns)):
+                values = batch.to_pydict()
+                for i in range(batch.num_rows):
+                    sample = _sample(_key(url, row), {name: values[name][i] for name in values}, columns, url,
+                                     limits, report)
+                    if sample is not None:
+                        yield sample
+                    row += 1
 
     def read_samples(self, f: BinaryIO, path: str, url: str, keys: set[str], limits: TarLimits) -> dict[str, dict]:
         pf = self._file(f)

@@ -85,7 +85,7 @@ def test_a_hugging_face_parquet_file_is_planned_decoded_and_resumed_like_a_tar(t
     check_resumes(make, advance, at=lambda n: range(1, n))
     url = str(tmp_path / "train-00000-of-00001.parquet")
     assert sorted(reader.read_samples(url, {good[7], "train-00000-of-00001/000000005", "000000009"})) == [good[7]]
-    assert list(reader.shard_keys(url, 3)) == [f"train-00000-of-00001/{i:09d}" for i in range(3)]
+    assert list(reader.shard_keys(url, 6)) == good[:6]  # the keys of the samples read: row 5 is not one
 
 
 def test_an_img2dataset_folder_is_read_as_tars_not_as_its_parquet_manifests(tmp_path):
@@ -158,3 +158,19 @@ def test_a_file_named_as_a_format_must_look_like_it(tmp_path):
     (tmp_path / "data.bin").write_text(json.dumps([{"id": 1}] * 40))
     with pytest.raises(ConfigError, match=r"is JSON .*\.jsonl"):
         sources.resolve_names([str(tmp_path / "data.bin")])
+
+
+def test_parquet_row_groups_and_values_are_bounded_before_they_are_used(tmp_path):
+    from preprocess_service.adapters.io.tarstream import TarLimits
+
+    write_parquet(tmp_path / "a.parquet", rows=16)
+    url = str(tmp_path / "a.parquet")
+    problems: list = []
+    tight = ShardReader(limits=TarLimits(max_member_bytes=1 << 20, max_sample_bytes=256))  # below any row's size
+    assert list(tight.iter_shard(url, problems.append)) == []
+    assert len(problems) == 16 and {p.kind for p in problems} == {"oversize"}
+    assert "row group" in problems[0].reason  # refused from the footer, not read
+    problems.clear()
+    small_values = ShardReader(limits=TarLimits(max_member_bytes=600))  # rows read, each image too large
+    assert [s["__key__"] for s in small_values.iter_shard(url, problems.append)] == []
+    assert {p.kind for p in problems} >= {"oversize"} and len({p.key for p in problems}) == 16

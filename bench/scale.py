@@ -1,6 +1,6 @@
 """LAION-2B on one job: planning cost, memory and state along a 2.3-billion-sample epoch.
 
-    .venv/bin/python bench/scale.py [--shards 230000] [--rows 10000] [--stretch 1000000] [--quick] [--json FILE]
+    .venv/bin/python bench/scale.py [--shards 230000] [--rows 10000] [--stretch 3000000] [--quick] [--json FILE]
 
 The dataset is synthetic and lazy: --shards shards of about --rows samples each (LAION-2B-en is
 about 230,000 img2dataset shards of 10,000 rows), every shard's rows a function of its index
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=int, default=230_000)
     parser.add_argument("--rows", type=int, default=10_000)
-    parser.add_argument("--stretch", type=int, default=1_000_000, help="samples planned per stretch")
+    parser.add_argument("--stretch", type=int, default=3_000_000, help="samples planned per stretch")
     parser.add_argument("--quick", action="store_true", help="a smoke run: a 50,000-sample stretch")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

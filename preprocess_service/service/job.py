@@ -64,7 +64,7 @@ class Job:
         self.documents = JobDocuments(
             config, self.reader, shard_urls if shard_urls is not None else expand_datasets(reader, config),
             self.tokenizer, self.skips.planning_skip, keep=self.retention.keep, side_files=self.side_files,
-            fingerprint=self.tokenizer_info["sha256"])
+            fingerprint=self.tokenizer_info["sha256"] + text_tokenizers.template_digest(self.tokenizer)[:16])
         self.plans: PlanSource = plans(self) if plans is not None else LocalPlans(
             config, self.documents, self.retention, self.skips, retain_steps=retain_steps,
             snapshot_every=snapshot_every)

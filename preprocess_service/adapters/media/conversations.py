@@ -5,7 +5,8 @@ Two layouts are read:
   OpenAI  ``{"messages": [{"role": "user" | "assistant" | "system", "content": "..."}, ...]}``
           (``content`` may also be a list of parts ``{"type": "text", "text": "..."}`` and
           ``{"type": "image"}``)
-Either role vocabulary is accepted in either layout. A conversation becomes text pieces in turn
+Either role vocabulary is accepted in either layout. With a tokenizer that ships a chat template,
+the template renders it (chat_template.py). Without one, a conversation becomes text pieces in turn
 order: a role header (``"USER: "``, ``"ASSISTANT: "``, ``"SYSTEM: "``, after a newline from the
 second turn on) that is never trained, then the turn's content, trained only for the assistant.
 An ``<image>`` marker in a turn's text (or an image part) is an image slot: parse.py puts the
@@ -33,6 +34,9 @@ class TextPiece:
     """Pseudo member naming where it came from, e.g. ``json:conversations[1]``."""
     text: str
     trainable: bool
+    special: bool = False
+    """A chat template's own text: its special tokens are read as such (chat_template.py); a
+    sample's text never is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +48,9 @@ IMAGE_SLOT = ImageSlot()
 Piece = TextPiece | ImageSlot
 
 
-def parse_conversation(meta: dict) -> list[Piece] | None:
-    """The conversation of a sample's JSON as pieces in order, or None when it holds none."""
+def parse_conversation(meta: dict, template=None) -> list[Piece] | None:
+    """The conversation of a sample's JSON as pieces in order, or None when it holds none; with
+    ``template`` (chat_template.ChatTemplate), rendered by it instead of the fixed headers."""
     present = [name for name in _LAYOUTS if name in meta]
     if not present:
         return None
@@ -57,6 +62,8 @@ def parse_conversation(meta: dict) -> list[Piece] | None:
         raise _invalid(f"{name!r} must be a non-empty list of turns, got {_brief(turns)}")
     if len(turns) > MAX_TURNS:
         raise _invalid(f"{name!r} has {len(turns)} turns, more than {MAX_TURNS}")
+    if template is not None:
+        return template.pieces([_turn(turn, name, index) for index, turn in enumerate(turns)])
     pieces: list[Piece] = []
     for index, turn in enumerate(turns):
         member = f"json:{name}[{index}]"

@@ -129,7 +129,8 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
         durations = _json_durations(meta, [m for m in _default_order(kinds) if kinds[m] == "audio"])
         segments: list[Segment | None] = []
         texts: list[tuple[int, TextPiece]] = []
-        for part in _parts(sample, meta, kinds, image_slots=modalities is None or "image" in modalities):
+        for part in _parts(sample, meta, kinds, image_slots=modalities is None or "image" in modalities,
+                           template=getattr(tokenizer, "chat_template", None)):
             if isinstance(part, TextPiece):
                 texts.append((len(segments), part))
                 segments.append(None)
@@ -167,14 +168,15 @@ def _only(meta: dict, kinds: dict[str, str], modalities: frozenset[str]) -> tupl
     return meta, kept
 
 
-def _parts(sample: dict, meta: dict, kinds: dict[str, str], image_slots: bool = True) -> list[TextPiece | str]:
+def _parts(sample: dict, meta: dict, kinds: dict[str, str], image_slots: bool = True,
+           template=None) -> list[TextPiece | str]:
     """The document's content in order: media member names and text pieces.
 
     A sample with a conversation (conversations.py) is its media not placed by an ``<image>``
     marker (default order), then the conversation, each marker taking the next image in member
     order; its text members and JSON caption are not used (the conversation is its text).
     """
-    pieces = parse_conversation(meta)
+    pieces = parse_conversation(meta, template)
     if pieces is not None and not image_slots:
         pieces = [p for p in pieces if not isinstance(p, ImageSlot)]
     if pieces is None:
@@ -212,6 +214,10 @@ def _tokenize_into(segments: list, texts: list[tuple[int, TextPiece]], tokenizer
         encoded = encode_batch(cut)
     else:
         encoded = [tokenizer.encode(text) for text in cut]
+    encode_template = getattr(tokenizer, "encode_template", None)
+    if encode_template is not None:  # a chat template's text: its special tokens are read as such
+        encoded = [encode_template(text) if piece.special else ids
+                   for (_, piece), text, ids in zip(texts, cut, encoded)]
     for (index, piece), ids in zip(texts, encoded):
         truncated = truncated or len(ids) > room
         segments[index] = TextSegment(member=piece.member, ids=ids[:room], trainable=piece.trainable)

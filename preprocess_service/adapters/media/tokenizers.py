@@ -60,6 +60,49 @@ def _read_file(path: Path) -> bytes:
     return data
 
 
+def _chat_template(path: Path, specials: tuple[str, ...]):
+    """The chat template beside a tokenizer.json: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named ones: "default"),
+    with its ``bos_token`` and ``eos_token``; None when there is none. A template that cannot be
+    used is a TokenizerError naming the file."""
+    import json
+
+    from preprocess_service.adapters.media.chat_template import ChatTemplate, TemplateError
+
+    config_path, jinja_path = path.parent / "tokenizer_config.json", path.parent / "chat_template.jinja"
+    config: dict = {}
+    if config_path.is_file():
+        try:
+            loaded = json.loads(_read_file(config_path))
+            config = loaded if isinstance(loaded, dict) else {}
+        except ValueError as exc:
+            raise TokenizerError(f"tokenizer {config_path}: not JSON ({exc})") from None
+    source = _read_file(jinja_path).decode("utf-8", "replace") if jinja_path.is_file() else config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if source is None:
+        return None
+
+    def token(name: str) -> str:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else ""
+
+    try:
+        return ChatTemplate(source, bos_token=token("bos_token"), eos_token=token("eos_token"), specials=specials)
+    except TemplateError as exc:
+        raise TokenizerError(f"tokenizer {path.parent}: its chat template cannot be used: {exc}") from None
+
+
+def template_digest(tokenizer) -> str:
+    """A digest of the tokenizer's chat template ("" without one): plans depend on it."""
+    import hashlib
+
+    template = getattr(tokenizer, "chat_template", None)
+    return "" if template is None else hashlib.sha256(template.source.encode()).hexdigest()
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer.json (BPE, WordPiece, Unigram; what Llama, Qwen,
     Mistral and GPT-2 ship)."""
@@ -102,6 +145,25 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # special tokens' text in a caption is encoded as text: data cannot forge a BOS or an image slot
         self._tok.encode_special_tokens = True
+        self._specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.chat_template = _chat_template(self.path, tuple(self._specials))
+        """The tokenizer's own chat template (chat_template.py), or None: conversations then get
+        fixed USER:/ASSISTANT: headers."""
+
+    def encode_template(self, text: str) -> np.ndarray:
+        """A chat template's own text: its special tokens (``<|im_start|>`` ...) as their ids,
+        the rest encoded as text."""
+        ids: list[int] = []
+        at = 0
+        pattern = self.chat_template._special if self.chat_template is not None else None
+        for match in pattern.finditer(text) if pattern is not None else ():
+            if match.start() > at:
+                ids += self._tok.encode(text[at:match.start()], add_special_tokens=False).ids
+            ids.append(self._specials[match.group(0)])
+            at = match.end()
+        if at < len(text):
+            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int32)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)

@@ -117,6 +117,16 @@ def test_a_template_that_rejects_a_conversation_skips_that_sample_only(tmp_path)
     ("{{ cycler.__init__.__globals__.os.system('id') }}", "undefined|unsafe|access"),
     ("{% for m in messages %}{{ m.content }}{% endfor %}{% set x = messages.append(1) %}", "unsafe|immutable|append"),
     ("{% for m in messages %", "does not compile"),
+    ("{{ 'x' * 100000000000 }}", "repetition"),
+    ("{% set ns = namespace(s='x' * 100000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "concatenation"),
+    ("{% set ns = namespace(s='x' * 100000) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "concatenation"),
+    ("{{ '%1000000000s' % 'x' }}", "formatting"),
+    ("{{ 'x'.center(1000000000) }}", "unsafe|center"),
+    ("{{ 'x'|center(1000000000) }}", "center"),
+    ("{{ range(100000)|map('string')|map('replace', '', 'x' * 1000)|join }}", "replace|join|steps"),
+    ("{{ (['x' * 1000000] * 100000) | join }}", "join"),
 ])
 def test_hostile_templates_are_refused_when_the_tokenizer_loads(tmp_path, hostile, why):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": hostile}))

@@ -149,10 +149,13 @@ class ShardReader:
             offset = None
 
         fmt = formats.format_of(url)
-        if fmt is not None:  # another format (formats/): read from the start, the samples read before dropped
+        if fmt is not None:  # another format (formats/): from the record after the last one read
             def produce_format(report: ProblemSink, progress: Progress):
                 with self._format_file(url, fmt, progress) as (f, path):
-                    yield from itertools.islice(fmt.iter_samples(f, path, url, self.limits, report), skip, None)
+                    if offset is not None:
+                        yield from fmt.iter_samples(f, path, url, self.limits, report, first=offset)
+                    else:
+                        yield from itertools.islice(fmt.iter_samples(f, path, url, self.limits, report), skip, None)
 
             yield from self._watched(produce_format, url, on_problem)
             return

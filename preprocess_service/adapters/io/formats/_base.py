@@ -24,9 +24,11 @@ class Format:
     in_folders: ClassVar[bool] = False
     """A folder with no *.tar file stands for its files of this format (sorted)."""
 
-    def iter_samples(self, f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink) -> Iterator[dict]:
-        """The shard's raw samples in order (a resume drops as many as were read before); a bad
-        sample goes to ``report`` with its key and the rest go on."""
+    def iter_samples(self, f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink,
+                     first: int = 0) -> Iterator[dict]:
+        """The shard's raw samples in order from record ``first`` (a row, a JSON record), each
+        with NEXT_OFFSET set to the record after it: a resume starts there, whatever was skipped
+        before. A bad sample goes to ``report`` with its key and the rest go on."""
         raise NotImplementedError
 
     def keys(self, f: BinaryIO, path: str, url: str, limits: TarLimits) -> Iterator[str]:

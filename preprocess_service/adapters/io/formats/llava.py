@@ -9,9 +9,11 @@ per line), each record a sample:
 tar sample's JSON). Images are files under the folder that holds the JSON file: a path that is
 absolute, holds ``..``, or resolves (through links) out of that folder is refused for that sample,
 as is one that is not a regular file or is larger than max_member_bytes. A record with ``video``
-is skipped with a reason (video is not read yet). A sample's key is the record's ``id`` when it is
-a short printable string or a number, else its place in the file (nine digits); a repeated id is a
-duplicate key (the planner keeps the first).
+is skipped with a reason (video is not read yet), and so are the images of a JSON file read over
+the network (its copy sits in the shard cache). A sample's key is the record's ``id`` when it is
+a short printable string or a number, else the file's name and its place (``x.jsonl#000000017``);
+a repeated id is a duplicate key (the planner keeps the first). A resume starts at the record
+after the last one read (NEXT_OFFSET).
 
 A JSON array is parsed whole, so it may be at most MAX_ARRAY_BYTES (64 MiB: parsed, it takes
 several times that); a larger one (LLaVA-665k's file is 1 GB) is given as JSON Lines:
@@ -32,6 +34,7 @@ from disttrain_api.errors import SampleError
 from preprocess_service.adapters.io.formats._base import Format, ProblemSink, register
 from preprocess_service.adapters.io.formats.parquet import media_extension
 from preprocess_service.adapters.io.tarstream import TarLimits
+from preprocess_service.core.sample import NEXT_OFFSET
 
 MAX_ARRAY_BYTES = 64 << 20
 MAX_IMAGES = 32
@@ -45,15 +48,21 @@ class LlavaJson(Format):
     suffixes = (".json", ".jsonl")
     magic = (b"[", b"{")
 
-    def iter_samples(self, f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink) -> Iterator[dict]:
-        folder = os.path.realpath(os.path.dirname(path))
-        for index, record in _records(f, path, url, limits, report):
+    def iter_samples(self, f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink,
+                     first: int = 0) -> Iterator[dict]:
+        # images sit beside the JSON file: a remote one's copy sits in the shard cache, among others'
+        folder = os.path.realpath(os.path.dirname(path)) if url.startswith("/") else None
+        for index, record in _records(f, path, url, limits, report, first):
             sample = _sample(index, record, folder, url, limits, report)
             if sample is not None:
+                sample[NEXT_OFFSET] = index + 1
                 yield sample
 
 
-def _records(f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink) -> Iterator[tuple[int, object]]:
+def _records(f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink,
+             first: int = 0) -> Iterator[tuple[int, object]]:
+    """(index, record) from record ``first`` on; a record before it is not parsed (a JSON Lines
+    line) or not looked at (an array)."""
     head = f.read(1 << 16)
     f.seek(0)
     if head.lstrip()[:1] == b"[":  # a JSON array: parsed whole, within MAX_ARRAY_BYTES
@@ -68,7 +77,8 @@ def _records(f: BinaryIO, path: str, url: str, limits: TarLimits, report: Proble
             report(SampleError("", f"the JSON file cannot be parsed ({type(exc).__name__}: {str(exc)[:200]})", url,
                                "invalid_json"))
             return
-        yield from enumerate(records if isinstance(records, list) else [])
+        records = records if isinstance(records, list) else []
+        yield from ((i, records[i]) for i in range(first, len(records)))
         return
     index = 0
     reader = io.BufferedReader(f, 1 << 16) if not isinstance(f, io.BufferedReader) else f
@@ -77,42 +87,44 @@ def _records(f: BinaryIO, path: str, url: str, limits: TarLimits, report: Proble
         if not line:
             return
         if len(line) > limits.max_sample_bytes and not line.endswith(b"\n"):
-            report(SampleError(_key(index), f"a line longer than max_sample_bytes ({limits.max_sample_bytes})", url,
-                               "oversize"))
+            report(SampleError(_key(url, index), f"a line longer than max_sample_bytes ({limits.max_sample_bytes})",
+                               url, "oversize"))
             while line and not line.endswith(b"\n"):  # the rest of that line
                 line = reader.readline(1 << 20)
             index += 1
             continue
         if not line.strip():
             continue
-        try:
-            yield index, json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            report(SampleError(_key(index), f"line {index + 1} is not JSON ({type(exc).__name__})", url,
-                               "invalid_json"))
+        if index >= first:
+            try:
+                yield index, json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                report(SampleError(_key(url, index), f"line {index + 1} is not JSON ({type(exc).__name__})", url,
+                                   "invalid_json"))
         index += 1
 
 
-def _key(index: int) -> str:
-    return f"{index:09d}"
+def _key(url: str, index: int) -> str:
+    """A record without a usable id: its file's name and place (``llava.jsonl#000000017``), so two
+    files' records never share a key."""
+    return f"{url.rsplit('/', 1)[-1]}#{index:09d}"
 
 
-def _record_key(index: int, record: dict) -> str:
+def _record_key(index: int, record: dict, url: str) -> str:
     ident = record.get("id")
-    if isinstance(ident, bool):
-        return _key(index)
-    if isinstance(ident, int):
+    if isinstance(ident, int) and not isinstance(ident, bool):
         return str(ident)
-    if isinstance(ident, str) and 0 < len(ident) <= MAX_ID_CHARS and ident.isprintable() and "/" not in ident:
+    if isinstance(ident, str) and 0 < len(ident) <= MAX_ID_CHARS and ident.isprintable() and "#" not in ident:
         return ident
-    return _key(index)
+    return _key(url, index)
 
 
-def _sample(index: int, record: object, folder: str, url: str, limits: TarLimits, report: ProblemSink) -> dict | None:
+def _sample(index: int, record: object, folder: str | None, url: str, limits: TarLimits,
+            report: ProblemSink) -> dict | None:
     if not isinstance(record, dict):
-        report(SampleError(_key(index), "a record is not a JSON object", url, "invalid_json"))
+        report(SampleError(_key(url, index), "a record is not a JSON object", url, "invalid_json"))
         return None
-    key = _record_key(index, record)
+    key = _record_key(index, record, url)
     try:
         if record.get("video") is not None:
             raise SampleError(key, "the record names a video; video is not read yet", url, "decode_failed")
@@ -121,10 +133,13 @@ def _sample(index: int, record: object, folder: str, url: str, limits: TarLimits
         if not isinstance(images, list) or not all(isinstance(p, str) for p in images) or len(images) > MAX_IMAGES:
             raise SampleError(key, f"'image' must be a path or a list of at most {MAX_IMAGES} paths", url,
                               "invalid_json")
+        if images and folder is None:
+            raise SampleError(key, "the images of a remote JSON file are not read (only those beside a local one)",
+                              url, "unreadable_image")
         sample: dict = {"__key__": key, "__url__": url}
         total = 0
         for i, relative in enumerate(images):
-            data = _image(relative, folder, key, url, limits)
+            data = _image(relative, folder, key, url, limits, limits.max_sample_bytes - total)
             ext = media_extension(data) or "jpg"
             sample[ext if i == 0 else f"{i}.{ext}"] = data
             total += len(data)
@@ -141,7 +156,7 @@ def _sample(index: int, record: object, folder: str, url: str, limits: TarLimits
     return sample
 
 
-def _image(relative: str, folder: str, key: str, url: str, limits: TarLimits) -> bytes:
+def _image(relative: str, folder: str | None, key: str, url: str, limits: TarLimits, room: int) -> bytes:
     """An image file under ``folder``, read within the limits, or SampleError naming why not."""
     from preprocess_service.adapters.io.schemes.local import open_regular  # not at import: schemes import sources
 
@@ -155,10 +170,14 @@ def _image(relative: str, folder: str, key: str, url: str, limits: TarLimits) ->
     try:
         with open_regular(real) as image:
             size = os.fstat(image.fileno()).st_size
-            if not stat.S_ISREG(os.fstat(image.fileno()).st_mode) or size > limits.max_member_bytes:
+            if not stat.S_ISREG(os.fstat(image.fileno()).st_mode) or size > min(limits.max_member_bytes, room):
                 raise SampleError(key, f"image {relative[:120]!r} is {size} bytes, more than max_member_bytes "
-                                  f"({limits.max_member_bytes})", url, "oversize")
-            return image.read(limits.max_member_bytes + 1)
+                                  f"({limits.max_member_bytes}) or what max_sample_bytes leaves the record", url,
+                                  "oversize")
+            data = image.read(size + 1)
+            if len(data) > size:  # grew while read
+                raise SampleError(key, f"image {relative[:120]!r} changed while it was read", url, "unreadable_image")
+            return data
     except SampleError:
         raise
     except Exception as exc:  # missing, a FIFO, unreadable: this sample's problem

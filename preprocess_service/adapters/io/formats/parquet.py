@@ -12,11 +12,13 @@ anything the file holds:
   LLaVA tar sample would hold them (media/conversations.py reads both);
 - the first of ``text``, ``caption``, ``txt`` that is a string column is the sample's ``txt``.
 
-A sample's key is the file's name without ``.parquet`` and its row number (nine digits):
-``train-00000-of-00004/000000017``, unique across the files of a dataset. Rows are read a batch at a time
-(BATCH_ROWS) within one row group; a row group whose footer declares more than max_sample_bytes
-a row is not read (its rows reported), and a value larger than max_member_bytes (or a row larger
-than max_sample_bytes) skips that row with a reason.
+A sample's key is the file's folder, its name without ``.parquet`` and its row number (nine
+digits): ``en/train-00000-of-00004/000000017``. Rows are read one at a time, each checked
+in Arrow's memory before Python copies it; a row group whose footer declares more than
+max_sample_bytes a row (in all, or in one column) is not read (its rows reported), and a value
+larger than max_member_bytes (or a row larger than max_sample_bytes) skips that row with a
+reason. A resume starts at the row after the last one read (NEXT_OFFSET), skipping whole row
+groups before it unread.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import BinaryIO
 from disttrain_api.errors import SampleError
 from preprocess_service.adapters.io.formats._base import Format, ProblemSink, register
 from preprocess_service.adapters.io.tarstream import TarLimits
+from preprocess_service.core.sample import NEXT_OFFSET
 
-BATCH_ROWS = 64
 TEXT_COLUMNS = ("text", "caption", "txt")
 TURN_COLUMNS = ("conversations", "messages")
 _MEDIA = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"),
@@ -55,7 +57,8 @@ class HFParquet(Format):
 
         return pq.ParquetFile(f)
 
-    def iter_samples(self, f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink) -> Iterator[dict]:
+    def iter_samples(self, f: BinaryIO, path: str, url: str, limits: TarLimits, report: ProblemSink,
+                     first: int = 0) -> Iterator[dict]:
         pf = self._file(f)
         columns = _columns(pf.schema_arrow)
         if not columns:
@@ -65,47 +68,39 @@ class HFParquet(Format):
         row = 0
         for group in range(pf.num_row_groups):
             meta = pf.metadata.row_group(group)
-            if meta.total_byte_size > max(1, meta.num_rows) * limits.max_sample_bytes:  # bounded before reading
-                for skipped in range(row, row + meta.num_rows):
+            if row + meta.num_rows <= first:  # a resume: whole row groups before it are not read
+                row += meta.num_rows
+                continue
+            chunk = max((meta.column(c).total_uncompressed_size for c in range(meta.num_columns)), default=0)
+            if meta.total_byte_size > max(1, meta.num_rows) * limits.max_sample_bytes or \
+                    chunk > max(1, meta.num_rows) * limits.max_sample_bytes:  # bounded before reading
+                for skipped in range(max(row, first), row + meta.num_rows):
                     report(SampleError(_key(url, skipped), f"its row group {group} holds {meta.total_byte_size} bytes "
                                        f"for {meta.num_rows} rows, more than max_sample_bytes a row", url, "oversize"))
                 row += meta.num_rows
                 continue
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=list(columns)):
-                values = batch.to_pydict()
-                for i in range(batch.num_rows):
-                    sample = _sample(_key(url, row), {name: values[name][i] for name in values}, columns, url,
-                                     limits, report)
-                    if sample is not None:
-                        yield sample
-                    row += 1
-
-    def read_samples(self, f: BinaryIO, path: str, url: str, keys: set[str], limits: TarLimits) -> dict[str, dict]:
-        pf = self._file(f)
-        columns = _columns(pf.schema_arrow)
-        prefix = _key(url, 0)[:-9]
-        wanted = sorted(int(k[len(prefix):]) for k in keys
-                        if k.startswith(prefix) and k[len(prefix):].isdigit() and len(k) == len(prefix) + 9
-                        and int(k[len(prefix):]) < pf.metadata.num_rows)
-        out: dict[str, dict] = {}
-        start = 0
-        for group in range(pf.num_row_groups):
-            rows = pf.metadata.row_group(group).num_rows
-            here = [r for r in wanted if start <= r < start + rows]
-            if here:
-                table = pf.read_row_group(group, columns=list(columns))
-                for r in here:
-                    values = {name: table.column(name)[r - start].as_py() for name in columns}
-                    sample = _sample(_key(url, r), values, columns, url, limits, lambda problem: None)
-                    if sample is not None:
-                        out[sample["__key__"]] = sample
-            start += rows
-        return out
+            # one row at a time: a row is checked in Arrow's memory before Python copies it
+            for batch in pf.iter_batches(batch_size=1, row_groups=[group], columns=list(columns)):
+                if row >= first:
+                    key = _key(url, row)
+                    if batch.nbytes > limits.max_sample_bytes:
+                        report(SampleError(key, f"the row holds {batch.nbytes} bytes, more than max_sample_bytes "
+                                           f"({limits.max_sample_bytes})", url, "oversize"))
+                    else:
+                        values = batch.to_pydict()
+                        sample = _sample(key, {name: values[name][0] for name in values}, columns, url, limits, report)
+                        if sample is not None:
+                            sample[NEXT_OFFSET] = row + 1
+                            yield sample
+                row += 1
 
 
 def _key(url: str, row: int) -> str:
-    name = url.rsplit("/", 1)[-1]
-    return f"{name[:-len('.parquet')] if name.lower().endswith('.parquet') else name}/{row:09d}"
+    """``folder/file-stem/row``: the file's folder keeps ``en/train-00000`` and ``de/train-00000``
+    apart."""
+    parts = url.rstrip("/").rsplit("/", 2)[-2:]
+    name = parts[-1][:-len(".parquet")] if parts[-1].lower().endswith(".parquet") else parts[-1]
+    return "/".join([*parts[:-1], name, f"{row:09d}"])
 
 
 def _columns(schema) -> dict[str, str]:

@@ -58,7 +58,7 @@ def write_parquet(path, rows: int = 30, row_group_size: int = 8):
     table = pa.table({"image": pa.array(image, IMAGE), "images": pa.array(images, pa.list_(IMAGE)),
                       "text": text, "conversations": turns, "score": np.arange(rows, dtype=np.float32)})
     pq.write_table(table, path, row_group_size=row_group_size)
-    return [f"{path.stem}/{i:09d}" for i in range(rows) if i not in (5, 7)]
+    return [f"{path.parent.name}/{path.stem}/{i:09d}" for i in range(rows) if i not in (5, 7)]
 
 
 def test_a_hugging_face_parquet_file_is_planned_decoded_and_resumed_like_a_tar(tmp_path):
@@ -66,7 +66,8 @@ def test_a_hugging_face_parquet_file_is_planned_decoded_and_resumed_like_a_tar(t
     job = Job(JobConfig(shards=(str(tmp_path / "train-00000-of-00001.parquet"),), **CONFIG))
     assert _planned(job) == good
     skipped = _skipped(job)
-    assert skipped == {"train-00000-of-00001/000000005": "empty", "train-00000-of-00001/000000007": "unreadable_image"}
+    prefix = f"{tmp_path.name}/train-00000-of-00001"
+    assert skipped == {f"{prefix}/000000005": "empty", f"{prefix}/000000007": "unreadable_image"}
     assert _decode_all(job) > 0
     docs = {doc.key: doc for step in range(job.num_steps()) for doc in job.step_plan(step).documents()}
     assert len(docs[good[3]].images) == 2 and len(docs[good[4]].images) == 1  # a list column adds images
@@ -84,7 +85,7 @@ def test_a_hugging_face_parquet_file_is_planned_decoded_and_resumed_like_a_tar(t
 
     check_resumes(make, advance, at=lambda n: range(1, n))
     url = str(tmp_path / "train-00000-of-00001.parquet")
-    assert sorted(reader.read_samples(url, {good[7], "train-00000-of-00001/000000005", "000000009"})) == [good[7]]
+    assert sorted(reader.read_samples(url, {good[7], f"{prefix}/000000005", "000000009"})) == [good[7]]
     assert list(reader.shard_keys(url, 6)) == good[:6]  # the keys of the samples read: row 5 is not one
 
 
@@ -129,7 +130,7 @@ def test_llava_json_and_jsonl_are_read_with_images_beside_them_and_hostile_paths
         "missing": "unreadable_image", "escape": "unreadable_image", "absolute": "unreadable_image",
         "linked-out": "unreadable_image", "video": "decode_failed", "no-turns": "invalid_conversation",
         "r0": "duplicate_key"}
-    assert f"{len(records) - 10:09d}" in skipped  # the line that is not JSON, by its place in the file
+    assert f"more.jsonl#{len(records) - 10:09d}" in skipped  # the line that is not JSON, by its place
     assert _decode_all(job) > 0
     docs = {doc.key: doc for step in range(job.num_steps()) for doc in job.step_plan(step).documents()}
     assert len(docs["two"].images) == 2 and not docs["text-only"].images
@@ -148,7 +149,7 @@ def test_a_mixture_of_tars_parquet_and_llava(tmp_path):
                         mix_epoch="all_exhausted", **CONFIG))
     keys = _planned(job)
     assert set(good) <= set(keys) and {f"r{i}" for i in range(6)} <= set(keys) and "000000000" in keys
-    assert "hf/000000005" not in keys
+    assert f"{tmp_path.name}/hf/000000005" not in keys
 
 
 def test_a_file_named_as_a_format_must_look_like_it(tmp_path):
@@ -174,3 +175,34 @@ def test_parquet_row_groups_and_values_are_bounded_before_they_are_used(tmp_path
     small_values = ShardReader(limits=TarLimits(max_member_bytes=600))  # rows read, each image too large
     assert [s["__key__"] for s in small_values.iter_shard(url, problems.append)] == []
     assert {p.kind for p in problems} >= {"oversize"} and len({p.key for p in problems}) == 16
+
+
+def test_record_offsets_resume_where_reading_stood_and_keys_never_collide_across_files(tmp_path):
+    from preprocess_service.adapters.io.formats import format_of
+    from preprocess_service.adapters.io.tarstream import TarLimits
+    from preprocess_service.core.sample import NEXT_OFFSET
+
+    records = _llava_folder(tmp_path)
+    anonymous = [{k: v for k, v in r.items() if k != "id"} for r in records[:6]]
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "images" / name).write_text("\n".join(json.dumps(r) for r in anonymous))
+    job = Job(JobConfig(shards=(str(tmp_path / "images" / "a.jsonl"), str(tmp_path / "images" / "b.jsonl")), **CONFIG))
+    keys = _planned(job)
+    assert len(keys) == 12 and keys[0] == "a.jsonl#000000000" and "b.jsonl#000000005" in keys  # none dropped
+    reader, url = ShardReader(), str(tmp_path / "images" / "a.jsonl")
+    first = list(reader.iter_shard(url, print))
+    assert [s[NEXT_OFFSET] for s in first] == [1, 2, 3, 4, 5, 6]
+    (tmp_path / "images" / "coco" / "1.jpg").unlink()  # a file gone since: the resume starts at the record index
+    rest = list(reader.iter_shard(url, print, {"samples": 3, "offset": first[2][NEXT_OFFSET]}))
+    assert [s["__key__"] for s in rest] == [s["__key__"] for s in first[3:]]
+    parquet = str(tmp_path / "p.parquet")
+    good = write_parquet(tmp_path / "p.parquet", rows=20, row_group_size=4)
+    read = list(reader.iter_shard(parquet, print))
+    assert [s["__key__"] for s in read] == good
+    again = list(reader.iter_shard(parquet, print, {"samples": 9, "offset": read[8][NEXT_OFFSET]}))
+    assert [s["__key__"] for s in again] == good[9:]
+    problems: list = []
+    with open(url, "rb") as f:
+        remote = list(format_of("x.jsonl").iter_samples(f, url, "https://data.example/images/a.jsonl", TarLimits(),
+                                                        problems.append))
+    assert remote == [] and len(problems) == 6 and "remote JSON" in problems[0].reason

@@ -293,7 +293,7 @@ def load_tokenizer(spec: str):
         return ByteTokenizer()
     if kind == "folder":
         kind, path = _in_folder(spec, path)
-    return _cached(kind, path, *_version(path))
+    return _cached(kind, path, *_version(path), _siblings(kind, path))
 
 
 def load_checked(spec: str, policy):
@@ -315,7 +315,12 @@ def load_checked(spec: str, policy):
         inner = sources.parse(path, spec)
         sources.check(inner, policy, spec)
         path = inner.location
-    return _cached(kind, path, *_version(path))
+    if kind == "hf":  # the chat template's files beside it are read too: checked the same way
+        for name in TEMPLATE_FILES:
+            sibling = os.path.join(os.path.dirname(path), name)
+            if os.path.lexists(sibling):
+                sources.check(sources.parse(sibling, spec), policy, spec)
+    return _cached(kind, path, *_version(path), _siblings(kind, path))
 
 
 def _version(path: str) -> tuple[int, int]:
@@ -326,9 +331,29 @@ def _version(path: str) -> tuple[int, int]:
     return st.st_mtime_ns, st.st_size
 
 
+TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
+"""Files beside a tokenizer.json that may hold its chat template."""
+
+
+def _siblings(kind: str, path: str) -> tuple:
+    """The versions of the chat template's files beside ``path``: a changed template is a new
+    tokenizer (and a new fingerprint)."""
+    if kind != "hf":
+        return ()
+    out = []
+    for name in TEMPLATE_FILES:
+        try:
+            st = os.stat(os.path.join(os.path.dirname(path), name))
+            out.append((name, st.st_mtime_ns, st.st_size))
+        except OSError:
+            continue
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=8)
-def _cached(kind: str, path: str, mtime_ns: int, size: int):
-    """One loaded tokenizer per file version; ``mtime_ns`` and ``size`` only key the cache."""
+def _cached(kind: str, path: str, mtime_ns: int, size: int, siblings: tuple = ()):
+    """One loaded tokenizer per file version; ``mtime_ns``, ``size`` and the template files'
+    versions (``siblings``) only key the cache."""
     return HFTokenizer(path) if kind == "hf" else SentencePieceTokenizer(path)
 
 

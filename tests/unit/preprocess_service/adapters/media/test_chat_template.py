@@ -143,3 +143,27 @@ def test_without_a_template_the_fixed_headers_stay(tmp_path):
     assert tok.chat_template is None
     doc = _document(tok, TURNS)
     assert "USER: " in _text(tok, np.concatenate([s.ids for s in doc.segments if hasattr(s, "trainable")]))
+
+
+def test_template_files_obey_the_shard_policy_and_a_changed_template_is_seen(tmp_path):
+    import os
+
+    from disttrain_api.errors import PermissionDenied
+    from preprocess_service.adapters.io.sources import ShardPolicy
+
+    allowed, outside = tmp_path / "models", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    _tokenizer(allowed, "qwen2")
+    policy = ShardPolicy(allowed_prefixes=(str(allowed),))
+    first = tokenizers.load_checked(str(allowed / "tokenizer.json"), policy)
+    assert first.chat_template is not None and "im_start" in first.chat_template.source
+    config = json.loads((allowed / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA3
+    (allowed / "tokenizer_config.json").write_text(json.dumps(config) + " ")  # a new version: reloaded
+    assert tokenizers.load_checked(str(allowed / "tokenizer.json"), policy).chat_template.source == LLAMA3
+    (outside / "tokenizer_config.json").write_text(json.dumps(config))
+    (allowed / "tokenizer_config.json").unlink()
+    os.symlink(outside / "tokenizer_config.json", allowed / "tokenizer_config.json")  # a link out: refused
+    with pytest.raises(PermissionDenied, match="outside the prefixes"):
+        tokenizers.load_checked(str(allowed / "tokenizer.json"), policy)

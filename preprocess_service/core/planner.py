@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import ConfigError, DataQualityError, SampleError
+from disttrain_api.errors import ConfigError, DataQualityError, PermissionDenied, SampleError
 from preprocess_service.core import reorder
 from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
 from preprocess_service.core.mixture import Blend, DatasetCursor, Slot, epoch_over, seek_cursor
@@ -286,7 +286,9 @@ class EpochPlanner:
         seen = self._seen[cursor.index]
         if by_pass:
             for position in cursor.read_through():
-                for key in self.source.shard_keys(cursor.order[position]):
+                url = cursor.order.safe_name(position) if isinstance(cursor.order, ShardNames) \
+                    else cursor.order[position]
+                for key in self.source.shard_keys(url) if url else ():
                     seen.add(_key_hash(key))
         for slot in cursor.slots:
             if slot.samples:
@@ -441,7 +443,13 @@ class EpochPlanner:
         by_pass = self.config.dedup == "pass"
         seen = self._seen[cursor.index]
         while (slot := cursor.slot(self.config.shards_open)) is not None:
-            url = cursor.order[slot.position]
+            try:
+                url = cursor.order[slot.position]
+            except (ConfigError, PermissionDenied) as exc:  # a lazily made name the policy refuses
+                self._problem(SampleError("", f"shard {slot.position} of this pass's order cannot be opened: {exc}",
+                                          "", "shard_error"))
+                cursor.advance(ended=True)
+                continue
             if slot.iterator is None:
                 start = {"samples": slot.samples, "offset": slot.offset} if slot.samples else None
                 slot.iterator = iter(self.source.iter_shard(url, self._problem, start, dataset=cursor.index))

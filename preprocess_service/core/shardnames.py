@@ -19,6 +19,8 @@ from typing import overload
 
 import numpy as np
 
+from disttrain_api.errors import ConfigError, PermissionDenied
+
 
 class ShardNames(Sequence[str]):
     """Shard names, each computed when asked for (subclasses give ``__len__`` and ``name``)."""
@@ -63,8 +65,17 @@ class ShardNames(Sequence[str]):
 
     def quick_names(self) -> Iterator[str]:
         """Every name, as cheaply as the sequence can make them (a pattern's spelling where it is
-        its normalised name): for whole-list checks such as a mixture's overlap."""
-        return iter(self)
+        its normalised name): for whole-list checks such as a mixture's overlap. A name that
+        cannot be made (safe_name) is ""."""
+        return (self.safe_name(i) for i in range(len(self)))
+
+    def safe_name(self, i: int) -> str:
+        """``name(i)``, or "" when it cannot be made (a pattern's name the policy refuses: it is
+        reported when its shard would open, never opened)."""
+        try:
+            return self.name(i)
+        except (ConfigError, PermissionDenied):
+            return ""
 
     def __contains__(self, url: object) -> bool:
         return isinstance(url, str) and self.position(url) is not None
@@ -74,7 +85,7 @@ class ShardNames(Sequence[str]):
         and keeps their hashes and positions (12 bytes per name)."""
         if self._index is None:
             n = len(self)
-            hashes = np.fromiter((hash(name) for name in self), dtype=np.int64, count=n)
+            hashes = np.fromiter((hash(self.safe_name(i)) for i in range(n)), dtype=np.int64, count=n)
             order = np.argsort(hashes, kind="stable").astype(np.int64 if n >= 2**31 else np.int32)
             self._index = (hashes[order], order)
         hashes, order = self._index

@@ -96,7 +96,8 @@ class Job:
         a large pattern makes each name when asked)."""
         listed = self.__dict__.get("_listed")
         if listed is None or listed[0] != limit:
-            listed = self.__dict__["_listed"] = (limit, list(self.shard_urls[:limit]))
+            names = self.shard_urls
+            listed = self.__dict__["_listed"] = (limit, [names.safe_name(i) for i in range(min(limit, len(names)))])
         return listed[1]
 
     # --- plans --------------------------------------------------------------------------------

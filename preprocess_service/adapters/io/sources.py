@@ -111,8 +111,10 @@ def resolve_names(specs: Sequence[str], policy: ShardPolicy = ShardPolicy()) -> 
                 raise ConfigError(f"shard spec {spec!r} expands to more than {policy.max_shards} shards, the most "
                                   "this service allows one job (max_shards)")
             if count > EAGER_NAMES:
-                pieces.append(PatternNames(tree, count, spec, policy, allowed))
-                continue
+                pattern = PatternNames(tree, count, spec, policy, allowed)
+                if not pattern.spot_check():  # a pattern of folders is expanded at once, as before
+                    pieces.append(pattern)
+                    continue
             named = [(parse(name, spec, dirs), spec) for name in _generate(tree)]
             for source, _ in named:
                 check(source, policy, spec, allowed)
@@ -122,7 +124,6 @@ def resolve_names(specs: Sequence[str], policy: ShardPolicy = ShardPolicy()) -> 
     room = policy.max_shards
     for piece in pieces:
         if isinstance(piece, PatternNames):
-            piece.spot_check()
             out.extend([ListNames(held), piece])
             held, room = [], room - len(piece)
             continue
@@ -543,19 +544,25 @@ class PatternNames(ShardNames):
         values = range(a, b + 1, step) if b >= a else range(a, b - 1, -step)
         return (before + (chr(v) if letters else f"{v:0{width}d}" if width else str(v)) + after for v in values)
 
-    def spot_check(self) -> None:
+    def spot_check(self) -> bool:
         """Names spread over the pattern (its first and last among them) made and checked now, so
         a pattern that names what it may not, or local files that are not there, is refused when
-        the job opens."""
+        the job opens. True when they are folders: the pattern is then expanded at once. Only a
+        pattern of URLs whose checked names are spelled as made is looked up by its spelling (a
+        local name may pass through a link anywhere in the pattern)."""
         n = len(self)
         picks = sorted({round(k * (n - 1) / max(1, SPOT_CHECKS - 1)) for k in range(SPOT_CHECKS)})
         urls = [self.name(i) for i in picks]
-        self._spelled_as_made = all(url == self.raw(i) for url, i in zip(urls, picks))
+        local = any(parse(url).is_local for url in urls)
+        self._spelled_as_made = not local and all(url == self.raw(i) for url, i in zip(urls, picks))
         for url in urls:  # every one allowed first, then there (and a shard)
             if parse(url).is_local:
+                if os.path.isdir(url):
+                    return True
                 if not os.path.exists(url):
                     raise ConfigError(f"shard {url!r} (from {self.spec!r}) does not exist")
                 refuse_foreign_format(url, self.spec)
+        return False
 
 
 class FolderNames(ShardNames):

@@ -194,3 +194,51 @@ def test_a_job_over_patterns_held_lazily_reads_their_shards_and_reports_a_missin
                                       DatasetConfig(name="b", shards=(str(tmp_path / "{00003..00005}.tar"),))))
     with pytest.raises(ConfigError, match="00003.tar' is in datasets 'a' and 'b'"):
         expand_datasets(job.reader, overlapping)
+
+
+def test_a_lazy_name_the_policy_refuses_is_reported_as_its_shard_and_the_rest_is_planned(tmp_path, monkeypatch):
+    from preprocess_service.adapters.io import sources
+    from preprocess_service.adapters.io.shards import ShardReader
+    from preprocess_service.adapters.io.sources import ShardPolicy
+
+    monkeypatch.setattr(sources, "EAGER_NAMES", 2)
+    monkeypatch.setattr(sources, "SPOT_CHECKS", 2)  # first and last: the middle name is made only when opened
+    write_tiny_shards(tmp_path / "ok", num_shards=2, samples_per_shard=6)
+    (tmp_path / "outside").mkdir()
+    spec = f"{{{tmp_path}/ok/00000.tar,{tmp_path}/outside/x.tar,{tmp_path}/ok/00001.tar}}"
+    reader = ShardReader(policy=ShardPolicy(allowed_prefixes=(str(tmp_path / "ok"),)))
+    job = Job(JobConfig(shards=(spec,), seq_len=1024, dp_size=2, num_microbatches=2, shuffle_buffer=16), reader=reader)
+    assert len(job.shard_urls) == 3 and job.listed_shards(10)[1] == ""
+    job.plan_all()
+    keys = sorted(doc.key for step in range(job.num_steps()) for doc in job.step_plan(step).documents())
+    assert keys == sorted(f"{s:05d}{i:04d}" for s in (0, 1) for i in range(6))
+    refused = [r for r in job.report()["skipped"] if r.kind == "shard_error"]
+    assert len(refused) == 1 and "outside the prefixes" in refused[0].reason
+
+
+def test_lazy_local_names_are_looked_up_as_made_and_a_pattern_of_folders_is_expanded(tmp_path, monkeypatch):
+    import os
+
+    from preprocess_service.adapters.io import sources
+
+    monkeypatch.setattr(sources, "EAGER_NAMES", 2)
+    monkeypatch.setattr(sources, "SPOT_CHECKS", 2)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for i in range(20):
+        (tmp_path / "a" / f"s{i:02d}.tar").write_bytes(b"")
+    (tmp_path / "a" / "s07.tar").unlink()
+    (tmp_path / "b" / "x.tar").write_bytes(b"")
+    os.symlink(tmp_path / "b" / "x.tar", tmp_path / "a" / "s07.tar")  # one name of the pattern is a link
+    names = sources.resolve_names([f"{tmp_path}/a/s{{00..19}}.tar"])
+    assert isinstance(names, sources.PatternNames) and names[7] == str(tmp_path / "b" / "x.tar")
+    assert names.position(names[7]) == 7 and list(names.quick_names())[7] == names[7]
+    write_tiny_shards(tmp_path / "d0", num_shards=2, samples_per_shard=2)
+    write_tiny_shards(tmp_path / "d1", num_shards=2, samples_per_shard=2)
+    for i in range(2, 6):
+        (tmp_path / f"d{i}").mkdir()
+        (tmp_path / f"d{i}" / "00000.tar").write_bytes(b"")
+    folders = sources.resolve_names([f"{tmp_path}/d{{0..5}}"])  # folders: their tars, as eager expansion gives
+    assert list(folders) == [str(tmp_path / "d0" / "00000.tar"), str(tmp_path / "d0" / "00001.tar"),
+                             str(tmp_path / "d1" / "00000.tar"), str(tmp_path / "d1" / "00001.tar"),
+                             *(str(tmp_path / f"d{i}" / "00000.tar") for i in range(2, 6))]

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -86,9 +87,14 @@ def test_sigterm_drains_and_exits_within_its_grace_with_stuck_calls(shards, tmp_
     fifo = tmp_path / "stuck.tar"
     os.mkfifo(fifo)
     proc, address = _serve("--shutdown-grace-s", "2", "--shard-read-timeout-s", "600")
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # its log, read as an operator's
     try:
         channel, calls = _stalled_streams(address, _config(root, num_epochs=1000), 4)
         time.sleep(2)  # the streams are open and blocked on clients that do not read
+        deadline = time.monotonic() + 180  # and the server is warm: a first start may still compile its kernels
+        while not any("warm in" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)

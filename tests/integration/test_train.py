@@ -148,16 +148,16 @@ def test_one_channel_for_every_message_kind_fails_as_nccl_would(service, tmp_pat
     assert "Mismatch in shape" in done.stderr, done.stderr[-3000:]  # media where embed_grad was expected
 
 
-def test_loss_decreases_over_a_few_dozen_steps(service, tmp_path):
+def test_loss_decreases_over_a_dozen_steps(service, tmp_path):
     address, shards, servicer = service
-    argv = _args(address, shards, tmp_path, 24, extra=["--lr", "3e-3", "--feedback"])
+    argv = _args(address, shards, tmp_path, 12, extra=["--lr", "3e-3", "--feedback"])
     _torchrun(4, argv, timeout=400)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert len(losses) == 24
+    assert len(losses) == 12
     assert sum(losses[-4:]) / 4 < 0.85 * sum(losses[:4]) / 4, losses
     # --feedback: every microbatch's measured stage times reached the service, which refit its cost model
     job = servicer.jobs.get(job_config(parse(argv)).job_id())
-    assert job.plans.refitter.num_observations >= 24 * 2
+    assert job.plans.refitter.num_observations >= 12 * 2
     assert job.plans.planner.cost.bb_linear_s != job.config.cost.bb_linear_s
     # and its measured bubble reached the service's metrics, beside the simulator's prediction
     from preprocess_service.adapters.infra.metrics import BUBBLE

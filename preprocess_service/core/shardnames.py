@@ -84,11 +84,13 @@ class ShardNames(Sequence[str]):
         """Where ``url`` stands (its first place), or None. The first call names every shard once
         and keeps their hashes and positions (12 bytes per name)."""
         if self._index is None:
-            n = len(self)
-            hashes = np.fromiter((hash(self.safe_name(i)) for i in range(n)), dtype=np.int64, count=n)
-            order = np.argsort(hashes, kind="stable").astype(np.int64 if n >= 2**31 else np.int32)
-            self._index = (hashes[order], order)
-        hashes, order = self._index
+            self._index = hash_index((self.safe_name(i) for i in range(len(self))), len(self))
+        return self._find(self._index, url)
+
+    def _find(self, index: tuple[np.ndarray, np.ndarray], url: str) -> int | None:
+        """The first position whose hash in ``index`` (hash_index) is ``url``'s and whose name is
+        ``url``, or None."""
+        hashes, order = index
         h = hash(url)
         i = int(np.searchsorted(hashes, h))
         while i < len(hashes) and hashes[i] == h:
@@ -169,6 +171,13 @@ class Permuted(ShardNames):
 
     def name(self, i: int) -> str:
         return self.base.name(int(self.perm[i]))
+
+
+def hash_index(names: Iterable[str], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted hashes, positions in that order) of ``n`` names: 12 bytes a name."""
+    hashes = np.fromiter((hash(name) for name in names), dtype=np.int64, count=n)
+    order = np.argsort(hashes, kind="stable").astype(np.int64 if n >= 2**31 else np.int32)
+    return hashes[order], order
 
 
 def as_names(names: Sequence[str]) -> ShardNames:

@@ -37,7 +37,7 @@ import numpy as np
 from disttrain_api.errors import ConfigError, PermissionDenied
 from preprocess_service.adapters.io import formats
 from preprocess_service.adapters.io.config import DEFAULT_SCHEMES, READER_DEFAULTS
-from preprocess_service.core.shardnames import Concat, ListNames, ShardNames
+from preprocess_service.core.shardnames import Concat, ListNames, ShardNames, hash_index
 
 LOCAL_SCHEMES = ("file",)
 PROGRAM_SCHEMES = ("pipe", "gsutil", "ais", "sftp", "scp", "hf", "htgs")
@@ -521,18 +521,11 @@ class PatternNames(ShardNames):
         name: about 1.5 us per name, once), each hit confirmed by making the name. A pattern whose
         spot-checked names all normalise to themselves is taken to do so everywhere; another one
         falls back to the index of made names (ShardNames.position)."""
+        if not self._spelled_as_made:
+            return super().position(url)
         if self._raw_index is None:
-            hashes = np.fromiter((hash(self.raw(i)) for i in range(len(self))), dtype=np.int64, count=len(self))
-            order = np.argsort(hashes, kind="stable")
-            self._raw_index = (hashes[order], order)
-        hashes, order = self._raw_index
-        h = hash(url)
-        i = int(np.searchsorted(hashes, h))
-        while i < len(hashes) and hashes[i] == h:
-            if self.name(int(order[i])) == url:
-                return int(order[i])
-            i += 1
-        return None if self._spelled_as_made else super().position(url)
+            self._raw_index = hash_index((self.raw(i) for i in range(len(self))), len(self))
+        return self._find(self._raw_index, url)
 
     def quick_names(self) -> Iterator[str]:
         if not self._spelled_as_made:

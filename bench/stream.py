@@ -159,7 +159,7 @@ class ReplayDecoder:
         self.hits = 0
         self.misses = 0
 
-    def submit(self, layout, stop=None) -> futures.Future:
+    def submit(self, layout, stop=None, hooks=None) -> futures.Future:
         from preprocess_service.adapters.decode import Decoded
 
         key = (tuple(layout.sample_keys), layout.nbytes)
@@ -189,7 +189,7 @@ class ReplayDecoder:
                 self._kept[key] = (copy, dict(decoded.errors))
             out.set_result(decoded)
 
-        self._inner.submit(layout, stop).add_done_callback(keep)
+        self._inner.submit(layout, stop, hooks).add_done_callback(keep)
         return out
 
     def __getattr__(self, name):  # stats(), close(), worker_pids(), ...

@@ -208,6 +208,53 @@ class DatasetConfig:
                  f"dataset {self.name!r}: generate must be '', 'listed', 'all' or 'none', got {self.generate!r}")
 
 
+MAX_PLUGINS = 16
+MAX_PLUGIN_PARAMS_BYTES = 64 << 10
+_PLUGIN_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PluginConfig:
+    """One operator plugin a job uses (disttrain_api/plugins.py, docs/plugins.md): its registered
+    name and parameters. The service refuses a name it has not installed."""
+
+    name: str
+    """The name its package registers under the ``disttrain.plugins`` entry points: a lowercase
+    letter, then up to 63 lowercase letters, digits, '_', '.' or '-'."""
+    params: str | dict = "{}"
+    """Its parameters: a JSON object, given as a dict or as JSON text, at most 64 KiB; kept as
+    canonical JSON text (sorted keys), so equal parameters make one job id."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(_PLUGIN_NAME.match(self.name)),
+                 f"plugin name {self.name!r:.80} must be a lowercase letter, then up to 63 lowercase letters, "
+                 "digits, '_', '.' or '-'")
+        params = self.params
+        if isinstance(params, str):
+            _require(len(params) <= MAX_PLUGIN_PARAMS_BYTES,
+                     f"plugin {self.name!r}: params are {len(params)} characters, more than {MAX_PLUGIN_PARAMS_BYTES}")
+            try:
+                params = json.loads(params or "{}")
+            except (ValueError, RecursionError) as exc:
+                raise ConfigError(f"plugin {self.name!r}: params are not JSON ({exc})") from None
+        _require(isinstance(params, dict), f"plugin {self.name!r}: params must be a JSON object, got {params!r:.80}")
+        try:
+            text = json.dumps(params, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ConfigError(f"plugin {self.name!r}: params cannot be JSON ({exc})") from None
+        _require(len(text) <= MAX_PLUGIN_PARAMS_BYTES,
+                 f"plugin {self.name!r}: params are {len(text)} bytes of JSON, more than {MAX_PLUGIN_PARAMS_BYTES}")
+        object.__setattr__(self, "params", text)
+
+    @property
+    def params_json(self) -> str:
+        """The parameters as canonical JSON text."""
+        return cast(str, self.params)
+
+    def parsed_params(self) -> dict:
+        return json.loads(self.params_json)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class JobConfig:
     """Everything that determines a job's plan; the plan of step k is a function of this and the data."""
@@ -292,6 +339,9 @@ class JobConfig:
     max_error_fraction: float = 0.5
     """Share of an epoch's samples read so far that may be bad before the job fails (checked from
     the 100th sample on; 1.0: never)."""
+    plugins: tuple[PluginConfig, ...] = ()
+    """Operator plugins run on every sample, in this order (PluginConfig; docs/plugins.md): sample
+    hooks before parsing, media hooks after decoding. At most 16, each name once."""
     image: ImageConfig = field(default_factory=ImageConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -310,6 +360,7 @@ class JobConfig:
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "datasets", tuple(self.datasets))
         object.__setattr__(self, "stage_map", tuple(self.stage_map))
+        object.__setattr__(self, "plugins", tuple(self.plugins))
         _require(bool(self.shards) != bool(self.datasets),
                  "give shards or datasets (a mixture), not both" if self.shards else
                  "shards is empty: give at least one shard path or URL (or datasets)")
@@ -353,6 +404,10 @@ class JobConfig:
         _require(self.mix_by in MIX_BY, f"mix_by must be one of {list(MIX_BY)}, got {self.mix_by!r}")
         _require(self.mix_epoch in MIX_EPOCH, f"mix_epoch must be one of {list(MIX_EPOCH)}, got {self.mix_epoch!r}")
         _in_range("mix_epoch_samples", self.mix_epoch_samples, 0, 1 << 40)
+        _require(len(self.plugins) <= MAX_PLUGINS and all(isinstance(p, PluginConfig) for p in self.plugins),
+                 f"plugins must be at most {MAX_PLUGINS} PluginConfigs")
+        names = [p.name for p in self.plugins]
+        _require(len(set(names)) == len(names), f"plugin names must be distinct, got {names}")
         _require(isinstance(self.tokenizer, str) and 0 < len(self.tokenizer) <= 4096,
                  f"tokenizer must be 'byte', hf:PATH or sentencepiece:PATH (at most 4096 characters), "
                  f"got {self.tokenizer!r:.80}")

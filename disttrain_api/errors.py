@@ -22,12 +22,13 @@ class SampleError(DisttrainError):
              "unreadable_audio", "invalid_order", "invalid_conversation", "too_long", "empty", "decode_failed",
              "decode_worker_died",
              "shard_error", "truncated_shard", "oversize", "invalid_key", "duplicate_key", "duplicate_member",
-             "parse_failed", "read_timeout", "download_failed")
+             "parse_failed", "read_timeout", "download_failed", "filtered", "plugin_failed")
     """Short machine-readable causes, for counting; ``reason`` is the sentence for people."""
-    NOT_LOST = ("duplicate_key", "duplicate_member", "download_failed")
+    NOT_LOST = ("duplicate_key", "duplicate_member", "download_failed", "filtered")
     """Kinds that lose nothing the shards hold, so they do not count toward the job's error
     tolerance: a dropped copy (the first copy is delivered), or a row of img2dataset's parquet
-    whose URL it could not download or resize (never in the tar; adapters/io/img2dataset.py)."""
+    whose URL it could not download or resize (never in the tar; adapters/io/img2dataset.py), or a
+    sample an operator's plugin left out on purpose (a filter)."""
 
     def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):
         assert kind in self.KINDS, kind

@@ -103,7 +103,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shards: _Optional[_Iterable[str]] = ..., weight: _Optional[float] = ..., modalities: _Optional[_Iterable[str]] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., generate: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction", "tokenizer", "datasets", "mix_by", "mix_epoch", "mix_epoch_samples", "open_shards", "dedup", "manifests")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction", "tokenizer", "datasets", "mix_by", "mix_epoch", "mix_epoch_samples", "open_shards", "dedup", "manifests", "plugins")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class JobSpec(_message.Message):
     OPEN_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DEDUP_FIELD_NUMBER: _ClassVar[int]
     MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    PLUGINS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -166,7 +167,16 @@ class JobSpec(_message.Message):
     open_shards: int
     dedup: str
     manifests: str
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ..., tokenizer: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., mix_by: _Optional[str] = ..., mix_epoch: _Optional[str] = ..., mix_epoch_samples: _Optional[int] = ..., open_shards: _Optional[int] = ..., dedup: _Optional[str] = ..., manifests: _Optional[str] = ...) -> None: ...
+    plugins: _containers.RepeatedCompositeFieldContainer[PluginSpec]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ..., tokenizer: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., mix_by: _Optional[str] = ..., mix_epoch: _Optional[str] = ..., mix_epoch_samples: _Optional[int] = ..., open_shards: _Optional[int] = ..., dedup: _Optional[str] = ..., manifests: _Optional[str] = ..., plugins: _Optional[_Iterable[_Union[PluginSpec, _Mapping]]] = ...) -> None: ...
+
+class PluginSpec(_message.Message):
+    __slots__ = ("name", "params_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params_json: str
+    def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
 
 class TokenizerInfo(_message.Message):
     __slots__ = ("kind", "vocab_size", "pad_id", "bos_id", "eos_id", "image_id", "audio_id", "gen_id", "sha256", "added_tokens")

@@ -5,7 +5,7 @@ name (tests/unit/disttrain_api/test_config.py fails on any drift). A proto field
 is taken when set, whatever its value, so a fitted cost coefficient of 0 stays 0; a field without
 presence means "the default" when it is zero. Two fields are mapped by hand: ``no_shard_shuffle``
 is the negation of ``shard_shuffle`` (so proto3's false means our default, shuffling), and the
-repeated fields ``shards`` and ``stage_map``.
+repeated fields ``shards``, ``stage_map``, ``datasets`` and ``plugins``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from disttrain_api.config import (
     GenerationConfig,
     ImageConfig,
     JobConfig,
+    PluginConfig,
 )
 
 NESTED = {"image": (ImageConfig, pb.ImageSpec), "audio": (AudioConfig, pb.AudioSpec),
           "generation": (GenerationConfig, pb.GenerationSpec), "cost": (CostConfig, pb.CostSpec)}
 """JobConfig's nested configs and their messages: the same field names inside."""
-BY_HAND = ("shards", "stage_map", "shard_shuffle", "datasets")
+BY_HAND = ("shards", "stage_map", "shard_shuffle", "datasets", "plugins")
 
 _JOB_FIELDS = tuple(f.name for f in dataclasses.fields(JobConfig) if f.name not in NESTED and f.name not in BY_HAND)
 """Scalar fields with the same name in JobSpec and JobConfig."""
@@ -55,7 +56,9 @@ def config_from_spec(spec: pb.JobSpec) -> JobConfig:
     nested = {name: cls(**_given(getattr(spec, name), _names(cls))) for name, (cls, _) in NESTED.items()}
     extra: dict[str, Any] = {"stage_map": tuple(spec.stage_map)} if spec.stage_map else {}
     return JobConfig(shards=tuple(spec.shards), shard_shuffle=not spec.no_shard_shuffle, **nested, **extra,
-                     datasets=tuple(_dataset_config(d) for d in spec.datasets), **_given(spec, _JOB_FIELDS))
+                     datasets=tuple(_dataset_config(d) for d in spec.datasets),
+                     plugins=tuple(PluginConfig(name=p.name, params=p.params_json or "{}") for p in spec.plugins),
+                     **_given(spec, _JOB_FIELDS))
 
 
 def _dataset_config(spec: pb.DatasetSpec) -> DatasetConfig:
@@ -78,6 +81,7 @@ def spec_from_config(config: JobConfig) -> pb.JobSpec:
         stage_map=list(config.stage_map),
         no_shard_shuffle=not config.shard_shuffle,
         datasets=[_dataset_spec(d) for d in config.datasets],
+        plugins=[pb.PluginSpec(name=p.name, params_json=p.params_json) for p in config.plugins],
         **{name: message(**dataclasses.asdict(getattr(config, name))) for name, (_, message) in NESTED.items()},
         **{name: getattr(config, name) for name in _JOB_FIELDS},
     )

@@ -113,3 +113,17 @@ def check_resumes(make, advance, *, at=None, load=None) -> tuple[list, list[dict
             again.append(out)
         assert again == steps[k:], f"resumed at step {k} of {len(steps)}: the steps differ from the original's"
     return steps, states
+
+
+def install_plugins(root: Path, module: str, source: str, entry_points: dict[str, str]) -> Path:
+    """Installs a plugin package into ``root`` as pip would (the module and its dist-info with
+    ``disttrain.plugins`` entry points): put ``root`` on sys.path (or PYTHONPATH) and the service
+    finds them. ``entry_points``: plugin name -> class name in ``module``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{module}.py").write_text(source)
+    dist = root / f"{module}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[disttrain.plugins]\n" + "".join(f"{name} = {module}:{cls}\n" for name, cls in entry_points.items()))
+    return root

@@ -50,7 +50,7 @@ from preprocess_service.core.feedback import REFIT_FIELDS as COST_FIELDS
 from preprocess_service.core.mixture import Blend, DatasetCursor, Slot, epoch_over, seek_cursor
 from preprocess_service.core.packing import PackedSequence, Packer, price
 from preprocess_service.core.reorder.instance import PLANNERS, Instance, evaluate
-from preprocess_service.core.sample import NEXT_OFFSET, Document
+from preprocess_service.core.sample import EPOCH, NEXT_OFFSET, Document
 from preprocess_service.core.shardnames import ShardNames, as_names
 
 SkipSink = Callable[[SampleError], None]
@@ -487,6 +487,7 @@ class EpochPlanner:
 
     def _parse(self, sample: dict, url: str) -> Document | None:
         key = sample["__key__"]
+        sample[EPOCH] = self.epoch  # what plugins are seeded by (the sample is ours: a reader's dict)
         try:
             return self.source.parse(sample)
         except SampleError as exc:

@@ -21,6 +21,10 @@ can seek to; -1 at the end of the shard). The planner keeps it in its shard curs
 seeks instead of scanning the shard."""
 
 
+EPOCH = "__epoch__"
+"""Field of a raw sample dict (beside ``__key__`` and ``__url__``) naming the epoch it is parsed
+for: the planner sets it, and a plugin's hooks are seeded by it (adapters/plugins/)."""
+
 @dataclass(slots=True)
 class TextSegment:
     member: str

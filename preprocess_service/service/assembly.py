@@ -12,6 +12,8 @@ import numpy as np
 
 from disttrain_api.config import JobConfig
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded, Decoder
+from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits, HookSpec
+from preprocess_service.adapters.plugins.registry import plugin_class
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import StepPlan
@@ -36,10 +38,18 @@ class Assembly:
     media come from, and where failures are reported)."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer, plans: PlanSource,
-                 first_out: threading.Event | None = None):
+                 first_out: threading.Event | None = None, plugin_limits: HookLimits = DEFAULT_LIMITS):
         self.config, self.tokenizer, self.plans = config, tokenizer, plans
+        self.plugin_limits = plugin_limits
+        self.media_plugins = tuple(p for p in config.plugins if plugin_class(p.name).has_media_hook())
         self.first_out = first_out or threading.Event()
         """Set when the job's first microbatch is decoded (side files wait for it)."""
+
+    def hooks(self, epoch: int) -> HookSpec | None:
+        """What the decoder needs to run the job's media hooks on a step of ``epoch``."""
+        if not self.media_plugins:
+            return None
+        return HookSpec(self.media_plugins, self.config.seed, epoch, self.plugin_limits)
 
     def layout(self, sequences: list[PackedSequence], skip: frozenset[str] = frozenset()) -> Layout:
         return layout_microbatch(sequences, seq_len=self.config.seq_len, tokenizer=self.tokenizer,
@@ -49,9 +59,9 @@ class Assembly:
               stop: threading.Event | None = None) -> PendingMicrobatch:
         """Lays out one microbatch of ``rank`` and submits its decoding to ``decoder``
         (adapters/decode/), which may wait for room in the memory budget until ``stop`` is set."""
-        sequences, skipped = self.plans.resolve(plan.microbatch(rank, index))
+        sequences, skipped = self.plans.resolve(plan.microbatch(rank, index), plan.epoch)
         layout = self.layout(sequences)
-        future = decoder.submit(layout, stop)
+        future = decoder.submit(layout, stop, self.hooks(plan.epoch))
         for seq in sequences:  # copies of the plan's documents: the decoder has taken their bytes already
             for doc in seq.documents:
                 doc.media_bytes = None

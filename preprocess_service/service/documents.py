@@ -28,7 +28,10 @@ from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.adapters.io import img2dataset, shards, sources
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
 from preprocess_service.adapters.media.parse import KnownImage, parse_document
-from preprocess_service.core.sample import Document
+from preprocess_service.adapters.plugins.hooks import HookLimits, HookSpec
+from preprocess_service.adapters.plugins.host import SampleHooks
+from preprocess_service.adapters.plugins.registry import plugin_class
+from preprocess_service.core.sample import EPOCH, Document
 from preprocess_service.core.shardnames import Concat, ShardNames, as_names
 from preprocess_service.core.tokenizer import Tokenizer
 
@@ -157,6 +160,12 @@ class SideFiles:
                     self._lock.notify_all()
 
 
+def sample_hooks(config: JobConfig, limits: HookLimits) -> SampleHooks | None:
+    """The worker that runs ``config``'s sample hooks, or None if none of its plugins has one."""
+    plugins = tuple(p for p in config.plugins if plugin_class(p.name).has_sample_hook())
+    return SampleHooks(HookSpec(plugins, config.seed, 0, limits)) if plugins else None
+
+
 def _manifest_samples(url: str, manifest: img2dataset.Manifest, first: int) -> Iterator[dict]:
     """Raw samples of a shard's manifest rows from ``first`` on: key, caption, the image's size."""
     for i in range(first, manifest.num_samples):
@@ -179,6 +188,8 @@ class JobDocuments:
     keep: Callable[[Document], bool] = lambda doc: True
     side_files: SideFiles | None = None
     fingerprint: str = ""
+    hooks: SampleHooks | None = None
+    """The job's plugins' sample hooks, run on every sample before it is parsed (None: no plugin has one)."""
     _dataset_of: dict[str, int] = field(init=False, repr=False)
     """The dataset of each shard opened or looked up lately (bounded: DATASET_MEMO)."""
     _options: list = field(init=False, repr=False)
@@ -210,7 +221,7 @@ class JobDocuments:
 
     def manifest(self, url: str) -> img2dataset.Manifest | None:
         """The shard's img2dataset manifest if the shard is planned from it (module docstring)."""
-        if self.config.manifests == "off":
+        if self.config.manifests == "off" or self.hooks is not None:  # sample hooks see whole samples
             return None
         manifest = img2dataset.read_manifest(url)
         return manifest if manifest is not None and manifest.plannable else None
@@ -241,6 +252,8 @@ class JobDocuments:
         if dataset is None:  # a plan or a record naming a shard the job does not have: data too
             raise SampleError(sample.get("__key__", ""), f"shard {url!r} is not one of this job's", url, "shard_error")
         modalities, image, generation = self._options[dataset]
+        if self.hooks is not None:
+            sample = self.hooks.apply(sample, int(sample.get(EPOCH, 0)))
         doc = parse_document(sample, image_config=image, tokenizer=self.tokenizer, seq_len=self.config.seq_len,
                              audio_config=self.config.audio, generation=generation, modalities=modalities)
         doc.dataset = dataset

@@ -13,6 +13,7 @@ of its messages (stream admission). Thread-safe."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -29,12 +30,20 @@ from preprocess_service.adapters.infra import metrics
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.io import shards
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
+from preprocess_service.adapters.plugins import registry as plugin_registry
+from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits
 from preprocess_service.core.assemble import MicrobatchArrays
 from preprocess_service.core.planner import StepPlan
 from preprocess_service.core.shardnames import ShardNames
 from preprocess_service.core.tokenizer import Tokenizer
 from preprocess_service.service.assembly import Assembly, PendingMicrobatch
-from preprocess_service.service.documents import JobDocuments, SideFiles, expand_datasets, job_tokenizer
+from preprocess_service.service.documents import (
+    JobDocuments,
+    SideFiles,
+    expand_datasets,
+    job_tokenizer,
+    sample_hooks,
+)
 from preprocess_service.service.plans import Lease, LocalPlans, PlanSource
 from preprocess_service.service.report import SkipLog
 from preprocess_service.service.retention import MediaRetention
@@ -50,9 +59,10 @@ class Job:
     def __init__(self, config: JobConfig, tokenizer: Tokenizer | None = None, *,
                  reader: shards.ShardReader = shards.DEFAULT_READER, shard_urls: list[ShardNames] | None = None,
                  budget: MemoryBudget = UNLIMITED, plans: Callable[[Job], PlanSource] | None = None,
-                 retain_steps: int = 4, snapshot_every: int = 1):
+                 retain_steps: int = 4, snapshot_every: int = 1, plugin_limits: HookLimits = DEFAULT_LIMITS):
         self.config = config
         self.job_id = config.job_id()
+        plugins = plugin_registry.check(config.plugins)  # an unknown name is refused before anything starts
         self.reader = reader.for_owner(self.job_id)
         """The server's reader, as this job: its share of the remote-shard cache (io/cache.py)."""
         self.tokenizer = tokenizer or job_tokenizer(config.tokenizer, reader.policy)
@@ -64,11 +74,14 @@ class Job:
         self.documents = JobDocuments(
             config, self.reader, shard_urls if shard_urls is not None else expand_datasets(reader, config),
             self.tokenizer, self.skips.planning_skip, keep=self.retention.keep, side_files=self.side_files,
-            fingerprint=self.tokenizer_info["sha256"] + text_tokenizers.template_digest(self.tokenizer)[:16])
+            fingerprint=self.tokenizer_info["sha256"] + text_tokenizers.template_digest(self.tokenizer)[:16]
+            + (hashlib.sha256(plugins.encode()).hexdigest()[:16] if plugins else ""),
+            hooks=sample_hooks(config, plugin_limits))
         self.plans: PlanSource = plans(self) if plans is not None else LocalPlans(
             config, self.documents, self.retention, self.skips, retain_steps=retain_steps,
             snapshot_every=snapshot_every)
-        self.assembly = Assembly(config, self.tokenizer, self.plans, first_out=self.side_files.first_out)
+        self.assembly = Assembly(config, self.tokenizer, self.plans, first_out=self.side_files.first_out,
+                                 plugin_limits=plugin_limits)
         self._lock = threading.Lock()
         self._largest_message = 0
         self._acked_low = 0
@@ -212,6 +225,8 @@ class Job:
             stops = list(self._stream_stops)
         self.plans.close()
         self.retention.close()
+        if self.documents.hooks is not None:
+            self.documents.hooks.close()
         for stop in stops:
             stop.set()
         return len(stops)
@@ -242,14 +257,17 @@ class LocalJobs:
     step 0; a job of the lineage with another layout continues from the second when a client asks
     (JobRegistry.continue_lineage: elastic resume)."""
 
-    def __init__(self, budget: MemoryBudget = UNLIMITED, state_dir: str | Path | None = None):
+    def __init__(self, budget: MemoryBudget = UNLIMITED, state_dir: str | Path | None = None,
+                 plugin_limits: HookLimits = DEFAULT_LIMITS):
         self.budget = budget
+        self.plugin_limits = plugin_limits
         self.state_dir = Path(state_dir) if state_dir else None
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
 
     def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
-        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
+        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget,
+                  plugin_limits=self.plugin_limits)
         if self.state_dir is None:
             return job
         own = self.state_dir / f"{job.job_id}.json"
@@ -263,7 +281,8 @@ class LocalJobs:
             return job
         except (ValueError, KeyError, TypeError) as exc:  # e.g. planned with another tokenizer file
             log.warning("job %s: cannot resume from %s (%s); planning from step 0", job.job_id, own, exc)
-        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget)
+        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget,
+                  plugin_limits=self.plugin_limits)
         job.on_acknowledged = functools.partial(_save_state, job, [own, self.lineage_path(config)], threading.Lock())
         return job
 
@@ -304,11 +323,11 @@ class JobRegistry:
     (default: LocalJobs with ``budget`` and ``state_dir``)."""
 
     def __init__(self, budget: MemoryBudget = UNLIMITED, state_dir: str | Path | None = None, *,
-                 factory: JobFactory | None = None):
+                 factory: JobFactory | None = None, plugin_limits: HookLimits = DEFAULT_LIMITS):
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
         self._continuing = threading.Lock()
-        self.factory: JobFactory = factory or LocalJobs(budget, state_dir)
+        self.factory: JobFactory = factory or LocalJobs(budget, state_dir, plugin_limits)
         self.budget = self.factory.budget
         self.plan_ahead = True
         """A job opened here plans its first step at once (Job.plan_ahead); False: at its first stream."""

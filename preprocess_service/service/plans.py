@@ -56,9 +56,10 @@ class PlanSource(Protocol):
     def num_steps(self) -> int:
         """Steps of the whole job, or -1 while planning has not reached the end."""
 
-    def resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
-        """Copies of planned sequences whose documents hold their encoded media, and the documents
-        that could not be had again (reported)."""
+    def resolve(self, sequences: list[PackedSequence], epoch: int = 0) \
+            -> tuple[list[PackedSequence], list[SkippedRecord]]:
+        """Copies of planned sequences (of a step of ``epoch``) whose documents hold their encoded
+        media, and the documents that could not be had again (reported)."""
 
     def taken(self, plan: StepPlan, rank: int, index: int) -> None:
         """The decoder took the media of one planned microbatch: its held bytes may go."""
@@ -270,8 +271,9 @@ class LocalPlans:
                     self._planning_done = self.planner.done
 
     # --- serving ------------------------------------------------------------------------------
-    def resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
-        return self.retention.with_bytes(sequences), []
+    def resolve(self, sequences: list[PackedSequence], epoch: int = 0) \
+            -> tuple[list[PackedSequence], list[SkippedRecord]]:
+        return self.retention.with_bytes(sequences), []  # media are re-read by member: plugins never change them
 
     def taken(self, plan: StepPlan, rank: int, index: int) -> None:
         for seq in plan.microbatch(rank, index):

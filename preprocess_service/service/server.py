@@ -36,6 +36,7 @@ from preprocess_service.adapters.decode import MAX_START_FAILURES, DecodePool, I
 from preprocess_service.adapters.infra import metrics, procmem
 from preprocess_service.adapters.infra.budget import MemoryBudget
 from preprocess_service.adapters.io.shards import ShardReader
+from preprocess_service.adapters.plugins.hooks import HookLimits
 from preprocess_service.core.reorder import PLANNERS
 from preprocess_service.service.documents import expand_datasets
 from preprocess_service.service.job import Job, JobRegistry
@@ -498,7 +499,8 @@ def create_server(address: str = "[::]:0", settings: ServiceSettings = DEFAULTS,
 
 def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSettings, *, tls: TlsFiles | None,
            job_options: dict | None):
-    jobs = JobRegistry(budget, state_dir=settings.state_dir)
+    plugin_limits = HookLimits(time_s=settings.plugin_timeout_s, memory_bytes=settings.plugin_memory_mb << 20)
+    jobs = JobRegistry(budget, state_dir=settings.state_dir, plugin_limits=plugin_limits)
     reader = ShardReader.configured(settings)
     auth_tokens = settings.tokens()
     if settings.redis_url:
@@ -510,7 +512,7 @@ def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSetting
 
         store = RedisStore(settings.redis_url)
         replica_id = settings.replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:{os.getpid()}"
-        jobs = shared_registry(store, replica_id, reader=reader, budget=budget,
+        jobs = shared_registry(store, replica_id, reader=reader, budget=budget, plugin_limits=plugin_limits,
                                **{"lease_ttl_s": settings.lease_ttl_s, **(job_options or {})})
     jobs.plan_ahead = settings.plan_ahead
     heap.tune_malloc()

@@ -72,6 +72,10 @@ class ServiceSettings(ReaderConfig, BudgetConfig):
     shm_delivery: bool = _doc("hand microbatches to clients on this host in shared memory (/dev/shm) when they "
                               "prove they share it (false: always in the gRPC message)", True)
     shutdown_grace_s: float = _doc("seconds SIGTERM lets open calls finish before the process exits anyway", 10.0)
+    plugin_timeout_s: float = _doc("seconds one plugin hook may take on one sample before the sample fails",
+                                   10.0)
+    plugin_memory_mb: int = _doc("MiB one plugin hook call may grow its worker by before the sample fails and "
+                                 "the worker is replaced", 1024)
     job_idle_ttl_s: float = _doc("seconds a job may go without a stream or call before it is closed and "
                                  "freed", 1800.0)
     def __post_init__(self) -> None:

@@ -47,6 +47,7 @@ from preprocess_service.adapters.infra import metrics
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
 from preprocess_service.adapters.infra.store import RedisStore
 from preprocess_service.adapters.io import shards
+from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits
 from preprocess_service.core import plan_record
 from preprocess_service.core.feedback import (
     REFIT_FIELDS,
@@ -59,6 +60,7 @@ from preprocess_service.core.feedback import (
 )
 from preprocess_service.core.packing import PackedSequence
 from preprocess_service.core.planner import EpochPlanner, StepPlan
+from preprocess_service.core.sample import EPOCH
 from preprocess_service.core.shardnames import ShardNames
 from preprocess_service.service.documents import SideFiles
 from preprocess_service.service.job import Job, JobRegistry
@@ -249,8 +251,10 @@ class SharedPlans:
         self._planning_skips.setdefault(record.record_id, record.to_json())
 
     # --- serving ----------------------------------------------------------------------------
-    def resolve(self, sequences: list[PackedSequence]) -> tuple[list[PackedSequence], list[SkippedRecord]]:
-        """Documents rebuilt from their samples, re-read from the shards; a sample that is gone or
+    def resolve(self, sequences: list[PackedSequence], epoch: int = 0) \
+            -> tuple[list[PackedSequence], list[SkippedRecord]]:
+        """Documents rebuilt from their samples (of ``epoch``: what plugins are told), re-read from
+        the shards; a sample that is gone or
         no longer matches its plan is left out and reported (every replica reads the same shards,
         so every replica leaves out the same ones)."""
         wanted: dict[str, set[str]] = collections.defaultdict(set)
@@ -263,7 +267,7 @@ class SharedPlans:
         for seq in sequences:
             documents = []
             for ref in seq.documents:
-                problem, doc = self._rebuild(ref, samples.get((ref.shard, ref.key)))
+                problem, doc = self._rebuild(ref, samples.get((ref.shard, ref.key)), epoch)
                 if doc is not None:
                     documents.append(doc)
                 else:
@@ -280,9 +284,10 @@ class SharedPlans:
         """Documents lost while serving go to Redis, so every replica's report has them."""
         self.store.record_skipped(self.job_id, {r.record_id: r.to_json() for r in records}, stop=self._closed)
 
-    def _rebuild(self, ref: plan_record.DocRef, sample: dict | None):
+    def _rebuild(self, ref: plan_record.DocRef, sample: dict | None, epoch: int):
         if sample is None:
             return "not found when re-reading its shard (did the shard change after planning?)", None
+        sample[EPOCH] = epoch
         try:
             doc = self.documents.parse_only(sample)
         except SampleError as exc:
@@ -386,8 +391,9 @@ class SharedJobs:
     its spec there and opens the same job here; its owner is whoever opened it first anywhere."""
 
     def __init__(self, store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
-                 budget: MemoryBudget = UNLIMITED, **plan_options):
+                 budget: MemoryBudget = UNLIMITED, plugin_limits: HookLimits = DEFAULT_LIMITS, **plan_options):
         self.store, self.replica_id, self.budget = store, replica_id, budget
+        self.plugin_limits = plugin_limits
         self.reader = reader
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
         self.plan_options = plan_options
@@ -396,7 +402,8 @@ class SharedJobs:
         def plans(job: Job) -> SharedPlans:
             return SharedPlans(job, self.store, self.replica_id, **self.plan_options)
 
-        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget, plans=plans)
+        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget, plans=plans,
+                  plugin_limits=self.plugin_limits)
         self.store.register_job(job.job_id, job.plans.spec_bytes)  # type: ignore[attr-defined]
         return job
 
@@ -412,6 +419,8 @@ class SharedJobs:
 
 
 def shared_registry(store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
-                    budget: MemoryBudget = UNLIMITED, **plan_options) -> JobRegistry:
+                    budget: MemoryBudget = UNLIMITED, plugin_limits: HookLimits = DEFAULT_LIMITS,
+                    **plan_options) -> JobRegistry:
     """A registry of jobs shared through ``store`` (SharedJobs)."""
-    return JobRegistry(factory=SharedJobs(store, replica_id, reader=reader, budget=budget, **plan_options))
+    return JobRegistry(factory=SharedJobs(store, replica_id, reader=reader, budget=budget,
+                                          plugin_limits=plugin_limits, **plan_options))

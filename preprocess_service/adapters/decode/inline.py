@@ -10,6 +10,7 @@ import numpy as np
 
 from preprocess_service.adapters.decode.items import Decoded, decode_into, missing_reason
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.adapters.plugins.hooks import HookSpec, MediaHooks, PluginFailed
 from preprocess_service.core.assemble import Layout
 
 
@@ -25,11 +26,14 @@ class InlineDecoder:
         """Never: submit decodes before it returns (DecodePool.others_decoding)."""
         return False
 
-    def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
+    def submit(self, layout: Layout, stop: threading.Event | None = None, hooks: HookSpec | None = None) \
+            -> futures.Future:
         self.budget.reserve(layout.nbytes, what="a microbatch's decode buffer", stop=stop)
         try:
             buffer = np.zeros(layout.nbytes, dtype=np.uint8)
-            errors = dict(self._threads.map(lambda pair: self._decode_document(buffer, *pair), layout.documents))
+            media_hooks = MediaHooks(hooks) if hooks is not None else None
+            errors = dict(self._threads.map(lambda pair: self._decode_document(buffer, *pair, media_hooks),
+                                            layout.documents))
         except BaseException:
             self.budget.release(layout.nbytes)
             raise
@@ -39,15 +43,17 @@ class InlineDecoder:
         return done
 
     @staticmethod
-    def _decode_document(buffer, doc, items) -> tuple[str, str | None]:
+    def _decode_document(buffer, doc, items, hooks=None) -> tuple[str, str | None]:
         problem = missing_reason(doc)
         if problem:
             return doc.key, problem
         try:
             for item in items:
-                decode_into(buffer, item, doc.media_bytes[item.member])
+                decode_into(buffer, item, doc.media_bytes[item.member], 0, hooks, doc.key)
         except (MemoryError, ImportError):
             raise
+        except PluginFailed as exc:
+            return doc.key, str(exc)
         except Exception as exc:  # any decoder failure means this sample is unusable
             return doc.key, f"{type(exc).__name__}: {exc}"
         return doc.key, None

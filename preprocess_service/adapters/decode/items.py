@@ -99,9 +99,10 @@ def warm_up_decoders() -> None:
         log.debug("decoder warm-up failed", exc_info=True)
 
 
-def decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
+def decode_into(buffer, item: MediaItem, data: bytes, base: int = 0, hooks=None, key: str = "") -> None:
     """Decodes one member into its slot of the output buffer that starts at byte ``base`` of
-    ``buffer``: an image is resized straight into it, audio is decoded and copied in."""
+    ``buffer``: an image is resized straight into it, audio is decoded and copied in. ``hooks``
+    (plugins/hooks.MediaHooks) then change the item, document ``key``'s, in place."""
     decoder = DECODERS.get(item.kind)
     if decoder is None:
         raise ValueError(f"unknown media kind {item.kind!r}")
@@ -109,6 +110,8 @@ def decode_into(buffer, item: MediaItem, data: bytes, base: int = 0) -> None:
     if decoder.in_place:
         slot = np.ndarray(item.shape, dtype=MODALITIES[item.kind].dtype, buffer=buffer, offset=base + item.offset)
     array = decoder.decode(data, item.params, slot)
+    if hooks is not None:
+        array = hooks.apply(item.kind, array, key, item.member)
     if array is not slot:
         _write(buffer, item, array, base)
 

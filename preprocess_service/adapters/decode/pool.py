@@ -24,6 +24,7 @@ from preprocess_service.adapters.decode.shm import CONTROL_BYTES
 from preprocess_service.adapters.decode.worker import worker_main
 from preprocess_service.adapters.infra import cpus, procmem
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
+from preprocess_service.adapters.plugins.hooks import HookSpec
 from preprocess_service.core.assemble import Layout, aligned
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class _Batch:
     """Bytes after the output buffer kept for lend() (the layout's token arrays)."""
     lent: bool = False
     """Its arena was lent: releasing the batch leaves it to _reclaim."""
+    hooks: HookSpec | None = None
+    """The job's plugins, whose media hooks the workers run on each item."""
 
 
 @dataclass(slots=True)
@@ -195,7 +198,8 @@ class DecodePool:
         os.write(self._wake_w, b"x")
 
     # --- submitting ---------------------------------------------------------------------------
-    def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
+    def submit(self, layout: Layout, stop: threading.Event | None = None, hooks: HookSpec | None = None) \
+            -> futures.Future:
         """Decodes ``layout``'s documents into a shared buffer; the future gives a Decoded. Waits
         for room in the memory budget (ResourceExhausted past its wait, or once ``stop`` is set).
         ``stop`` also names the stream: microbatches submitted with one event are one stream's,
@@ -206,7 +210,7 @@ class DecodePool:
                         for doc, items in inputs if not missing_reason(doc) for i in items)
         spare = sum(aligned(a.nbytes) for a in layout.arrays.values())
         arena = self.arenas.acquire(CONTROL_BYTES + layout.nbytes + spare + in_nbytes, stop)
-        batch = _Batch(arena, layout.nbytes, 0, future, spare=spare)
+        batch = _Batch(arena, layout.nbytes, 0, future, spare=spare, hooks=hooks)
         view = arena.buf
         cursor, documents = CONTROL_BYTES + layout.nbytes + spare, []
         for doc, items in inputs:
@@ -343,7 +347,7 @@ class DecodePool:
                 task.attempts += 1
                 worker.in_flight[task.task_id] = task
                 try:
-                    worker.conn.send((task.task_id, task.batch.arena.name, task.documents))
+                    worker.conn.send((task.task_id, task.batch.arena.name, task.documents, task.batch.hooks))
                 except (BrokenPipeError, OSError):
                     break  # dead: its sentinel fires next and the task is retried
 

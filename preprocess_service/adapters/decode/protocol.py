@@ -6,15 +6,17 @@ import threading
 from concurrent import futures
 from typing import Protocol, runtime_checkable
 
+from preprocess_service.adapters.plugins.hooks import HookSpec
 from preprocess_service.core.assemble import Layout
 
 
 @runtime_checkable
 class Decoder(Protocol):
-    def submit(self, layout: Layout, stop: threading.Event | None = None) -> futures.Future:
+    def submit(self, layout: Layout, stop: threading.Event | None = None, hooks: HookSpec | None = None) \
+            -> futures.Future:
         """Decodes ``layout``'s media into a buffer; the future gives a Decoded. ``stop`` names the
         stream (its microbatches are served fairly against other streams') and cancels its wait
-        for memory."""
+        for memory. ``hooks``: the job's plugins, whose media hooks run on each decoded item."""
         ...
 
     def others_decoding(self, stop: threading.Event | None) -> bool:

@@ -10,6 +10,7 @@ from multiprocessing import shared_memory
 
 from preprocess_service.adapters.decode.items import decode_into, warm_up_decoders
 from preprocess_service.adapters.decode.shm import CONTROL_BYTES
+from preprocess_service.adapters.plugins.hooks import MediaHooks, PluginFailed
 
 MAX_ATTACHED = 64
 """Arenas a worker keeps mapped (reused arenas then cost no page faults); the pool names those it drops."""
@@ -65,24 +66,32 @@ def worker_main(conn, worker_id: int) -> None:
             last_trim, dirty = time.monotonic(), False
             continue
         dirty = True
-        task_id, arena_name, documents = message
+        task_id, arena_name, documents, hook_spec = message
         errors = []
         try:
             buffer = _attach(arenas, arena_name).buf
         except Exception as exc:  # every document of the task fails with it; the worker carries on
             conn.send((task_id, [(key, f"{type(exc).__name__}: {exc}") for key, _ in documents]))
             continue
+        hooks, leaked = None, False
         for key, items in documents:
             try:
+                if hook_spec is not None and hooks is None:
+                    hooks = MediaHooks(hook_spec)
                 for in_offset, in_nbytes, item in items:
                     data = bytes(buffer[in_offset:in_offset + in_nbytes])
-                    decode_into(buffer, item, data, CONTROL_BYTES)
+                    decode_into(buffer, item, data, CONTROL_BYTES, hooks, key)
             except (MemoryError, ImportError):
                 raise
+            except PluginFailed as exc:  # a plugin's fault: this document fails with its reason
+                errors.append((key, str(exc)))
+                leaked = leaked or "budget" in str(exc)
             except Exception as exc:  # reported for this document; the worker carries on
                 errors.append((key, f"{type(exc).__name__}: {exc}"))
         del buffer
         conn.send((task_id, errors))
+        if leaked:  # what a plugin leaked goes with the process; the pool starts another
+            return
 
 
 def _attach(arenas: collections.OrderedDict, name: str) -> shared_memory.SharedMemory:

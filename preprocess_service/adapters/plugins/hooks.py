@@ -1,0 +1,176 @@
+"""Running a job's plugin hooks on one sample, in a worker process, under a time limit and a
+memory budget (the worker's supervisor, host.py or the decode pool, is the backstop).
+
+A hook that raises, runs past ``time_s`` or grows the worker past ``memory_bytes`` fails its
+sample with a PluginFailed naming the plugin; a sample hook's Skip leaves the sample out as
+"filtered". What a sample hook returns is checked: it may change or add text and JSON members and
+drop media members, but never change or add media (they were priced from their headers and are
+re-read from the shard when decoded), nor the sample's key or shard.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from disttrain_api.config import PluginConfig
+from disttrain_api.plugins import MediaContext, Plugin, SampleContext, Skip, rng_seed
+from preprocess_service.adapters.plugins.registry import instantiate
+
+MAX_MEMBER_BYTES = 16 << 20
+"""A text or JSON member a sample hook returns may be at most this big."""
+MAX_MEMBERS = 256
+"""Members a sample hook may return."""
+TEXT_EXTENSIONS = ("txt", "json")
+
+
+class PluginFailed(Exception):
+    """A hook raised, hung, leaked or returned something it may not; the sample fails with this."""
+
+
+class PluginTimeout(BaseException):
+    """Raised in a hook by the alarm (a BaseException, so a hook's ``except Exception`` cannot eat it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HookLimits:
+    """What one hook call may take."""
+
+    time_s: float = 10.0
+    """Wall-clock seconds per hook call."""
+    memory_bytes: int = 1 << 30
+    """Growth of the worker's resident memory one hook call may cause."""
+
+
+DEFAULT_LIMITS = HookLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class HookSpec:
+    """What a worker needs to run a job's hooks on one microbatch or sample: picklable and small."""
+
+    plugins: tuple[PluginConfig, ...]
+    seed: int
+    epoch: int
+    limits: HookLimits = field(default_factory=HookLimits)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _alarm(signum, frame):
+    raise PluginTimeout()
+
+
+def call_bounded(name: str, what: str, fn: Callable, limits: HookLimits):
+    """``fn()`` under the time limit and the memory budget; anything it raises but Skip becomes
+    PluginFailed naming ``name``. The time limit is an alarm, so it holds in a process's main
+    thread (the workers'); elsewhere (InlineDecoder's threads, for tests) only the supervisor's."""
+    before = _rss_bytes()
+    alarm = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGALRM, _alarm) if alarm else None
+    if alarm:
+        signal.setitimer(signal.ITIMER_REAL, limits.time_s)
+    started = time.monotonic()
+    try:
+        result = fn()
+    except PluginTimeout:
+        raise PluginFailed(f"plugin {name!r} {what} ran past its {limits.time_s:g} s limit") from None
+    except Skip:
+        raise
+    except MemoryError:
+        raise PluginFailed(f"plugin {name!r} {what} ran out of memory") from None
+    except Exception as exc:
+        raise PluginFailed(f"plugin {name!r} {what} failed: {type(exc).__name__}: {str(exc)[:300]}") from None
+    finally:
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    grown = _rss_bytes() - before
+    if grown > limits.memory_bytes:
+        raise PluginFailed(f"plugin {name!r} {what} grew the worker by {grown >> 20} MiB, over its budget of "
+                           f"{limits.memory_bytes >> 20} MiB (took {time.monotonic() - started:.2f} s)")
+    return result
+
+
+def _loaded(spec: HookSpec, has: Callable[[type[Plugin]], bool]) -> list[tuple[str, Plugin]]:
+    return [(c.name, p) for c in spec.plugins if has(type(p := instantiate(c)))]
+
+
+def is_media(member: str) -> bool:
+    return member.rsplit(".", 1)[-1] not in TEXT_EXTENSIONS
+
+
+def run_sample_hooks(spec: HookSpec, sample: dict) -> dict:
+    """``sample`` (``__key__``, ``__url__``, member -> bytes) after the job's sample hooks, in
+    order. Raises Skip (a hook left it out) or PluginFailed."""
+    key, url = sample["__key__"], sample.get("__url__", "")
+    meta = {k: v for k, v in sample.items() if not isinstance(k, str) or k.startswith("__")}
+    members = {k: v for k, v in sample.items() if k not in meta}
+    for name, plugin in _loaded(spec, lambda cls: cls.has_sample_hook()):
+        ctx = SampleContext(key=key, url=url, seed=spec.seed, epoch=spec.epoch,
+                            rng=np.random.default_rng(rng_seed(spec.seed, key, spec.epoch, name)))
+        given = dict(members)
+        out = call_bounded(name, "sample hook", partial(plugin.sample, given, ctx), spec.limits)
+        if out is not None:
+            members = _checked(name, members, out)
+    return {**members, **meta}
+
+
+def _checked(name: str, before: dict, after) -> dict:
+    """A sample hook's output, refused (PluginFailed) where it does what it may not."""
+    if not isinstance(after, dict) or len(after) > MAX_MEMBERS:
+        raise PluginFailed(f"plugin {name!r} sample hook returned {type(after).__name__}, not a dict of at most "
+                           f"{MAX_MEMBERS} members")
+    out = {}
+    for member, value in after.items():
+        if not isinstance(member, str) or member.startswith("__") or not isinstance(value, (bytes, bytearray)):
+            raise PluginFailed(f"plugin {name!r} sample hook returned member {member!r:.60} -> "
+                               f"{type(value).__name__}; members are names (not __key__ or __url__) -> bytes")
+        if is_media(member):
+            if member not in before or bytes(value) != before[member]:
+                raise PluginFailed(f"plugin {name!r} sample hook changed or added media member {member!r:.60}; "
+                                   "media may only be dropped there (use a media hook to change pixels)")
+        elif len(value) > MAX_MEMBER_BYTES:
+            raise PluginFailed(f"plugin {name!r} sample hook returned {len(value)} bytes for {member!r}, more "
+                               f"than {MAX_MEMBER_BYTES}")
+        out[member] = bytes(value)
+    return out
+
+
+class MediaHooks:
+    """A job's media hooks for one decode task (built in the worker from a HookSpec)."""
+
+    def __init__(self, spec: HookSpec):
+        self.spec = spec
+        self.plugins = _loaded(spec, lambda cls: cls.has_media_hook())
+
+    def apply(self, kind: str, array: np.ndarray, key: str, member: str) -> np.ndarray:
+        """``array`` after every hook for ``kind``: the same shape and dtype (PluginFailed otherwise)."""
+        spec = self.spec
+        for name, plugin in self.plugins:
+            if kind not in plugin.media_kinds:
+                continue
+            ctx = MediaContext(key=key, member=member, seed=spec.seed, epoch=spec.epoch,
+                               rng=np.random.default_rng(rng_seed(spec.seed, key, spec.epoch, name, member)))
+            out = call_bounded(name, f"media hook on {member!r}", partial(plugin.media, kind, array, ctx),
+                               spec.limits)
+            if out is not None and out is not array:
+                if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
+                    raise PluginFailed(f"plugin {name!r} media hook returned "
+                                       f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')} "
+                                       f"for a {array.shape} {array.dtype} {kind}")
+                array[...] = out
+        return array

@@ -1,0 +1,150 @@
+"""SampleHooks: a job's sample hooks run in a worker process of their own, supervised.
+
+Parsing (planning, and a replica rebuilding a planned document) happens in the service's
+threads; the hooks it calls run in a child process (started from the decode pool's fork server),
+one sample per round trip. The child enforces each hook's time limit and memory budget itself
+(hooks.call_bounded); the parent is the backstop: a child that does not answer within the limit
+plus GRACE_S, grows past its budget while it works, or dies, is killed and replaced, and the sample
+fails with that reason. Nothing a hook does reaches the service's own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from disttrain_api.errors import SampleError
+from disttrain_api.plugins import Skip
+from preprocess_service.adapters.decode import forkserver
+from preprocess_service.adapters.infra import procmem
+from preprocess_service.adapters.plugins.hooks import HookSpec, PluginFailed, run_sample_hooks
+
+log = logging.getLogger(__name__)
+GRACE_S = 2.0
+"""How long past a hook's time limit the parent waits before it kills the child."""
+POLL_S = 0.05
+"""How often the parent looks at the child's memory while it works."""
+START_TIMEOUT_S = 120.0
+EXIT_AFTER = "exit"
+
+
+def host_main(conn) -> None:
+    """The child: (spec, sample) -> ("ok", sample) | ("skip", reason) | ("failed", reason)."""
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if message is None:
+            return
+        spec, sample = message
+        try:
+            conn.send(("ok", run_sample_hooks(spec, sample)))
+        except Skip as skip:
+            conn.send(("skip", str(skip.reason)[:1000]))
+        except PluginFailed as exc:
+            conn.send(("failed", str(exc)))
+            if "budget" in str(exc) or "out of memory" in str(exc):
+                return  # what it leaked goes with the process; the parent starts another
+        except Exception as exc:  # a bug in the checks, or an unpicklable result: this sample's
+            conn.send(("failed", f"sample hooks failed: {type(exc).__name__}: {str(exc)[:300]}"))
+
+
+class SampleHooks:
+    """Runs ``spec``'s sample hooks on samples (thread-safe: one sample at a time)."""
+
+    def __init__(self, spec: HookSpec):
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._process = None
+        self._conn = None
+        self.starts = 0
+        """Worker processes started (the first, and one after each kill or death)."""
+
+    def apply(self, sample: dict, epoch: int) -> dict:
+        """``sample`` after the hooks, for ``epoch``; SampleError (kind "filtered" or "parse_failed")
+        when a hook skips it or fails on it."""
+        key, url = sample.get("__key__", ""), sample.get("__url__", "")
+        spec = HookSpec(self.spec.plugins, self.spec.seed, epoch, self.spec.limits)
+        with self._lock:
+            kind, value = self._round_trip(spec, sample)
+        if kind == "ok":
+            return value
+        if kind == "skip":
+            raise SampleError(key, f"left out by a plugin: {value}", url, "filtered")
+        raise SampleError(key, str(value), url, "plugin_failed")
+
+    def _round_trip(self, spec: HookSpec, sample: dict) -> tuple[str, object]:
+        conn, process = self._started()
+        try:
+            conn.send((spec, sample))
+        except (BrokenPipeError, OSError):
+            self._stop(kill=True)
+            return "failed", "the plugin worker was gone; it is restarted"
+        deadline = time.monotonic() + spec.limits.time_s + GRACE_S
+        while True:
+            try:
+                if conn.poll(POLL_S):
+                    reply = conn.recv()
+                    break
+            except (EOFError, OSError):
+                process.join(timeout=5)
+                code = process.exitcode
+                self._stop(kill=True)
+                return "failed", f"the plugin worker died (exit code {code}) on this sample"
+            if not process.is_alive():
+                continue  # its reply (if any) is read next, then EOF
+            rss = procmem.resident_bytes([process.pid]) or 0
+            over_memory = rss > self._baseline + spec.limits.memory_bytes
+            if over_memory or time.monotonic() > deadline:
+                self._stop(kill=True)
+                if over_memory:
+                    return "failed", (f"the sample hooks grew their worker to {rss >> 20} MiB, over the "
+                                      f"{spec.limits.memory_bytes >> 20} MiB budget; killed")
+                return "failed", f"the sample hooks did not finish within {spec.limits.time_s + GRACE_S:g} s; killed"
+        if reply[0] == "failed" and not process.is_alive():
+            process.join(timeout=5)
+            self._stop(kill=True)
+        return reply[0], reply[1]
+
+    def _started(self):
+        if self._process is not None and self._process.is_alive():
+            return self._conn, self._process
+        self._stop(kill=True)
+        ctx = forkserver.context()
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=host_main, args=(child,), name="disttrain-plugins", daemon=True)
+        process.start()
+        child.close()
+        if not parent.poll(START_TIMEOUT_S):
+            process.kill()
+            raise RuntimeError(f"the plugin worker did not start within {START_TIMEOUT_S:g} s")
+        parent.recv()
+        self._process, self._conn = process, parent
+        self._baseline = procmem.resident_bytes([process.pid]) or 0
+        self.starts += 1
+        return parent, process
+
+    def _stop(self, kill: bool = False) -> None:
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if conn is not None:
+            try:
+                if not kill:
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            conn.close()
+        if process is not None:
+            if kill:
+                process.kill()
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()

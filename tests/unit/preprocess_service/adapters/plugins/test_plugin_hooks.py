@@ -1,0 +1,198 @@
+"""Operator plugins in a job: installed as packages with entry points, named by the job, run in
+worker processes; filters and rewrites are planned from, media hooks change the decoded pixels,
+and a hook that raises, hangs, leaks or breaks the rules fails its own sample only."""
+
+import collections
+import textwrap
+
+import numpy as np
+import pytest
+
+from disttrain_api.config import JobConfig, PluginConfig
+from disttrain_api.errors import ConfigError
+from helpers import install_plugins, shard_keys, write_tiny_shards
+from preprocess_service.adapters.decode import DecodePool, InlineDecoder
+from preprocess_service.adapters.plugins.hooks import HookLimits
+from preprocess_service.service.job import Job
+
+SOURCE = textwrap.dedent('''
+    import time
+
+    from disttrain_api.plugins import Plugin, Skip
+
+    HELD = []
+
+    class Caption(Plugin):
+        """Rewrites the caption: the key, a number drawn from ctx.rng, and the epoch."""
+        def __init__(self, params):
+            super().__init__(params)
+            if not isinstance(params.get("prefix", ""), str):
+                raise ValueError("prefix must be a string")
+            self.prefix = params.get("prefix", "")
+        def sample(self, members, ctx):
+            text = f"{self.prefix}{ctx.key} {int(ctx.rng.integers(10**6))} e{ctx.epoch}"
+            return {**members, "txt": text.encode()}
+
+    class DropOdd(Plugin):
+        def sample(self, members, ctx):
+            if int(ctx.key) % 2:
+                raise Skip(f"odd key {ctx.key}")
+
+    class Faulty(Plugin):
+        """Raises on keys ending in 3, hangs on 5, leaks 300 MB on 7."""
+        def sample(self, members, ctx):
+            last = ctx.key[-1]
+            if last == "3":
+                raise RuntimeError("boom")
+            if last == "5":
+                while True:
+                    time.sleep(0.01)
+            if last == "7":
+                HELD.append(bytearray(300 << 20))
+            return None
+
+    class SwapMedia(Plugin):
+        def sample(self, members, ctx):
+            return {**members, "jpg": members["jpg"][:-1]}
+
+    class Invert(Plugin):
+        def media(self, kind, array, ctx):
+            array[...] = 255 - array
+
+    class Jitter(Plugin):
+        def media(self, kind, array, ctx):
+            return np.clip(array.astype(np.int16) + ctx.rng.integers(-3, 4, array.shape), 0, 255).astype(array.dtype)
+
+    class MediaFaulty(Plugin):
+        """Raises on keys ending in 1, hangs on 2, returns a wrong shape on 6."""
+        def media(self, kind, array, ctx):
+            last = ctx.key[-1]
+            if last == "1":
+                raise ValueError("bad pixels")
+            if last == "2":
+                while True:
+                    time.sleep(0.01)
+            if last == "6":
+                return array[:1]
+''').replace("import time\n", "import time\n\nimport numpy as np\n", 1)
+
+ENTRY_POINTS = {"caption": "Caption", "drop_odd": "DropOdd", "faulty": "Faulty", "swap_media": "SwapMedia",
+                "invert": "Invert", "jitter": "Jitter", "media_faulty": "MediaFaulty"}
+FAST = HookLimits(time_s=1.0, memory_bytes=200 << 20)
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(install_plugins(tmp_path / "site", "test_plugins_pkg", SOURCE, ENTRY_POINTS)))
+
+
+def _config(folder, *names, seed=0, **params):
+    return JobConfig(shards=(str(folder),), seq_len=1024, dp_size=1, num_microbatches=2, shuffle_buffer=16,
+                     seed=seed, plugins=tuple(PluginConfig(name=n, params=params.get(n, {})) for n in names))
+
+
+def _delivered(job, decoder):
+    """Every microbatch of the epoch: (step, index) -> arrays; and the keys delivered."""
+    out, keys = {}, []
+    for step in range(job.plan_all()):
+        for index in range(job.step_plan(step).num_microbatches):
+            result = job.microbatch(job.step_plan(step), 0, index, decoder)
+            out[step, index] = result.arrays
+            keys += result.sample_keys
+    return out, keys
+
+
+def _text(arrays) -> bytes:
+    ids, modality = arrays["tokens"], arrays["modality"]
+    return bytes(ids[(modality == 1) & (ids < 256)].astype(np.uint8))
+
+
+def _skipped(job):
+    return {s.key: {"kind": s.kind, "reason": s.reason} for s in job.report()["skipped"]}
+
+
+def test_a_job_naming_a_plugin_not_installed_or_with_bad_params_is_refused(tmp_path, plugins):
+    write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=4)
+    with pytest.raises(ConfigError, match=r"'nope' is not installed.*'caption'"):
+        Job(_config(tmp_path / "d", "nope"))
+    with pytest.raises(ConfigError, match="caption.*prefix must be a string"):
+        Job(_config(tmp_path / "d", "caption", caption={"prefix": 3}))
+    with pytest.raises(ConfigError, match="distinct"):
+        _config(tmp_path / "d", "caption", "caption")
+
+
+def test_sample_hooks_filter_and_rewrite_deterministically_by_seed_key_and_epoch(tmp_path, plugins):
+    paths = write_tiny_shards(tmp_path / "d", num_shards=2, samples_per_shard=10)
+    keys = shard_keys(paths)
+    job = Job(_config(tmp_path / "d", "drop_odd", "caption", caption={"prefix": "NEW "}))
+    arrays, delivered = _delivered(job, InlineDecoder())
+    odd = {k for k in keys if int(k) % 2}
+    skipped = _skipped(job)
+    assert set(skipped) == odd and {s["kind"] for s in skipped.values()} == {"filtered"}
+    assert "odd key" in next(iter(skipped.values()))["reason"]
+    assert sorted(delivered) == sorted(keys - odd)  # each other key once
+    texts = b"".join(_text(a) for a in arrays.values())
+    assert all(f"NEW {k} ".encode() in texts for k in keys - odd) and b"caption of sample" not in texts
+
+    again, _ = _delivered(Job(_config(tmp_path / "d", "drop_odd", "caption", caption={"prefix": "NEW "})),
+                          InlineDecoder())
+    for where, got in again.items():  # a job opened again (a resumed one replans) sees the same
+        np.testing.assert_array_equal(got["tokens"], arrays[where]["tokens"])
+    other, _ = _delivered(Job(_config(tmp_path / "d", "drop_odd", "caption", seed=1, caption={"prefix": "NEW "})),
+                          InlineDecoder())
+    other_texts = b"".join(_text(a) for a in other.values())
+    assert other_texts != texts and all(f"NEW {k} ".encode() in other_texts for k in keys - odd)
+
+
+def test_a_sample_hook_that_raises_hangs_or_leaks_fails_only_its_sample(tmp_path, plugins):
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=10)
+    keys = shard_keys(paths)
+    job = Job(_config(tmp_path / "d", "faulty"), plugin_limits=FAST)
+    _, delivered = _delivered(job, InlineDecoder())
+    skipped = _skipped(job)
+    reasons = {key[-1]: skipped[key]["reason"] for key in skipped}
+    assert set(reasons) == {"3", "5", "7"} and {s["kind"] for s in skipped.values()} == {"plugin_failed"}
+    assert "'faulty' sample hook failed: RuntimeError: boom" in reasons["3"]
+    assert "1 s limit" in reasons["5"] or "did not finish" in reasons["5"]
+    assert "budget" in reasons["7"]
+    assert sorted(delivered) == sorted(keys - set(skipped))
+    assert job.documents.hooks.starts >= 2  # the leaking worker was replaced
+    job.close()
+
+
+def test_a_sample_hook_may_not_change_media(tmp_path, plugins):
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=4)
+    job = Job(_config(tmp_path / "d", "swap_media"))
+    assert job.plan_all() == 0
+    skipped = _skipped(job)
+    assert set(skipped) == shard_keys(paths)
+    assert all("changed or added media member 'jpg'" in s["reason"] for s in skipped.values())
+
+
+def test_media_hooks_run_in_the_decode_workers_deterministically_and_fail_only_their_sample(tmp_path, plugins):
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=10)
+    keys = shard_keys(paths)
+    pool = DecodePool(2)
+    try:
+        plain, plain_keys = _delivered(Job(_config(tmp_path / "d")), pool)
+        inverted, _ = _delivered(Job(_config(tmp_path / "d", "invert")), pool)
+        for where, arrays in plain.items():  # one plan: media hooks do not change what is planned
+            np.testing.assert_array_equal(inverted[where]["pixels"], 255 - arrays["pixels"])
+        jittered = [_delivered(Job(_config(tmp_path / "d", "jitter")), decoder)[0]
+                    for decoder in (pool, InlineDecoder())]
+        for where, arrays in jittered[0].items():  # same seed, key, epoch: same pixels in any worker
+            np.testing.assert_array_equal(arrays["pixels"], jittered[1][where]["pixels"])
+            assert not np.array_equal(arrays["pixels"], plain[where]["pixels"])
+
+        job = Job(_config(tmp_path / "d", "media_faulty"), plugin_limits=FAST)
+        faulty, delivered = _delivered(job, pool)
+        skipped = _skipped(job)
+        reasons = {key[-1]: skipped[key]["reason"] for key in skipped}
+        assert set(reasons) == {"1", "2", "6"}, reasons
+        assert "'media_faulty' media hook on 'jpg' failed: ValueError: bad pixels" in reasons["1"]
+        assert "1 s limit" in reasons["2"]
+        assert "returned (1," in reasons["6"]
+        assert collections.Counter(delivered) == collections.Counter(keys - set(skipped))
+        assert sorted(plain_keys) == sorted(keys)
+    finally:
+        pool.close()

@@ -71,6 +71,45 @@ class ImageConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class VideoConfig:
+    """How videos become frames for the encoder (Qwen2-VL's rule): ``fps`` frames a second, at most
+    ``max_frames``, spread evenly over the video, a multiple of ``temporal_patch`` (the last frame
+    repeated for a video too short); each frame resized by the image rule (ImageConfig's patch and
+    merge sizes) within ``max_pixels``; ``temporal_patch`` frames merged into one token per
+    patch, so a video of n frames of h x w costs n / temporal_patch x the tokens of one h x w image."""
+
+    fps: float = 2.0
+    """Frames sampled per second of video."""
+    max_frames: int = 32
+    """Most frames sampled from one video."""
+    temporal_patch: int = 2
+    """Consecutive frames merged per token (the encoder's temporal patch)."""
+    max_pixels: int = 256 * 28 * 28
+    """Cap on a resized frame's height * width (default: 256 tokens per temporal patch)."""
+    max_source_pixels: int = 4096 * 4096
+    """A video whose frames are larger than this is refused (decompression bomb)."""
+    max_seconds: float = 3600.0
+    """A longer video is refused."""
+    max_decoded_frames: int = 20_000
+    """A video needing more frames decoded to reach its samples (a million tiny frames) is refused."""
+    max_decoded_pixels: int = 2_000_000_000
+    """Bound on the pixels decoded for one video (frames x their size): the decode's time bound."""
+
+    BOUNDS = {"max_frames": (1, 1024), "temporal_patch": (1, 16), "max_pixels": (1, 4096 * 4096),
+              "max_source_pixels": (1, 1 << 30), "max_decoded_frames": (1, 10_000_000),
+              "max_decoded_pixels": (1, 1 << 40)}
+    """Accepted range of every integer field; fps is in (0, 120], max_seconds in (0, 86400]."""
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in self.BOUNDS.items():
+            _in_range(f"video.{name}", getattr(self, name), low, high)
+        _in_range("video.fps", self.fps, 1e-3, 120.0, integer=False)
+        _in_range("video.max_seconds", self.max_seconds, 1e-3, 86400.0, integer=False)
+        _require(self.max_frames >= self.temporal_patch,
+                 f"video.max_frames ({self.max_frames}) must hold one temporal patch ({self.temporal_patch})")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class AudioConfig:
     """How audio clips become log-mel frames for the audio encoder (Whisper-like defaults).
 
@@ -159,7 +198,7 @@ class CostConfig:
                 _in_range(f"cost.{f.name}", value, 0.0, 1e6, integer=False)
 
 
-MODALITIES = ("text", "image", "audio")
+MODALITIES = ("text", "image", "audio", "video")
 """Member kinds a dataset may use (DatasetConfig.modalities)."""
 DEDUP = ("pass", "shard")
 MANIFESTS = ("auto", "off")
@@ -343,6 +382,7 @@ class JobConfig:
     """Operator plugins run on every sample, in this order (PluginConfig; docs/plugins.md): sample
     hooks before parsing, media hooks after decoding. At most 16, each name once."""
     image: ImageConfig = field(default_factory=ImageConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cost: CostConfig = field(default_factory=CostConfig)
@@ -434,7 +474,8 @@ class JobConfig:
         image = max(cfg.factor for cfg in (self.image, *(d.image for d in self.datasets if d.image))) ** 2 * 3
         audio = self.audio.token_stride * self.audio.n_mels * 2
         generated = -(-self.generation.image_size ** 2 * 3 // self.generation.query_tokens)
-        per_token = 9 + max(image, audio, generated) + 16  # + spans and boundaries
+        video = self.video.temporal_patch * self.image.factor ** 2 * 3  # one token: a patch of each frame
+        per_token = 9 + max(image, audio, generated, video) + 16  # + spans and boundaries
         return self.seqs_per_microbatch * self.seq_len * per_token
 
     @property

@@ -19,7 +19,8 @@ class SampleError(DisttrainError):
     """One sample cannot be used; it is skipped and reported, the stream goes on."""
 
     KINDS = ("invalid_json", "bad_utf8", "unreadable_image", "truncated_image", "decompression_bomb",
-             "unreadable_audio", "invalid_order", "invalid_conversation", "too_long", "empty", "decode_failed",
+             "unreadable_audio", "unreadable_video", "invalid_order", "invalid_conversation", "too_long", "empty",
+             "decode_failed",
              "decode_worker_died",
              "shard_error", "truncated_shard", "oversize", "invalid_key", "duplicate_key", "duplicate_member",
              "parse_failed", "read_timeout", "download_failed", "filtered", "plugin_failed")

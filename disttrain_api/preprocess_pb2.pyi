@@ -38,6 +38,26 @@ class ImageSpec(_message.Message):
     max_source_pixels: int
     def __init__(self, patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., max_pixels: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_source_pixels: _Optional[int] = ...) -> None: ...
 
+class VideoSpec(_message.Message):
+    __slots__ = ("fps", "max_frames", "temporal_patch", "max_pixels", "max_source_pixels", "max_seconds", "max_decoded_frames", "max_decoded_pixels")
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_PATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SOURCE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODED_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    fps: float
+    max_frames: int
+    temporal_patch: int
+    max_pixels: int
+    max_source_pixels: int
+    max_seconds: float
+    max_decoded_frames: int
+    max_decoded_pixels: int
+    def __init__(self, fps: _Optional[float] = ..., max_frames: _Optional[int] = ..., temporal_patch: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_source_pixels: _Optional[int] = ..., max_seconds: _Optional[float] = ..., max_decoded_frames: _Optional[int] = ..., max_decoded_pixels: _Optional[int] = ...) -> None: ...
+
 class AudioSpec(_message.Message):
     __slots__ = ("sample_rate", "n_mels", "n_fft", "hop_length", "token_stride", "max_seconds")
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -103,7 +123,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shards: _Optional[_Iterable[str]] = ..., weight: _Optional[float] = ..., modalities: _Optional[_Iterable[str]] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., generate: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction", "tokenizer", "datasets", "mix_by", "mix_epoch", "mix_epoch_samples", "open_shards", "dedup", "manifests", "plugins")
+    __slots__ = ("shards", "seq_len", "dp_size", "num_microbatches", "seqs_per_microbatch", "seed", "num_epochs", "shuffle_buffer", "no_shard_shuffle", "pack_window", "image", "cost", "reorder_algorithm", "stage_map", "enc_shared_by", "gen_shared_by", "enc_split_by", "gen_split_by", "audio", "generation", "cost_feedback", "max_consecutive_errors", "max_error_fraction", "tokenizer", "datasets", "mix_by", "mix_epoch", "mix_epoch_samples", "open_shards", "dedup", "manifests", "plugins", "video")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +156,7 @@ class JobSpec(_message.Message):
     DEDUP_FIELD_NUMBER: _ClassVar[int]
     MANIFESTS_FIELD_NUMBER: _ClassVar[int]
     PLUGINS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     seq_len: int
     dp_size: int
@@ -168,7 +189,8 @@ class JobSpec(_message.Message):
     dedup: str
     manifests: str
     plugins: _containers.RepeatedCompositeFieldContainer[PluginSpec]
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ..., tokenizer: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., mix_by: _Optional[str] = ..., mix_epoch: _Optional[str] = ..., mix_epoch_samples: _Optional[int] = ..., open_shards: _Optional[int] = ..., dedup: _Optional[str] = ..., manifests: _Optional[str] = ..., plugins: _Optional[_Iterable[_Union[PluginSpec, _Mapping]]] = ...) -> None: ...
+    video: VideoSpec
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., seq_len: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seqs_per_microbatch: _Optional[int] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle_buffer: _Optional[int] = ..., no_shard_shuffle: _Optional[bool] = ..., pack_window: _Optional[int] = ..., image: _Optional[_Union[ImageSpec, _Mapping]] = ..., cost: _Optional[_Union[CostSpec, _Mapping]] = ..., reorder_algorithm: _Optional[str] = ..., stage_map: _Optional[_Iterable[str]] = ..., enc_shared_by: _Optional[int] = ..., gen_shared_by: _Optional[int] = ..., enc_split_by: _Optional[int] = ..., gen_split_by: _Optional[int] = ..., audio: _Optional[_Union[AudioSpec, _Mapping]] = ..., generation: _Optional[_Union[GenerationSpec, _Mapping]] = ..., cost_feedback: _Optional[bool] = ..., max_consecutive_errors: _Optional[int] = ..., max_error_fraction: _Optional[float] = ..., tokenizer: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., mix_by: _Optional[str] = ..., mix_epoch: _Optional[str] = ..., mix_epoch_samples: _Optional[int] = ..., open_shards: _Optional[int] = ..., dedup: _Optional[str] = ..., manifests: _Optional[str] = ..., plugins: _Optional[_Iterable[_Union[PluginSpec, _Mapping]]] = ..., video: _Optional[_Union[VideoSpec, _Mapping]] = ...) -> None: ...
 
 class PluginSpec(_message.Message):
     __slots__ = ("name", "params_json")

@@ -23,10 +23,12 @@ from disttrain_api.config import (
     ImageConfig,
     JobConfig,
     PluginConfig,
+    VideoConfig,
 )
 
 NESTED = {"image": (ImageConfig, pb.ImageSpec), "audio": (AudioConfig, pb.AudioSpec),
-          "generation": (GenerationConfig, pb.GenerationSpec), "cost": (CostConfig, pb.CostSpec)}
+          "generation": (GenerationConfig, pb.GenerationSpec), "cost": (CostConfig, pb.CostSpec),
+          "video": (VideoConfig, pb.VideoSpec)}
 """JobConfig's nested configs and their messages: the same field names inside."""
 BY_HAND = ("shards", "stage_map", "shard_shuffle", "datasets", "plugins")
 

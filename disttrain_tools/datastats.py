@@ -20,9 +20,9 @@ from typing import Protocol
 import numpy as np
 
 from preprocess_service.core.planner import StepPlan
-from preprocess_service.core.sample import Document, TextSegment
+from preprocess_service.core.sample import Document, TextSegment, VideoRef
 
-MODALITY_CLASSES = ("image-text", "audio", "interleaved", "conversation", "text-only", "generation")
+MODALITY_CLASSES = ("image-text", "audio", "video", "interleaved", "conversation", "text-only", "generation")
 PERCENTILES = (10, 50, 90, 99)
 UNKNOWN = -1
 """A number the source does not give (a manifest's missing size, a text not measured)."""
@@ -90,6 +90,8 @@ def modality_of(doc: Document) -> str:
         return "interleaved"
     if doc.audio:
         return "audio"
+    if any(isinstance(s, VideoRef) for s in doc.segments):
+        return "video"
     return "image-text" if doc.images else "text-only"
 
 

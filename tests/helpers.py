@@ -127,3 +127,22 @@ def install_plugins(root: Path, module: str, source: str, entry_points: dict[str
     (dist / "entry_points.txt").write_text(
         "[disttrain.plugins]\n" + "".join(f"{name} = {module}:{cls}\n" for name, cls in entry_points.items()))
     return root
+
+
+def video_bytes(num_frames: int = 48, width: int = 160, height: int = 120, fps: int = 24, *,
+                codec: str = "libx264", container: str = "mp4") -> bytes:
+    """A video encoded at test time (PyAV): frame i is a flat grey of level (i * 5) % 250, so a
+    decoded frame tells which source frame it came from."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as muxer:
+        stream = muxer.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            frame = np.full((height, width, 3), (i * 5) % 250, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                muxer.mux(packet)
+        for packet in stream.encode():
+            muxer.mux(packet)
+    return out.getvalue()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import logging
+import math
 import mmap
 import os
 import queue
@@ -66,7 +67,7 @@ class Microbatch:
     """int32 [S, L]"""
     position_ids: torch.Tensor
     modality: torch.Tensor
-    """uint8 [S, L]: 0 padding, 1 text, 2 image, 3 audio, 4 query token of an image to generate"""
+    """uint8 [S, L]: 0 padding, 1 text, 2 image, 3 audio, 4 query token of an image to generate, 5 video"""
     loss_mask: torch.Tensor
     """uint8 [S, L]: 1 where position i is trained to predict tokens[s, i + 1] (the .proto says when)"""
     labels: torch.Tensor
@@ -89,6 +90,10 @@ class Microbatch:
     """uint8 [G, R, R, 3], the generation targets at the job's fixed size"""
     sample_keys: list[str]
     sequence_costs: list[float]
+    video_spans: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 2), dtype=torch.int32))
+    """int32 [V, 2], token span of each video: frames / temporal_patch x the tokens of one frame"""
+    videos: list[torch.Tensor] = field(default_factory=list)
+    """V uint8 [frames, H, W, 3] tensors (views of one buffer): the sampled frames of each video"""
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     sample_datasets: list[int] = field(default_factory=list)
     """For a mixture: each sample's dataset (index into the job's datasets); empty otherwise."""
@@ -96,14 +101,15 @@ class Microbatch:
     """Payload bytes on the wire."""
 
     TENSORS = ("tokens", "position_ids", "modality", "loss_mask", "labels", "cu_seqlens", "segment_doc",
-               "image_spans", "audio_spans", "gen_spans", "gen_images")
+               "image_spans", "audio_spans", "gen_spans", "gen_images", "video_spans")
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> Microbatch:
         """This microbatch with every tensor on ``device``; from pinned memory (DataClient's
         ``pin_memory``) the copies are asynchronous with ``non_blocking``."""
         moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self.TENSORS}
         return dataclasses.replace(self, **moved, images=[t.to(device, non_blocking=non_blocking) for t in self.images],
-                                   mels=[t.to(device, non_blocking=non_blocking) for t in self.mels])
+                                   mels=[t.to(device, non_blocking=non_blocking) for t in self.mels],
+                                   videos=[t.to(device, non_blocking=non_blocking) for t in self.videos])
 
 
 def to_microbatch(raw: bytes) -> Microbatch:
@@ -131,6 +137,7 @@ def _to_microbatch(message: pb.Microbatch, arrays: dict[str, np.ndarray], owned:
         audio_spans=tensors["audio_spans"],
         mels=list(torch.split(tensors["mel"], arrays["audio_frames"].tolist())),
         gen_spans=tensors["gen_spans"], gen_images=tensors["gen_pixels"],
+        **_videos(tensors, arrays),
         sample_keys=list(message.sample_keys), sequence_costs=[c.total_s for c in message.sequence_costs],
         skipped=[(s.key, s.shard, s.reason) for s in message.skipped],
         sample_datasets=list(message.sample_datasets),
@@ -233,8 +240,16 @@ def _drop_probe(path: str | None) -> None:
 
 
 def _split(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
-    sizes = [h * w * c for h, w, c in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
     return [chunk.view(*shape) for chunk, shape in zip(torch.split(flat, sizes), shapes)]
+
+
+def _videos(tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray]) -> dict:
+    """The video fields, from a service that sends them (an older one does not: none then)."""
+    if "video_spans" not in tensors:
+        return {}
+    return {"video_spans": tensors["video_spans"],
+            "videos": _split(tensors["video_pixels"], arrays["video_shapes"].tolist())}
 
 
 def _pushback_s(exc: grpc.RpcError) -> float:

@@ -77,7 +77,22 @@ class GenImageRef:
     orientation: int = 1
 
 
-Segment = TextSegment | ImageRef | AudioRef | GenImageRef
+@dataclass(slots=True)
+class VideoRef:
+    """One video for the encoder: ``frames`` frames of height x width (adapters/media/video.py)."""
+
+    member: str
+    frames: int
+    height: int
+    width: int
+    tokens: int
+    seconds: float
+    """Duration from its header: the frames are taken at the middles of ``frames`` equal parts."""
+    bounds: tuple[int, int] = (0, 0)
+    """(frames, pixels) decoding it may produce at most (VideoConfig.max_decoded_frames, _pixels)."""
+
+
+Segment = TextSegment | ImageRef | AudioRef | GenImageRef | VideoRef
 
 
 @dataclass(slots=True)
@@ -111,7 +126,7 @@ class Document:
         return tuple(s for s in self.segments if isinstance(s, GenImageRef))
 
     @property
-    def media(self) -> tuple[ImageRef | AudioRef | GenImageRef, ...]:
+    def media(self) -> tuple[ImageRef | AudioRef | GenImageRef | VideoRef, ...]:
         """Segments decoded from a member, in order."""
         return tuple(s for s in self.segments if not isinstance(s, TextSegment))
 

@@ -255,7 +255,8 @@ class JobDocuments:
         if self.hooks is not None:
             sample = self.hooks.apply(sample, int(sample.get(EPOCH, 0)))
         doc = parse_document(sample, image_config=image, tokenizer=self.tokenizer, seq_len=self.config.seq_len,
-                             audio_config=self.config.audio, generation=generation, modalities=modalities)
+                             audio_config=self.config.audio, generation=generation, modalities=modalities,
+                             video_config=self.config.video)
         doc.dataset = dataset
         return doc
 

@@ -156,3 +156,44 @@ def test_each_worker_moves_only_its_own_modules_to_its_device(layout):
         assert own and len(own) == len(worker.parameters())
         moved = {id(p) for p in model.parameters() if p.device.type == "meta"}
         assert moved == own, f"rank {rank} ({role}) holds {len(moved)} parameters on its device, trains {len(own)}"
+
+
+def test_videos_reach_the_trainer_and_its_encoder_fills_their_spans(tmp_path):
+    """A video's frames reach the client as mb.videos; the reference encoder reads each temporal
+    patch as one image (trainer/models/video.py), which fills exactly the video's planned tokens."""
+    import json
+
+    import webdataset as wds
+
+    from disttrain_api.config import VideoConfig
+    from helpers import jpeg_bytes, video_bytes
+    from trainer.models.video import fold_videos
+
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as writer:
+        for i in range(6):
+            turns = [{"from": "human", "value": "<image> and <video>: what changes?"},
+                     {"from": "gpt", "value": "Light."}]
+            writer.write({"__key__": f"v{i}", "mp4": video_bytes(24 + 12 * i, 84, 56, 12),
+                          "jpg": jpeg_bytes(60, 60, seed=i), "json": json.dumps({"conversations": turns}).encode()})
+    server, port, _ = create_server("127.0.0.1:0", decode_workers=0)
+    job = JobConfig(shards=(str(tmp_path),), seq_len=2048, num_microbatches=2,
+                    video=VideoConfig(fps=4.0, max_frames=8))
+    try:
+        with DataClient(f"127.0.0.1:{port}", job, 0) as client:
+            batches = list(client)
+    finally:
+        server.stop(0).wait()
+    model = MultimodalModel(CONFIG)
+    assert sum(len(mb.videos) for mb in batches) == 6
+    for mb in batches:
+        for video, (start, end) in zip(mb.videos, mb.video_spans.tolist()):
+            frames, h, w, _ = video.shape
+            assert frames % 2 == 0 and end - start == frames // 2 * (h // 28) * (w // 28)
+            assert (mb.modality.reshape(-1)[start:end] == 5).all()
+        folded = fold_videos(mb, 28)
+        covered = int((folded.image_spans[:, 1] - folded.image_spans[:, 0]).sum())
+        assert covered == int((mb.image_spans[:, 1] - mb.image_spans[:, 0]).sum()
+                              + (mb.video_spans[:, 1] - mb.video_spans[:, 0]).sum())
+        assert model.image_encoder(folded.images).shape == (covered, CONFIG.dim)
+        parts = model(mb, torch.Generator().manual_seed(0))
+        assert torch.isfinite(parts.lm_sum)

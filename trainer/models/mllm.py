@@ -20,6 +20,7 @@ from trainer.models.backbone import Backbone, lm_loss, spans_index, trained_toke
 from trainer.models.config import ModelConfig
 from trainer.models.encoder import AudioEncoder, ImageEncoder
 from trainer.models.generator import DiffusionGenerator
+from trainer.models.video import fold_videos
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class MultimodalModel(nn.Module):
 
     def forward(self, mb, noise: torch.Generator, device: torch.device | str | None = None) -> LossParts:
         """The losses of a host microbatch ``mb``, computed on ``device`` (default: the host)."""
+        mb = fold_videos(mb, self.config.patch_size * self.config.merge_size)
         cu = mb.cu_seqlens.numpy().tolist()
         index, gen_index = media_index(mb, device), spans_index(mb.gen_spans, device)
         lm_count, num_gen = trained_tokens(mb.labels), int(mb.gen_spans.shape[0])

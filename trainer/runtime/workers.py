@@ -39,6 +39,7 @@ from disttrain_api.layout import PipelineLayout
 from trainer.models.backbone import IGNORE_INDEX, lm_loss, spans_index, stage_layers
 from trainer.models.device import host_to
 from trainer.models.mllm import MultimodalModel, microbatch_seed
+from trainer.models.video import fold_videos
 from trainer.runtime.p2p import Channels, Outbox, recv
 from trainer.runtime.tensor_parallel import SOLO, TPGroup, shard
 
@@ -318,7 +319,7 @@ class BackboneWorker(Worker):
             if (mb.step, mb.microbatch_index) != (step, m):
                 raise RuntimeError(f"rank {self.dp} expected step {step} microbatch {m}, the service sent "
                                    f"step {mb.step} microbatch {mb.microbatch_index}")
-            hosts.append(mb)
+            hosts.append(fold_videos(mb, self.model.config.patch_size * self.model.config.merge_size))
             counts += (int((mb.labels.numpy() != IGNORE_INDEX).sum()), int(mb.gen_spans.shape[0]))
         # the step's counts first, then the media: a rank never sits in this collective with sends
         # to an encoder posted that the encoder's other chains may be waiting behind

@@ -57,7 +57,14 @@ def _audio(data: bytes, params: tuple, out: np.ndarray | None) -> np.ndarray:
     return decode_audio(data, config, frames)
 
 
+def _video(data: bytes, params: tuple, out: np.ndarray | None) -> np.ndarray:
+    from preprocess_service.adapters.media.video import decode_video  # PyAV: loaded on first use
+
+    return decode_video(data, params, out)
+
+
 register_decoder("image", _image, in_place=True)
+register_decoder("video", _video, in_place=True)
 register_decoder("gen", _square, in_place=True)
 register_decoder("audio", _audio)
 

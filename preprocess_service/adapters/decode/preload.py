@@ -18,7 +18,8 @@ import importlib
 import os
 
 MODULES = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image",
-           "preprocess_service.adapters.media.imaging", "preprocess_service.adapters.media.audio",
+           "av", "preprocess_service.adapters.media.imaging", "preprocess_service.adapters.media.audio",
+           "preprocess_service.adapters.media.video",
            "preprocess_service.adapters.decode.items", "preprocess_service.adapters.decode.worker")
 
 gc.disable()

@@ -30,7 +30,7 @@ import sys
 import time
 
 from disttrain_api.errors import SampleError
-from preprocess_service.adapters.media.conversations import IMAGE_MARKER, ImageSlot, Piece, TextPiece
+from preprocess_service.adapters.media.conversations import MediaSlot, Piece, TextPiece
 
 MAX_TEMPLATE_CHARS = 64 << 10
 MAX_RENDER_CHARS = 1 << 20
@@ -49,7 +49,7 @@ MAX_RENDER_GROWTH = 512 << 20
 FIXED_DATE = "26 Jul 2024"
 """What ``strftime_now`` gives a template (Llama-3.1 writes today's date): fixed, so plans repeat."""
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
-PROBES = ([("system", ["Be brief."]), ("user", ["Hi", ImageSlot()]), ("assistant", ["Hello."]),
+PROBES = ([("system", ["Be brief."]), ("user", ["Hi", MediaSlot("image")]), ("assistant", ["Hello."]),
            ("user", ["Bye"]), ("assistant", ["Bye."])],
           [("user", ["Hi"]), ("assistant", ["Hello."])])
 """Conversations a template must render when it loads (the second for templates without a system role)."""
@@ -215,16 +215,16 @@ class ChatTemplate:
         return "".join(out)
 
     def pieces(self, turns: list[tuple[str, list]]) -> list[Piece]:
-        """A conversation (role, content parts: text and ImageSlot) rendered as pieces in order.
+        """A conversation (role, content parts: text and MediaSlot) rendered as pieces in order.
         The pieces must spell what the template writes for the real contents: where it trims
         them (Llama-3's ``| trim``) the contents are trimmed too; a template that changes them
         otherwise cannot be masked, and the sample is skipped with that reason."""
-        real = self.render([{"role": role, "content": "".join(IMAGE_MARKER if isinstance(p, ImageSlot) else p
+        real = self.render([{"role": role, "content": "".join(p.marker if isinstance(p, MediaSlot) else p
                                                                for p in parts)} for role, parts in turns])
         real = real[len(self.bos_token):] if self.bos_token and real.startswith(self.bos_token) else real
         for variant in (turns, [(role, _trimmed(parts)) for role, parts in turns]):
             pieces = self._pieces(variant)
-            if "".join(IMAGE_MARKER if isinstance(p, ImageSlot) else p.text for p in pieces) == real:
+            if "".join(p.marker if isinstance(p, MediaSlot) else p.text for p in pieces) == real:
                 return pieces
         raise _invalid("the chat template changes the turns' text in a way the loss mask cannot follow")
 
@@ -243,7 +243,7 @@ class ChatTemplate:
             role, parts = turns[index]
             member = f"json:turn[{index}]"
             for part in parts:
-                if isinstance(part, ImageSlot):
+                if isinstance(part, MediaSlot):
                     pieces.append(part)
                 elif part:
                     pieces.append(TextPiece(member, part, trainable=role == "assistant"))

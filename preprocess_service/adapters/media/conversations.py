@@ -10,12 +10,14 @@ the template renders it (chat_template.py). Without one, a conversation becomes 
 order: a role header (``"USER: "``, ``"ASSISTANT: "``, ``"SYSTEM: "``, after a newline from the
 second turn on) that is never trained, then the turn's content, trained only for the assistant.
 An ``<image>`` marker in a turn's text (or an image part) is an image slot: parse.py puts the
-sample's next image there, in member order. Anything else (an unknown role, a turn that is not an
+sample's next image there, in member order; a ``<video>`` marker (or a video part) likewise takes
+the next video. Anything else (an unknown role, a turn that is not an
 object of strings, more than MAX_TURNS turns) is a SampleError of kind ``invalid_conversation``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from disttrain_api.errors import SampleError
@@ -23,6 +25,9 @@ from disttrain_api.errors import SampleError
 MAX_TURNS = 1024
 """Longer conversations are refused: instruction data has a few dozen turns at most."""
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
+MARKERS = {"image": IMAGE_MARKER, "video": VIDEO_MARKER}
+_MARKER = re.compile("(" + "|".join(map(re.escape, MARKERS.values())) + ")")
 HEADERS = {"user": "USER: ", "assistant": "ASSISTANT: ", "system": "SYSTEM: "}
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _LAYOUTS = {"conversations": ("from", "value"), "messages": ("role", "content")}
@@ -40,12 +45,21 @@ class TextPiece:
 
 
 @dataclass(frozen=True, slots=True)
-class ImageSlot:
-    """Where the sample's next image goes."""
+class MediaSlot:
+    """Where the sample's next image (or video: ``kind``) goes."""
+
+    kind: str = "image"
+
+    @property
+    def marker(self) -> str:
+        return MARKERS[self.kind]
 
 
-IMAGE_SLOT = ImageSlot()
-Piece = TextPiece | ImageSlot
+ImageSlot = MediaSlot
+"""The name of a slot before videos had them."""
+IMAGE_SLOT = MediaSlot("image")
+VIDEO_SLOT = MediaSlot("video")
+Piece = TextPiece | MediaSlot
 
 
 def parse_conversation(meta: dict, template=None) -> list[Piece] | None:
@@ -71,15 +85,15 @@ def parse_conversation(meta: dict, template=None) -> list[Piece] | None:
         header = ("\n" if index else "") + HEADERS[role]
         pieces.append(TextPiece(f"{member}:header", header, trainable=False))
         for part in parts:
-            if isinstance(part, ImageSlot):
+            if isinstance(part, MediaSlot):
                 pieces.append(part)
             elif part:
                 pieces.append(TextPiece(member, part, trainable=role == "assistant"))
     return pieces
 
 
-def _turn(turn: object, name: str, index: int) -> tuple[str, list[str | ImageSlot]]:
-    """(role, content as text parts and IMAGE_SLOT markers) of one turn."""
+def _turn(turn: object, name: str, index: int) -> tuple[str, list[str | MediaSlot]]:
+    """(role, content as text parts and media slots) of one turn."""
     role_key, content_key = _LAYOUTS[name]
     if not isinstance(turn, dict):
         raise _invalid(f"turn {index} of {name!r} is {_brief(turn)}, expected an object")
@@ -96,23 +110,23 @@ def _turn(turn: object, name: str, index: int) -> tuple[str, list[str | ImageSlo
                    + (" or a list of parts" if name == "messages" else ""))
 
 
-def _content_part(part: object, index: int) -> list[str | ImageSlot]:
+def _content_part(part: object, index: int) -> list[str | MediaSlot]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part, dict) and isinstance(part.get("text"), str):
         return _split_markers(part["text"])
     if kind == "image":
         return [IMAGE_SLOT]
+    if kind == "video":
+        return [VIDEO_SLOT]
     raise _invalid(f"turn {index} of 'messages' has a content part {_brief(part)}; expected "
-                   '{"type": "text", "text": "..."} or {"type": "image"}')
+                   '{"type": "text", "text": "..."}, {"type": "image"} or {"type": "video"}')
 
 
-def _split_markers(text: str) -> list[str | ImageSlot]:
-    """``"a<image>b"`` -> ``["a", IMAGE_SLOT, "b"]``."""
-    out: list[str | ImageSlot] = []
-    for i, chunk in enumerate(text.split(IMAGE_MARKER)):
-        if i:
-            out.append(IMAGE_SLOT)
-        out.append(chunk)
+def _split_markers(text: str) -> list[str | MediaSlot]:
+    """``"a<image>b<video>c"`` -> ``["a", IMAGE_SLOT, "b", VIDEO_SLOT, "c"]``."""
+    out: list[str | MediaSlot] = []
+    for i, chunk in enumerate(_MARKER.split(text)):
+        out.append(MediaSlot("image" if chunk == IMAGE_MARKER else "video") if i % 2 else chunk)
     return out
 
 

@@ -8,6 +8,7 @@ A document is a sequence of segments laid out as ``[BOS] segment ... segment [EO
   text   ``txt``, ``1.txt``, ...                  token ids (the JSON "caption" if there is no txt member)
   image  ``jpg|jpeg|png|webp``, ``1.jpg``, ...     pixels for the encoder, dynamic resolution
   audio  ``flac|wav|mp3|ogg``, ``1.flac``, ...     log-mel frames for the audio encoder
+  video  ``mp4|webm|mkv|mov``, ``1.mp4``, ...      sampled frames for the encoder (video.py)
   gen    an image the generator must produce     query tokens in the sequence, pixels at a fixed size
 Segment order: the JSON's ``"order"`` (a list of member names) when it gives one, members it does
 not list following in the default order; the default order is images, then audio clips, then
@@ -27,11 +28,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig
+from disttrain_api.config import AudioConfig, GenerationConfig, ImageConfig, VideoConfig
 from disttrain_api.errors import SampleError
-from preprocess_service.adapters.media import audio, imaging
-from preprocess_service.adapters.media.conversations import ImageSlot, TextPiece, parse_conversation
-from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, Segment, TextSegment
+from preprocess_service.adapters.media import audio, imaging, video
+from preprocess_service.adapters.media.conversations import MARKERS, MediaSlot, TextPiece, parse_conversation
+from preprocess_service.core.sample import AudioRef, Document, GenImageRef, ImageRef, Segment, TextSegment, VideoRef
 from preprocess_service.core.tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -50,6 +51,7 @@ class Member:
     audio: AudioConfig
     durations: dict[str, float]
     """Audio members' durations the JSON gives (checked)."""
+    video: VideoConfig = VideoConfig()
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def _default_order(kinds: dict[str, str]) -> list[str]:
 def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokenizer, seq_len: int,
                    audio_config: AudioConfig = AudioConfig(),
                    generation: GenerationConfig = GenerationConfig(),
-                   modalities: frozenset[str] | None = None) -> Document:
+                   modalities: frozenset[str] | None = None, video_config: VideoConfig = VideoConfig()) -> Document:
     """Turns a raw webdataset sample (``__key__``, ``__url__``, ext -> bytes) into a Document.
 
     ``modalities`` (a dataset's member kinds, DatasetConfig.modalities; None: all) leaves the
@@ -129,15 +131,15 @@ def parse_document(sample: dict, *, image_config: ImageConfig, tokenizer: Tokeni
         durations = _json_durations(meta, [m for m in _default_order(kinds) if kinds[m] == "audio"])
         segments: list[Segment | None] = []
         texts: list[tuple[int, TextPiece]] = []
-        for part in _parts(sample, meta, kinds, image_slots=modalities is None or "image" in modalities,
-                           template=getattr(tokenizer, "chat_template", None)):
+        slot_kinds = frozenset(k for k in MARKERS if modalities is None or k in modalities)
+        for part in _parts(sample, meta, kinds, slot_kinds, template=getattr(tokenizer, "chat_template", None)):
             if isinstance(part, TextPiece):
                 texts.append((len(segments), part))
                 segments.append(None)
             elif part in generate:
                 segments.append(_gen_ref(part, sample[part], image_config, generation))
             else:
-                context = Member(meta, image_config, audio_config, durations)
+                context = Member(meta, image_config, audio_config, durations, video_config)
                 segments.append(MEMBER_KINDS[kinds[part]].read(part, sample[part], context))
     except SampleError as exc:
         raise SampleError(key, exc.reason, shard, exc.kind) from None
@@ -168,17 +170,18 @@ def _only(meta: dict, kinds: dict[str, str], modalities: frozenset[str]) -> tupl
     return meta, kept
 
 
-def _parts(sample: dict, meta: dict, kinds: dict[str, str], image_slots: bool = True,
+def _parts(sample: dict, meta: dict, kinds: dict[str, str], slot_kinds: frozenset[str] = frozenset(MARKERS),
            template=None) -> list[TextPiece | str]:
     """The document's content in order: media member names and text pieces.
 
-    A sample with a conversation (conversations.py) is its media not placed by an ``<image>``
-    marker (default order), then the conversation, each marker taking the next image in member
-    order; its text members and JSON caption are not used (the conversation is its text).
+    A sample with a conversation (conversations.py) is its media not placed by an ``<image>`` or
+    ``<video>`` marker (default order), then the conversation, each marker taking the next image
+    (video) in member order; its text members and JSON caption are not used (the conversation is
+    its text). Markers of kinds not in ``slot_kinds`` (the dataset does not use them) are dropped.
     """
     pieces = parse_conversation(meta, template)
-    if pieces is not None and not image_slots:
-        pieces = [p for p in pieces if not isinstance(p, ImageSlot)]
+    if pieces is not None:
+        pieces = [p for p in pieces if not isinstance(p, MediaSlot) or p.kind in slot_kinds]
     if pieces is None:
         parts: list[TextPiece | str] = [
             TextPiece(m, _decode_text(sample[m], m), trainable=True) if kinds[m] == "text" else m
@@ -190,14 +193,17 @@ def _parts(sample: dict, meta: dict, kinds: dict[str, str], image_slots: bool = 
     if "order" in meta:
         raise SampleError("", 'a conversation places its images with <image> markers; JSON "order" cannot be '
                               "combined with it", kind="invalid_conversation")
-    images = [m for m in _default_order(kinds) if kinds[m] == "image"]
-    num_slots = sum(isinstance(p, ImageSlot) for p in pieces)
-    if num_slots > len(images):
-        raise SampleError("", f"conversation: {num_slots} <image> markers but the sample holds {len(images)} "
-                              f"images {images}", kind="invalid_conversation")
-    placed = iter(images[:num_slots])
-    first = [m for m in _default_order(kinds) if kinds[m] != "text" and m not in images[:num_slots]]
-    return [*first, *(next(placed) if isinstance(p, ImageSlot) else p for p in pieces)]
+    placed, used = {}, set()
+    for kind in MARKERS:
+        members = [m for m in _default_order(kinds) if kinds[m] == kind]
+        num_slots = sum(isinstance(p, MediaSlot) and p.kind == kind for p in pieces)
+        if num_slots > len(members):
+            raise SampleError("", f"conversation: {num_slots} <{kind}> markers but the sample holds {len(members)} "
+                                  f"{kind}s {members}", kind="invalid_conversation")
+        placed[kind] = iter(members[:num_slots])
+        used.update(members[:num_slots])
+    first = [m for m in _default_order(kinds) if kinds[m] != "text" and m not in used]
+    return [*first, *(next(placed[p.kind]) if isinstance(p, MediaSlot) else p for p in pieces)]
 
 
 def _tokenize_into(segments: list, texts: list[tuple[int, TextPiece]], tokenizer: Tokenizer, room: int,
@@ -337,7 +343,26 @@ def _audio_ref(ext: str, data: bytes, seconds: float | None, config: AudioConfig
     return AudioRef(member=ext, seconds=seconds, frames=tokens * config.token_stride, tokens=tokens)
 
 
+def _video_ref(ext: str, data: bytes, image: ImageConfig, config: VideoConfig) -> VideoRef:
+    try:
+        header = video.read_header(data)
+    except ValueError as exc:
+        raise SampleError("", f"video {ext}: {exc}", kind="unreadable_video") from None
+    if header.width * header.height > config.max_source_pixels:
+        raise SampleError("", f"video {ext}: decompression bomb: frames of {header.width}x{header.height} exceed "
+                              f"video.max_source_pixels {config.max_source_pixels}", kind="decompression_bomb")
+    try:
+        planned = video.plan(header, image, config)
+    except ValueError as exc:
+        raise SampleError("", f"video {ext}: {exc}", kind="unreadable_video") from None
+    return VideoRef(member=ext, frames=planned.frames, height=planned.height, width=planned.width,
+                    tokens=planned.tokens, seconds=header.seconds,
+                    bounds=(config.max_decoded_frames, config.max_decoded_pixels))
+
+
 register_member_kind(MemberKind("image", IMAGE_EXTENSIONS, 0,
                                 lambda member, data, m: _image_ref(member, data, m.image)))
 register_member_kind(MemberKind("audio", audio.AUDIO_EXTENSIONS, 1,
                                 lambda member, data, m: _audio_ref(member, data, m.durations.get(member), m.audio)))
+register_member_kind(MemberKind("video", video.VIDEO_EXTENSIONS, 2,
+                                lambda member, data, m: _video_ref(member, data, m.image, m.video)))

@@ -49,7 +49,8 @@ def test_numbers_match_the_shards(shards, tmp_path, capsys):
     stats = json.loads((tmp_path / "s.json").read_text())
     texts = captions(shards)
     assert stats["samples"] == {"read": 24, "accepted": 24, "planned": 24, "skipped": 0, "skipped_by_kind": {}}
-    assert stats["modalities"] == {"image-text": 24, "audio": 0, "interleaved": 0, "conversation": 0, "text-only": 0,
+    assert stats["modalities"] == {"image-text": 24, "audio": 0, "video": 0, "interleaved": 0, "conversation": 0,
+                                   "text-only": 0,
                                    "generation": 0}
     dist = stats["distributions"]
     assert dist["image_tokens"]["count"] == 24 + 4  # a second image in samples 4 and 9 of each shard

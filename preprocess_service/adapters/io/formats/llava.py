@@ -8,9 +8,10 @@ per line), each record a sample:
 ``image`` is one relative path or a list of them (OpenAI-style ``messages`` work too, as in a
 tar sample's JSON). Images are files under the folder that holds the JSON file: a path that is
 absolute, holds ``..``, or resolves (through links) out of that folder is refused for that sample,
-as is one that is not a regular file or is larger than max_member_bytes. A record with ``video``
-is skipped with a reason (video is not read yet), and so are the images of a JSON file read over
-the network (its copy sits in the shard cache). A sample's key is the record's ``id`` when it is
+as is one that is not a regular file or is larger than max_member_bytes. ``video`` (or
+``videos``) names video files the same way (.mp4, .webm, .mkv, .mov), placed by ``<video>``
+markers. The media of a JSON file read over the network are not read (its copy sits in the shard
+cache): such a record is skipped with that reason. A sample's key is the record's ``id`` when it is
 a short printable string or a number, else the file's name and its place (``x.jsonl#000000017``);
 a repeated id is a duplicate key (the planner keeps the first). A resume starts at the record
 after the last one read (NEXT_OFFSET).
@@ -34,6 +35,7 @@ from disttrain_api.errors import SampleError
 from preprocess_service.adapters.io.formats._base import Format, ProblemSink, register
 from preprocess_service.adapters.io.formats.parquet import media_extension
 from preprocess_service.adapters.io.tarstream import TarLimits
+from preprocess_service.adapters.media.video import VIDEO_EXTENSIONS
 from preprocess_service.core.sample import NEXT_OFFSET
 
 MAX_ARRAY_BYTES = 64 << 20
@@ -126,21 +128,23 @@ def _sample(index: int, record: object, folder: str | None, url: str, limits: Ta
         return None
     key = _record_key(index, record, url)
     try:
-        if record.get("video") is not None:
-            raise SampleError(key, "the record names a video; video is not read yet", url, "decode_failed")
-        images = record.get("image", record.get("images"))
-        images = [] if images is None else [images] if isinstance(images, str) else images
-        if not isinstance(images, list) or not all(isinstance(p, str) for p in images) or len(images) > MAX_IMAGES:
-            raise SampleError(key, f"'image' must be a path or a list of at most {MAX_IMAGES} paths", url,
-                              "invalid_json")
-        if images and folder is None:
-            raise SampleError(key, "the images of a remote JSON file are not read (only those beside a local one)",
+        images, videos = _paths(record, "image", key, url), _paths(record, "video", key, url)
+        if (images or videos) and folder is None:
+            raise SampleError(key, "the media of a remote JSON file are not read (only those beside a local one)",
                               url, "unreadable_image")
         sample: dict = {"__key__": key, "__url__": url}
         total = 0
         for i, relative in enumerate(images):
             data = _image(relative, folder, key, url, limits, limits.max_sample_bytes - total)
             ext = media_extension(data) or "jpg"
+            sample[ext if i == 0 else f"{i}.{ext}"] = data
+            total += len(data)
+        for i, relative in enumerate(videos):
+            ext = relative.rsplit(".", 1)[-1].lower()
+            if ext not in VIDEO_EXTENSIONS:
+                raise SampleError(key, f"video {relative[:120]!r}: a video file ends in one of {VIDEO_EXTENSIONS}",
+                                  url, "unreadable_video")
+            data = _image(relative, folder, key, url, limits, limits.max_sample_bytes - total, "video")
             sample[ext if i == 0 else f"{i}.{ext}"] = data
             total += len(data)
         meta = {name: record[name] for name in ("conversations", "messages") if name in record}
@@ -156,29 +160,40 @@ def _sample(index: int, record: object, folder: str | None, url: str, limits: Ta
     return sample
 
 
-def _image(relative: str, folder: str | None, key: str, url: str, limits: TarLimits, room: int) -> bytes:
-    """An image file under ``folder``, read within the limits, or SampleError naming why not."""
+def _paths(record: dict, field: str, key: str, url: str) -> list[str]:
+    """The record's ``field`` (or its plural): one path or a list of them."""
+    paths = record.get(field, record.get(field + "s"))
+    paths = [] if paths is None else [paths] if isinstance(paths, str) else paths
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths) or len(paths) > MAX_IMAGES:
+        raise SampleError(key, f"{field!r} must be a path or a list of at most {MAX_IMAGES} paths", url, "invalid_json")
+    return paths
+
+
+def _image(relative: str, folder: str | None, key: str, url: str, limits: TarLimits, room: int,
+           what: str = "image") -> bytes:
+    """A media file under ``folder``, read within the limits, or SampleError naming why not."""
+    kind = f"unreadable_{what}"
     from preprocess_service.adapters.io.schemes.local import open_regular  # not at import: schemes import sources
 
     if not relative or os.path.isabs(relative) or "\x00" in relative or ".." in relative.replace("\\", "/").split("/"):
-        raise SampleError(key, f"image path {relative[:120]!r} must be relative, inside the JSON file's folder", url,
-                          "unreadable_image")
+        raise SampleError(key, f"{what} path {relative[:120]!r} must be relative, inside the JSON file's folder", url,
+                          kind)
     real = os.path.realpath(os.path.join(folder, relative))
     if not real.startswith(folder.rstrip("/") + "/"):
-        raise SampleError(key, f"image path {relative[:120]!r} leads out of the JSON file's folder", url,
-                          "unreadable_image")
+        raise SampleError(key, f"{what} path {relative[:120]!r} leads out of the JSON file's folder", url,
+                          kind)
     try:
         with open_regular(real) as image:
             size = os.fstat(image.fileno()).st_size
             if not stat.S_ISREG(os.fstat(image.fileno()).st_mode) or size > min(limits.max_member_bytes, room):
-                raise SampleError(key, f"image {relative[:120]!r} is {size} bytes, more than max_member_bytes "
+                raise SampleError(key, f"{what} {relative[:120]!r} is {size} bytes, more than max_member_bytes "
                                   f"({limits.max_member_bytes}) or what max_sample_bytes leaves the record", url,
                                   "oversize")
             data = image.read(size + 1)
             if len(data) > size:  # grew while read
-                raise SampleError(key, f"image {relative[:120]!r} changed while it was read", url, "unreadable_image")
+                raise SampleError(key, f"{what} {relative[:120]!r} changed while it was read", url, kind)
             return data
     except SampleError:
         raise
     except Exception as exc:  # missing, a FIFO, unreadable: this sample's problem
-        raise SampleError(key, f"image {relative[:120]!r}: {exc}", url, "unreadable_image") from None
+        raise SampleError(key, f"{what} {relative[:120]!r}: {exc}", url, kind) from None

@@ -172,7 +172,7 @@ def test_a_conversation_ending_with_a_user_turn_trains_no_eos():
     ({"conversations": []}, "non-empty list"),
     ({"conversations": {"from": "human"}}, "non-empty list"),
     ({"conversations": [{"from": ["gpt"], "value": "x"}]}, "role ['gpt']"),
-    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "content part"),
+    ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "content part"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "role 'tool'"),
     ({"messages": [], "conversations": []}, "holds both"),
     ({"conversations": [{"from": "human", "value": "x"}] * (MAX_TURNS + 1)}, f"more than {MAX_TURNS}"),

@@ -128,7 +128,7 @@ def test_llava_json_and_jsonl_are_read_with_images_beside_them_and_hostile_paths
     skipped = _skipped(job)
     assert {k: skipped[k] for k in ("missing", "escape", "absolute", "linked-out", "video", "no-turns", "r0")} == {
         "missing": "unreadable_image", "escape": "unreadable_image", "absolute": "unreadable_image",
-        "linked-out": "unreadable_image", "video": "decode_failed", "no-turns": "invalid_conversation",
+        "linked-out": "unreadable_image", "video": "unreadable_video", "no-turns": "invalid_conversation",
         "r0": "duplicate_key"}
     assert f"more.jsonl#{len(records) - 10:09d}" in skipped  # the line that is not JSON, by its place
     assert _decode_all(job) > 0

@@ -219,7 +219,7 @@ class DatasetConfig:
     weight: float = 1.0
     """Relative share of the mixture (normalised over the datasets), by samples or by tokens (JobConfig.mix_by)."""
     modalities: tuple[str, ...] = MODALITIES
-    """Member kinds used from this dataset's samples ("text", "image", "audio"); members of other
+    """Member kinds used from this dataset's samples ("text", "image", "audio", "video"); members of other
     kinds are ignored (e.g. ("text",) trains on the captions of an image-text set only)."""
     image: ImageConfig | None = None
     """Image sizing for this dataset's encoder images (None: the job's); its patch_size and

@@ -81,6 +81,10 @@ class Plugin:
 
     media_kinds: tuple[str, ...] = ("image",)
     """The media kinds ``media`` is called for."""
+    sample_members: tuple[str, ...] | None = None
+    """The member extensions ``sample`` reads (e.g. ``("json", "txt")``: ``"1.txt"`` counts as
+    ``"txt"``); the others are not sent to its worker (and it cannot drop them). None: every
+    member, the media's bytes too."""
 
     def __init__(self, params: dict):
         self.params = params

@@ -113,6 +113,24 @@ def is_media(member: str) -> bool:
     return member.rsplit(".", 1)[-1] not in TEXT_EXTENSIONS
 
 
+def sample_changes(spec: HookSpec, sample: dict) -> tuple[dict, list[str]]:
+    """What the job's sample hooks do to ``sample``: (members changed or added, members removed),
+    so a worker sends back only those. Raises Skip or PluginFailed as run_sample_hooks."""
+    after = run_sample_hooks(spec, sample)
+    return ({k: v for k, v in after.items() if sample.get(k) is not v and not k.startswith("__")},
+            [k for k in sample if k not in after])
+
+
+def wanted_members(spec: HookSpec) -> frozenset[str] | None:
+    """The member extensions the job's sample hooks read (Plugin.sample_members), or None for all."""
+    wanted: set[str] = set()
+    for _, plugin in _loaded(spec, lambda cls: cls.has_sample_hook()):
+        if plugin.sample_members is None:
+            return None
+        wanted.update(plugin.sample_members)
+    return frozenset(wanted)
+
+
 def run_sample_hooks(spec: HookSpec, sample: dict) -> dict:
     """``sample`` (``__key__``, ``__url__``, member -> bytes) after the job's sample hooks, in
     order. Raises Skip (a hook left it out) or PluginFailed."""
@@ -146,7 +164,7 @@ def _checked(name: str, before: dict, after) -> dict:
         elif len(value) > MAX_MEMBER_BYTES:
             raise PluginFailed(f"plugin {name!r} sample hook returned {len(value)} bytes for {member!r}, more "
                                f"than {MAX_MEMBER_BYTES}")
-        out[member] = bytes(value)
+        out[member] = value if type(value) is bytes else bytes(value)
     return out
 
 

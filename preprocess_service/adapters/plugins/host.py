@@ -18,7 +18,7 @@ from disttrain_api.errors import SampleError
 from disttrain_api.plugins import Skip
 from preprocess_service.adapters.decode import forkserver
 from preprocess_service.adapters.infra import procmem
-from preprocess_service.adapters.plugins.hooks import HookSpec, PluginFailed, run_sample_hooks
+from preprocess_service.adapters.plugins.hooks import HookSpec, PluginFailed, sample_changes, wanted_members
 
 log = logging.getLogger(__name__)
 GRACE_S = 2.0
@@ -30,7 +30,7 @@ EXIT_AFTER = "exit"
 
 
 def host_main(conn) -> None:
-    """The child: (spec, sample) -> ("ok", sample) | ("skip", reason) | ("failed", reason)."""
+    """The child: (spec, sample) -> ("ok", (changed, removed)) | ("skip", reason) | ("failed", reason)."""
     conn.send(("ready",))
     while True:
         try:
@@ -41,7 +41,7 @@ def host_main(conn) -> None:
             return
         spec, sample = message
         try:
-            conn.send(("ok", run_sample_hooks(spec, sample)))
+            conn.send(("ok", sample_changes(spec, sample)))
         except Skip as skip:
             conn.send(("skip", str(skip.reason)[:1000]))
         except PluginFailed as exc:
@@ -60,6 +60,7 @@ class SampleHooks:
         self._lock = threading.Lock()
         self._process = None
         self._conn = None
+        self._wanted = wanted_members(spec)
         self.starts = 0
         """Worker processes started (the first, and one after each kill or death)."""
 
@@ -68,10 +69,13 @@ class SampleHooks:
         when a hook skips it or fails on it."""
         key, url = sample.get("__key__", ""), sample.get("__url__", "")
         spec = HookSpec(self.spec.plugins, self.spec.seed, epoch, self.spec.limits)
+        sent = sample if self._wanted is None else \
+            {k: v for k, v in sample.items() if k.startswith("__") or k.rsplit(".", 1)[-1] in self._wanted}
         with self._lock:
-            kind, value = self._round_trip(spec, sample)
+            kind, value = self._round_trip(spec, sent)
         if kind == "ok":
-            return value
+            changed, removed = value
+            return {**{k: v for k, v in sample.items() if k not in removed}, **changed}
         if kind == "skip":
             raise SampleError(key, f"left out by a plugin: {value}", url, "filtered")
         raise SampleError(key, str(value), url, "plugin_failed")

@@ -17,6 +17,8 @@ PARAMS = {"min_score", "field", "caption_from"}
 
 
 class ClipScoreFilter(Plugin):
+    sample_members = ("json", "txt")  # the images' bytes are not sent to its worker
+
     def __init__(self, params: dict):
         super().__init__(params)
         unknown = set(params) - PARAMS

@@ -134,3 +134,43 @@ def test_a_header_that_understates_the_frames_is_stopped_while_decoding():
     with pytest.raises(ValueError, match="header understates"):
         video.decode_video(data, (4, 28, 28, header.seconds, 10_000, 32 * 32 * 50))
     assert InlineDecoder  # the job test above runs the pool; the inline decoder shares decode_into
+
+
+def test_a_video_dataset_resumes_mixes_with_images_and_is_inspected(tmp_path):
+    from disttrain_api.config import DatasetConfig
+    from disttrain_tools import inspect_cli
+    from helpers import check_resumes, write_tiny_shards
+    from preprocess_service.adapters.io.shards import ShardReader
+    from preprocess_service.core.planner import Documents, EpochPlanner
+
+    (tmp_path / "videos").mkdir()
+    for shard in range(2):
+        _tar(tmp_path / "videos" / f"{shard:05d}.tar",
+             [{"__key__": f"v{shard}{i:02d}", "mp4": video_bytes(12 + 6 * i, 64, 48, 12), "txt": b"clip %d" % i}
+              for i in range(8)])
+    write_tiny_shards(tmp_path / "images", num_shards=1, samples_per_shard=8)
+    config = JobConfig(shards=(str(tmp_path / "videos"),), seq_len=1024, num_microbatches=2, shuffle_buffer=4)
+    job = Job(config)
+    reader = ShardReader()
+
+    def make():
+        return EpochPlanner(config, reader.expand(config.shards), Documents(reader, job.documents.parse_only))
+
+    def advance(planner):
+        plan = planner.next_plan()
+        return None if plan is None or plan.epoch else sorted(d.key for d in plan.documents())
+
+    steps, _ = check_resumes(make, advance, at=lambda n: range(1, n))
+    assert sorted(k for step in steps for k in step) == sorted(f"v{s}{i:02d}" for s in range(2) for i in range(8))
+
+    mixed = Job(JobConfig(datasets=(DatasetConfig(name="video", shards=(str(tmp_path / "videos"),)),
+                                    DatasetConfig(name="laion", shards=(str(tmp_path / "images"),))),
+                          seq_len=1024, num_microbatches=2, shuffle_buffer=4, mix_epoch="all_exhausted"))
+    mixed.plan_all()
+    counts = {d["name"]: d["epoch_samples"] for d in mixed.report()["datasets"]}
+    assert counts["video"] == 16 and counts["laion"] >= 8
+
+    out = tmp_path / "inspect.json"
+    assert inspect_cli.main([str(tmp_path / "videos"), "--json", str(out), "--no-plot", "--seq-len", "1024"]) == 0
+    stats = json.loads(out.read_text())
+    assert stats["modalities"]["video"] == 16 and stats["samples"]["skipped"] == 0

@@ -10,9 +10,11 @@ import pytest
 
 from disttrain_api.config import JobConfig, PluginConfig
 from disttrain_api.errors import ConfigError
-from helpers import install_plugins, shard_keys, write_tiny_shards
+from helpers import check_resumes, install_plugins, shard_keys, write_tiny_shards
 from preprocess_service.adapters.decode import DecodePool, InlineDecoder
+from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.adapters.plugins.hooks import HookLimits
+from preprocess_service.core.planner import Documents, EpochPlanner
 from preprocess_service.service.job import Job
 
 SOURCE = textwrap.dedent('''
@@ -140,6 +142,16 @@ def test_sample_hooks_filter_and_rewrite_deterministically_by_seed_key_and_epoch
         np.testing.assert_array_equal(got["tokens"], arrays[where]["tokens"])
     other, _ = _delivered(Job(_config(tmp_path / "d", "drop_odd", "caption", seed=1, caption={"prefix": "NEW "})),
                           InlineDecoder())
+    reader = ShardReader()
+
+    def make():  # a planner restored from any step's state plans what the original planned from there
+        return EpochPlanner(job.config, reader.expand(job.config.shards), Documents(reader, job.documents.parse_only))
+
+    def advance(planner):
+        plan = planner.next_plan()
+        return None if plan is None or plan.epoch else [(d.key, d.num_tokens) for d in plan.documents()]
+
+    check_resumes(make, advance, at=lambda n: range(1, n))
     other_texts = b"".join(_text(a) for a in other.values())
     assert other_texts != texts and all(f"NEW {k} ".encode() in other_texts for k in keys - odd)
 

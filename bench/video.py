@@ -1,14 +1,16 @@
 """Video decode rate per core, the decoder choice, and what a hostile video costs, in one run on
 videos encoded here.
 
-    python bench/video.py [--seconds 10] [--rounds 3] [--quick] [--json FILE]
+    python bench/video.py [--seconds 10] [--rounds 3] [--torchcodec DIR] [--quick] [--json FILE]
 
 1. decode rate per core (one process, one decoder thread): for H.264 (MP4), VP9 (WebM) and AV1
    (Matroska, read by dav1d) at 640x360 and 1280x720, 30 fps: the service's decode of one video
    (media/video.decode_video: the job's default sampling, 2 fps up to 32 frames, resized to the
    frame size it plans) in videos/s and source frames decoded per second; beside it the floor, the
    same container decoded frame by frame with nothing kept (PyAV, no resize), and torchcodec's
-   get_frames_played_at for the same times where torchcodec can run here.
+   get_frames_played_at for the same times where torchcodec can run here (``--torchcodec DIR``: a
+   folder it was pip-installed into with ``--target``; PyPI's wheel is the CUDA build, which needs
+   CUDA's libraries to load).
 2. bounds: seconds to refuse (plan) or fail (decode) each hostile video: garbage bytes, a video cut
    in half, zero frames, frames over max_source_pixels, a duration over max_seconds, and 6,000 tiny
    frames over max_decoded_frames. Each must be far below a second.
@@ -88,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each test video")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 s videos, 360p only, 1 round")
+    parser.add_argument("--torchcodec", type=Path, help="a folder torchcodec was pip-installed into (--target)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.torchcodec:
+        sys.path.insert(0, str(args.torchcodec))
     if args.quick:
         args.seconds, args.rounds = 2.0, 1
 

@@ -21,18 +21,6 @@ setup() {
     # torch first and pinned, so that nothing later can pull the CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
     "$VENV/bin/python" -m pip install -q -e ".[service,trainer,dev]" >&2
-    # torchaudio 2.11.0 on PyPI is a CUDA build: its three C++ extension libraries link libtorch_cuda,
-    # which CPU torch lacks, and `import torchaudio` fails while they are present. Without them the
-    # pure-PyTorch parts we use (resample, MelSpectrogram) work; a CUDA image keeps them.
-    "$VENV/bin/python" - <<'PY' >&2
-import importlib.util, pathlib, torch
-if not torch.version.cuda:
-    lib = pathlib.Path(importlib.util.find_spec("torchaudio").origin).parent / "lib"
-    for so in lib.glob("*.so"):
-        so.unlink()
-import torchaudio  # noqa: F401  (fails here, at setup, rather than in a decode worker)
-assert not torch.version.cuda, "CUDA torch was installed"
-PY
     echo "$want" > "$stamp"
     echo "[setup] done" >&2
 }

@@ -9,7 +9,7 @@ worker scaling, and the service end to end vs a PyTorch DataLoader.
 2. decode stage per modality (image documents, audio documents, generation targets, the mixed
    data as it comes): samples/s of
      bare      a plain loop in one process calling the same decode operations (decode.decode_item:
-               simplejpeg/Pillow + torch resize, soundfile + torchaudio) on every member,
+               simplejpeg/Pillow + torch resize, soundfile + torch resample and log-mel) on every member,
      1 worker  the service's decode stage: microbatch layout, DecodePool(1) (encoded bytes and
                results through shared memory), two microbatches in flight, as a stream runs it,
      2 workers the same with DecodePool(2);

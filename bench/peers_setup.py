@@ -52,21 +52,6 @@ def _install(requirements: list[str]) -> str | None:
     return None
 
 
-def _torchaudio() -> str:
-    """The project's audio decode (peers_work) needs torchaudio's pure-PyTorch parts: its only
-    wheel is a CUDA build, whose extension libraries fail on CPU torch and are removed (see
-    /work/shared/ENVIRONMENT.md); the project itself is imported from the repository (sys.path)."""
-    done = _pip("install", "--no-deps", "torchaudio==2.11.0")
-    if done.returncode != 0:
-        return "install failed: " + " | ".join(done.stderr.strip().splitlines()[-3:])
-    site = subprocess.run([str(python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    for lib in (Path(site) / "torchaudio" / "lib").glob("*.so"):
-        lib.unlink()
-    check = subprocess.run([str(python()), "-c", "import torchaudio"], capture_output=True, text=True)
-    return "ok" if check.returncode == 0 else "import failed: " + check.stderr.strip().splitlines()[-1]
-
-
 def setup() -> dict[str, str]:
     """Create the venv if needed and install every group; returns {peer: "ok" | reason}."""
     if not python().exists():
@@ -79,8 +64,6 @@ def setup() -> dict[str, str]:
         reason = _install(requirements)
         results[peer] = "ok" if reason is None else reason
         print(f"[setup] {peer:20s} {' '.join(requirements):40s} {results[peer]}", flush=True)
-    results["project decode path"] = _torchaudio()
-    print(f"[setup] project decode path  torchaudio==2.11.0 (no deps)           {results['project decode path']}")
     versions = _pip("list", "--format=json")
     RESULTS.write_text(json.dumps({"peers": results, "packages": json.loads(versions.stdout or "[]")}, indent=1))
     return results

@@ -14,7 +14,7 @@ service's own parser, for every system. Two image decoders:
                   resize(BICUBIC);
   pillow-nodraft  what users often write: the same without draft() (full-size decode).
 
-Audio is decoded by the project's decode path in both (soundfile + torchaudio: no peer has its own).
+Audio is decoded by the project's decode path in both (soundfile + torch: no peer has its own).
 """
 
 from __future__ import annotations

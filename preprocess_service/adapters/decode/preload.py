@@ -17,7 +17,7 @@ import gc
 import importlib
 import os
 
-MODULES = ("numpy", "torch", "torchaudio", "soundfile", "simplejpeg", "PIL.Image",
+MODULES = ("numpy", "torch", "soundfile", "simplejpeg", "PIL.Image",
            "av", "preprocess_service.adapters.media.imaging", "preprocess_service.adapters.media.audio",
            "preprocess_service.adapters.media.video",
            "preprocess_service.adapters.decode.items", "preprocess_service.adapters.decode.worker")

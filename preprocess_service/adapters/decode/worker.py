@@ -31,7 +31,7 @@ def worker_main(conn, worker_id: int) -> None:
 
     torch.set_num_threads(1)  # one process per core: intra-op threads would only contend
     for module in ("preprocess_service.adapters.media.audio", "preprocess_service.adapters.media.imaging",
-                   "torchaudio"):
+                   "preprocess_service.adapters.media.video"):
         importlib.import_module(module)  # every decoder loaded before "ready"
     warm_up_decoders()
 

@@ -1,7 +1,9 @@
 """Audio: duration from metadata or header (planning), and decode -> mono -> resample -> log-mel.
 
 Decoding goes through soundfile (libsndfile: WAV 8/16/24/32-bit and float, FLAC, OGG/Vorbis and
-Opus, MP3), resampling and the mel filterbank through torchaudio's pure-PyTorch functions. The
+Opus, MP3); resampling and the mel filterbank are torch operations here (Whisper's front end:
+torchaudio's windowed-sinc resampler and Slaney mel scale, without torchaudio, whose wheels pin
+one torch build each and so could not install beside a user's torch). The
 frame count is fixed at planning (``AudioConfig.num_tokens``): the decoded mel is cropped or
 padded (with the log floor, i.e. silence) to exactly that, so a clip whose JSON duration is a
 little off still delivers the planned size.
@@ -96,17 +98,71 @@ def decode_audio(data: bytes, config: AudioConfig, num_frames: int) -> np.ndarra
     return log_mel(decode_waveform(data, config), config, num_frames)
 
 
+SINC_WIDTH = 6
+"""Zero crossings of the resampling filter on each side (torchaudio's default lowpass_filter_width)."""
+ROLLOFF = 0.99
+"""The filter's cutoff as a share of the lower rate's Nyquist frequency."""
+
+
 @functools.lru_cache(maxsize=16)
 def _resampler(orig: int, new: int):
-    import torchaudio  # imported on first use: it is heavy, and only audio needs it
+    """A function resampling a float32 [samples] wave from ``orig`` to ``new`` Hz: a Hann-windowed
+    sinc filter, one phase per output sample of a period, applied as a strided convolution."""
+    import torch
 
-    return torchaudio.transforms.Resample(orig, new)
+    g = math.gcd(orig, new)
+    orig, new = orig // g, new // g
+    base = min(orig, new) * ROLLOFF
+    taps = math.ceil(SINC_WIDTH * orig / base)
+    idx = torch.arange(-taps, taps + orig, dtype=torch.float64)[None, None] / orig
+    t = (torch.arange(0, -new, -1, dtype=torch.float64)[:, None, None] / new + idx) * base
+    t = t.clamp(-SINC_WIDTH, SINC_WIDTH)
+    window = torch.cos(t * math.pi / SINC_WIDTH / 2) ** 2
+    t = t * math.pi
+    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
+    kernel = (sinc * window * (base / orig)).to(torch.float32)  # [new, 1, 2 * taps + orig]
+
+    def resample(wave: torch.Tensor) -> torch.Tensor:
+        length = wave.shape[-1]
+        padded = torch.nn.functional.pad(wave[None, None], (taps, taps + orig))
+        out = torch.nn.functional.conv1d(padded, kernel, stride=orig)  # [1, new, periods]
+        return out.transpose(1, 2).reshape(-1)[:math.ceil(new * length / orig)]
+
+    return resample
+
+
+def _hz_to_mel(hz: float) -> float:
+    """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
+    return hz * 3 / 200 if hz < 1000 else 15 + math.log(hz / 1000) / (math.log(6.4) / 27)
+
+
+def mel_filters(config: AudioConfig):
+    """float32 [n_fft // 2 + 1, n_mels]: Slaney-normalised triangular filters over the FFT bins."""
+    import torch
+
+    freqs = torch.linspace(0, config.sample_rate // 2, config.n_fft // 2 + 1, dtype=torch.float64)
+    mels = torch.linspace(_hz_to_mel(0.0), _hz_to_mel(config.sample_rate / 2), config.n_mels + 2,
+                          dtype=torch.float64)
+    hz = torch.where(mels < 15, mels * 200 / 3, 1000 * torch.exp((math.log(6.4) / 27) * (mels - 15)))
+    slopes = hz[None, :] - freqs[:, None]
+    gaps = hz[1:] - hz[:-1]
+    down, up = -slopes[:, :-2] / gaps[:-1], slopes[:, 2:] / gaps[1:]
+    filters = torch.clamp(torch.minimum(down, up), min=0)
+    return (filters * (2.0 / (hz[2:] - hz[:-2]))[None, :]).to(torch.float32)
 
 
 @functools.lru_cache(maxsize=4)
 def _mel_transform(config: AudioConfig):
-    import torchaudio
+    """wave -> float32 [n_mels, frames] mel power: a centred, reflect-padded STFT with a periodic
+    Hann window, |X|^2, the Slaney filters (as Whisper's front end)."""
+    import torch
 
-    return torchaudio.transforms.MelSpectrogram(
-        sample_rate=config.sample_rate, n_fft=config.n_fft, hop_length=config.hop_length,
-        n_mels=config.n_mels, power=2.0, norm="slaney", mel_scale="slaney")  # as Whisper's front end
+    window = torch.hann_window(config.n_fft)
+    filters = mel_filters(config)
+
+    def transform(wave: torch.Tensor) -> torch.Tensor:
+        spec = torch.stft(wave, config.n_fft, config.hop_length, window=window, center=True, pad_mode="reflect",
+                          return_complex=True)
+        return filters.T @ spec.abs().pow(2)
+
+    return transform

@@ -13,14 +13,16 @@ PY=${PYTHON:-python3}
 setup() {
     # Re-run pip only when pyproject.toml changed since the last successful setup.
     local stamp="$VENV/.disttrain-setup" want
-    want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+    want=$(cat pyproject.toml dev.sh requirements/torch.txt requirements/lock.txt | sha256sum | cut -d' ' -f1)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then return 0; fi
-    echo "[setup] creating virtualenv $VENV and installing pinned dependencies (once: about a minute)" >&2
+    echo "[setup] creating virtualenv $VENV and installing the locked dependencies (once: about a minute)" >&2
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    # torch first and pinned, so that nothing later can pull the CUDA build.
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
-    "$VENV/bin/python" -m pip install -q -e ".[service,trainer,dev]" >&2
+    # torch first, at the locked version; the index picks its build (CPU here, CUDA on a GPU machine).
+    "$VENV/bin/python" -m pip install -q -r requirements/torch.txt >&2
+    # then everything else at the lock's exact versions, and this project on top without resolving again
+    "$VENV/bin/python" -m pip install -q -r requirements/lock.txt >&2
+    "$VENV/bin/python" -m pip install -q --no-deps -e . >&2
     echo "$want" > "$stamp"
     echo "[setup] done" >&2
 }

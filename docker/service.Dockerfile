@@ -7,13 +7,15 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/app/numba-cache
 WORKDIR /app
 # torch from PyTorch's CPU index first: PyPI's torch==2.13.0 is the CUDA build (GBs of nvidia libs)
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+COPY requirements requirements
+RUN pip install --index-url https://download.pytorch.org/whl/cpu -r requirements/torch.txt
 COPY pyproject.toml README.md ./
 COPY preprocess_service preprocess_service
 COPY trainer trainer
 COPY disttrain_api disttrain_api
 COPY disttrain_tools disttrain_tools
-RUN pip install ".[service]"
+# the service's dependencies at the lock's exact versions (a constraint: the dev tools stay out)
+RUN pip install -c requirements/lock.txt ".[service]"
 RUN useradd --uid 10001 --create-home disttrain \
     && python -m preprocess_service warm && chown -R 10001 /app/numba-cache
 USER 10001

@@ -155,13 +155,15 @@ def test_every_variable_and_port_named_in_the_deployment_exists_in_the_code():
 def test_images_install_the_right_torch_and_run_commands_that_exist():
     service = (DOCKER / "service.Dockerfile").read_text()
     trainer = (DOCKER / "trainer.Dockerfile").read_text()
-    assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in service  # before `pip install .`
-    assert service.index("whl/cpu") < service.index('pip install ".[service]"')
-    assert "pip install torch==2.13.0" in trainer and "whl/cpu" not in trainer and "torch.version.cuda" in trainer
+    assert "--index-url https://download.pytorch.org/whl/cpu -r requirements/torch.txt" in service  # before `.`
+    assert service.index("whl/cpu") < service.index('pip install -c requirements/lock.txt ".[service]"')
+    assert "pip install -r requirements/torch.txt" in trainer and "whl/cpu" not in trainer \
+        and "torch.version.cuda" in trainer
+    assert (REPO / "requirements" / "torch.txt").read_text().split() == ["torch==2.13.0"]
     # the trainer image gets the client and the model pipeline without the service or its dependencies
-    assert 'pip install ".[trainer]"' in trainer and "COPY preprocess_service" not in trainer
+    assert 'pip install -c requirements/lock.txt ".[trainer]"' in trainer and "COPY preprocess_service" not in trainer
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    base = {re.split(r"[=<>\[]", d)[0].lower() for d in project["dependencies"]}
+    base = {re.split(r"[=<>\[,]", d)[0].lower() for d in project["dependencies"]}
     assert base == {"torch", "numpy", "grpcio", "protobuf"}, base  # what trainer.client imports
     assert {"numba", "webdataset", "pillow", "redis"} <= {re.split(r"[=<>]", d)[0].lower()
                                                           for d in project["optional-dependencies"]["service"]}

@@ -32,6 +32,12 @@ def _in_range(name: str, value, low, high, *, integer: bool = True) -> None:
     _require(ok, f"{name} must be {'an integer' if integer else 'a number'} in [{low:g}, {high:g}], got {value!r}")
 
 
+MONOLITHIC = ("enc+bb+gen",)
+"""JobConfig.stage_map of a model that does not disaggregate (one FSDP/DDP model: encoder, backbone
+and generator on every rank, one stage): the planner balances whole microbatches."""
+DISAGGREGATED = ("enc", "bb", "gen")
+"""JobConfig.stage_map's default: encoder, backbone and generator as three pipeline stages (trainer/)."""
+
 MAX_SEQ_LEN = 1 << 20
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_STAGES = 256
@@ -352,9 +358,10 @@ class JobConfig:
     reorder_algorithm: str = "ours"
     """Registry name of the batch planner (preprocess_service.core.reorder.PLANNERS): which rank trains on which
     sequences, grouped into which microbatches, in which order."""
-    stage_map: tuple[str, ...] = ("enc", "bb", "gen")
+    stage_map: tuple[str, ...] = DISAGGREGATED
     """The trainer's pipeline stages, each running a module or a share of one ("bb/2"); the planner
-    simulates this 1F1B pipeline per DP rank."""
+    simulates this 1F1B pipeline per DP rank. A model that does not disaggregate (FSDP/DDP) gives
+    MONOLITHIC, ("enc+bb+gen",)."""
     enc_shared_by: int = 1
     """Backbone DP ranks that one encoder replica serves (a disaggregated encoder with dp_size / this
     replicas); > 1 couples those ranks' microbatch slots, and the planner plans for that."""

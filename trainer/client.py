@@ -19,6 +19,7 @@ several replicas: gRPC then picks a live one), a comma-separated list of them, o
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import logging
@@ -47,6 +48,35 @@ from disttrain_api.errors import ServiceUnavailableError
 from disttrain_api.spec import config_from_spec, spec_from_config
 
 log = logging.getLogger(__name__)
+WAIT_WINDOW = 32
+"""Microbatches data_wait_fraction looks back over."""
+WAIT_WARN_FRACTION = 0.2
+"""A rank waiting for data more than this share of its time is told (a log warning) that data is the bottleneck."""
+WARN_EVERY_S = 60.0
+
+
+class _WaitMetric:
+    """``disttrain_client_data_wait_seconds_total{rank}`` where prometheus_client is installed (the
+    trainer's own /metrics exports it); nothing otherwise (the client needs no metrics library)."""
+
+    def __init__(self):
+        try:
+            from prometheus_client import Counter
+        except ImportError:
+            self._counter = None
+            return
+        try:
+            self._counter = Counter("disttrain_client_data_wait_seconds", "Seconds a trainer rank waited for its "
+                                    "next microbatch from the service (its prefetch queue empty)", ["rank"])
+        except ValueError:  # registered already (the module imported twice)
+            self._counter = None
+
+    def add(self, rank: int, seconds: float) -> None:
+        if self._counter is not None:
+            self._counter.labels(str(rank)).inc(seconds)
+
+
+_DATA_WAIT = _WaitMetric()
 STATE_VERSION = 2
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.ABORTED}
@@ -369,6 +399,11 @@ class DataClient:
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside the job's dp_size {self.dp_size}")
         self._next = (0, 0)  # (step, microbatch index) of the next microbatch to hand out
+        self.data_wait_s = 0.0
+        """Seconds this rank has waited for data in ``next()`` (its queue empty) since the client was made."""
+        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=WAIT_WINDOW)
+        self._returned_at: float | None = None
+        self._warned_at = -float("inf")
 
     @property
     def address(self) -> str:
@@ -445,7 +480,9 @@ class DataClient:
     def __next__(self) -> Microbatch:
         if self._thread is None:
             iter(self)
+        asked = time.monotonic()
         item = self._queue.get()
+        self._waited(asked, time.monotonic())
         if item is _END:
             self._queue.put(_END)  # stay exhausted
             raise StopIteration
@@ -455,6 +492,31 @@ class DataClient:
         last = mb.microbatch_index + 1 == mb.num_microbatches
         self._next = (mb.step + 1, 0) if last else (mb.step, mb.microbatch_index + 1)
         return mb
+
+    def _waited(self, asked: float, got: float) -> None:
+        """Books the wait of one ``next()``; warns (at most every WARN_EVERY_S) when over the last
+        WAIT_WINDOW microbatches the rank spent more than WAIT_WARN_FRACTION of its time waiting."""
+        wait = got - asked
+        self.data_wait_s += wait
+        _DATA_WAIT.add(self.dp_rank, wait)
+        if self._returned_at is not None:
+            self._window.append((wait, got - self._returned_at))
+        self._returned_at = got
+        fraction = self.data_wait_fraction
+        if len(self._window) == self._window.maxlen and fraction > WAIT_WARN_FRACTION \
+                and got - self._warned_at > WARN_EVERY_S:
+            self._warned_at = got
+            log.warning("rank %d waited for data %.0f%% of its last %d microbatches (%.2f s of %.2f s): data is the "
+                        "bottleneck (more decode workers or replicas, or a larger prefetch, would help)",
+                        self.dp_rank, 100 * fraction, len(self._window), sum(w for w, _ in self._window),
+                        sum(t for _, t in self._window))
+
+    @property
+    def data_wait_fraction(self) -> float:
+        """Share of the time between the last WAIT_WINDOW ``next()`` calls spent waiting for data
+        (0: the data was always ready; near 1: training waits on the service)."""
+        total = sum(t for _, t in self._window)
+        return sum(w for w, _ in self._window) / total if total > 0 else 0.0
 
     def acknowledge(self, next_step: int | None = None) -> int:
         """Tells the service every step before ``next_step`` (default: this client's position) is trained."""

@@ -236,6 +236,46 @@ class CloseJobResponse(_message.Message):
     num_streams_closed: int
     def __init__(self, num_streams_closed: _Optional[int] = ...) -> None: ...
 
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobSummary(_message.Message):
+    __slots__ = ("job_id", "dp_size", "num_microbatches", "seq_len", "datasets", "num_planned_steps", "planning_done", "num_sent_microbatches", "acknowledged_step", "num_streams", "clients", "num_skipped", "idle_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANNED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    dp_size: int
+    num_microbatches: int
+    seq_len: int
+    datasets: _containers.RepeatedScalarFieldContainer[str]
+    num_planned_steps: int
+    planning_done: bool
+    num_sent_microbatches: int
+    acknowledged_step: int
+    num_streams: int
+    clients: _containers.RepeatedScalarFieldContainer[str]
+    num_skipped: int
+    idle_s: float
+    def __init__(self, job_id: _Optional[str] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seq_len: _Optional[int] = ..., datasets: _Optional[_Iterable[str]] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., acknowledged_step: _Optional[int] = ..., num_streams: _Optional[int] = ..., clients: _Optional[_Iterable[str]] = ..., num_skipped: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobSummary]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSummary, _Mapping]]] = ...) -> None: ...
+
 class OpenJobRequest(_message.Message):
     __slots__ = ("spec", "continue_at_step")
     SPEC_FIELD_NUMBER: _ClassVar[int]

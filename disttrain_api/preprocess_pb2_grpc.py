@@ -69,6 +69,11 @@ class PreprocessStub:
                 request_serializer=disttrain__api_dot_preprocess__pb2.CloseJobRequest.SerializeToString,
                 response_deserializer=disttrain__api_dot_preprocess__pb2.CloseJobResponse.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/disttrain.preprocess.v1.Preprocess/ListJobs',
+                request_serializer=disttrain__api_dot_preprocess__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=disttrain__api_dot_preprocess__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
 
 
 class PreprocessServicer:
@@ -142,6 +147,15 @@ class PreprocessServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """The jobs open on this server (a replica: those open on it) with their progress and clients,
+        what `python -m preprocess_service status` prints without a job id. With token auth, only the
+        caller's own jobs (as for every other call); shard names are not listed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PreprocessServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +193,11 @@ def add_PreprocessServicer_to_server(servicer, server):
                     servicer.CloseJob,
                     request_deserializer=disttrain__api_dot_preprocess__pb2.CloseJobRequest.FromString,
                     response_serializer=disttrain__api_dot_preprocess__pb2.CloseJobResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=disttrain__api_dot_preprocess__pb2.ListJobsRequest.FromString,
+                    response_serializer=disttrain__api_dot_preprocess__pb2.ListJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +389,33 @@ class Preprocess:
             '/disttrain.preprocess.v1.Preprocess/CloseJob',
             disttrain__api_dot_preprocess__pb2.CloseJobRequest.SerializeToString,
             disttrain__api_dot_preprocess__pb2.CloseJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disttrain.preprocess.v1.Preprocess/ListJobs',
+            disttrain__api_dot_preprocess__pb2.ListJobsRequest.SerializeToString,
+            disttrain__api_dot_preprocess__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,7 +67,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_status(args) -> int:
-    """Prints a job's progress from GetReport, once or every --watch seconds."""
+    """Prints every open job's progress (ListJobs), or one job's (GetReport), once or every --watch seconds."""
     import time
 
     from disttrain_api import preprocess_pb2 as pb
@@ -77,6 +77,12 @@ def cmd_status(args) -> int:
     with Credentials.from_env().channel(args.address) as channel:
         stub = pb_grpc.PreprocessStub(channel)
         while True:
+            if not args.job_id:
+                print(_jobs_text(stub.ListJobs(pb.ListJobsRequest(), timeout=args.timeout).jobs), flush=True)
+                if not args.watch:
+                    return 0
+                time.sleep(args.watch)
+                continue
             info = stub.DescribeJob(pb.DescribeJobRequest(job_id=args.job_id), timeout=args.timeout)
             report = stub.GetReport(pb.ReportRequest(job_id=args.job_id), timeout=args.timeout)
             print(_status_text(info, report), flush=True)
@@ -113,6 +119,21 @@ def cmd_warm(args) -> int:
     return 0
 
 
+def _jobs_text(jobs) -> str:
+    """A table of ListJobs' summaries."""
+    if not jobs:
+        return "no open jobs"
+    lines = [f"{len(jobs)} open job(s):",
+             f"  {'job':22} {'ranks':>5} {'planned':>9} {'sent mb':>8} {'acked':>6} {'streams':>7} {'skipped':>7} "
+             f"{'idle s':>7}  datasets / clients"]
+    for job in jobs:
+        planned = f"{job.num_planned_steps}{'' if job.planning_done else '+'}"
+        lines.append(f"  {job.job_id:22} {job.dp_size:>5} {planned:>9} {job.num_sent_microbatches:>8} "
+                     f"{job.acknowledged_step:>6} {job.num_streams:>7} {job.num_skipped:>7} {job.idle_s:>7.0f}  "
+                     f"{','.join(job.datasets)} / {', '.join(job.clients) or '-'}")
+    return "\n".join(lines)
+
+
 def _status_text(info, report) -> str:
     from collections import Counter
 
@@ -140,11 +161,11 @@ def add_service_commands(sub) -> None:
     from preprocess_service.service import settings
 
     settings.add_arguments(serve)
-    status = sub.add_parser("status", help="a running job's progress")
+    status = sub.add_parser("status", help="every open job's progress, or one job's (--job-id)")
     status.add_argument("--address", default=os.environ.get("DISTTRAIN_ADDRESS", "127.0.0.1:50051"),
                         help="service address ($DISTTRAIN_ADDRESS; TLS and token from DISTTRAIN_TLS_* / "
                              "DISTTRAIN_AUTH_TOKEN)")
-    status.add_argument("--job-id", required=True)
+    status.add_argument("--job-id", default="", help="one job's detail (default: a line per open job, ListJobs)")
     status.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="print again every SECONDS")
     status.add_argument("--timeout", type=float, default=10.0)
     health = sub.add_parser("health", help="exit 0 if the service answers SERVING")

@@ -195,6 +195,19 @@ class Job:
         self.side_files.flush()
         return self.plans.report()
 
+    def summary(self) -> dict:
+        """What ListJobs says of it: its shape, progress and clients (no shard names)."""
+        report = self.report()
+        with self._lock:
+            streams, clients, acked = len(self._stream_stops), sorted(self.clients), self._acked_low
+        config = self.config
+        return {"job_id": self.job_id, "dp_size": config.dp_size, "num_microbatches": config.num_microbatches,
+                "seq_len": config.seq_len, "datasets": [d.name for d in config.mixture()],
+                "num_planned_steps": report["num_planned_steps"], "planning_done": report["planning_done"],
+                "num_sent_microbatches": report["num_sent_microbatches"], "acknowledged_step": acked,
+                "num_streams": streams, "clients": clients, "num_skipped": len(report["skipped"]),
+                "idle_s": self.idle_s()}
+
     # --- lifecycle ------------------------------------------------------------------------------
     def touch(self) -> None:
         """A call used the job: its idle clock starts again."""
@@ -439,6 +452,11 @@ class JobRegistry:
         """Jobs ``client`` opened that are still open."""
         with self._lock:
             return sum(1 for job in self._jobs.values() if job.owner == client)
+
+    def open_jobs(self) -> list[Job]:
+        """Every job open here, oldest first."""
+        with self._lock:
+            return list(self._jobs.values())
 
     def is_open(self, job_id: str) -> bool:
         with self._lock:

@@ -205,6 +205,11 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         log.info("job closed by %s; %d stream(s) ended", self._identity(context), ended, extra={"job": job.job_id})
         return pb.CloseJobResponse(num_streams_closed=ended)
 
+    def ListJobs(self, request, context):
+        client = self._identity(context)
+        jobs = [job for job in self.jobs.open_jobs() if not (self.authenticated and job.owner and job.owner != client)]
+        return pb.ListJobsResponse(jobs=[pb.JobSummary(**job.summary()) for job in jobs])
+
     def Acknowledge(self, request, context):
         job = self._job(request.job_id, context)
         try:
@@ -328,6 +333,8 @@ def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
             servicer.ReportTimings, pb.TimingReport.FromString, pb.TimingAck.SerializeToString),
         "CloseJob": grpc.unary_unary_rpc_method_handler(
             servicer.CloseJob, pb.CloseJobRequest.FromString, pb.CloseJobResponse.SerializeToString),
+        "ListJobs": grpc.unary_unary_rpc_method_handler(
+            servicer.ListJobs, pb.ListJobsRequest.FromString, pb.ListJobsResponse.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["Preprocess"].methods_by_name) - set(handlers)
     assert not missing, f"rpcs without a handler: {missing}"

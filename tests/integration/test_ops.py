@@ -92,7 +92,7 @@ def shards(tmp_path_factory):
 
 def test_served_metrics_json_logs_and_status(shards, tmp_path):
     port, metrics_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DISTTRAIN_LOG_FORMAT": "json", "DISTTRAIN_AUTH_TOKENS": "tok"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DISTTRAIN_LOG_FORMAT": "json", "DISTTRAIN_AUTH_TOKENS": "tok,other"}
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "preprocess_service", "serve", "--host", "127.0.0.1",
@@ -132,6 +132,18 @@ def test_served_metrics_json_logs_and_status(shards, tmp_path):
                                 env={**os.environ, "DISTTRAIN_AUTH_TOKEN": "tok"}, timeout=60)
         assert status.returncode == 0, status.stderr
         assert f"job {job}: 2 ranks" in status.stdout and "planned" in status.stdout and "imbalance" in status.stdout
+        listed = subprocess.run([sys.executable, "-m", "preprocess_service", "status", "--address",
+                                 f"127.0.0.1:{port}"], cwd=REPO, capture_output=True, text=True,
+                                env={**os.environ, "DISTTRAIN_AUTH_TOKEN": "tok"}, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        row = next(line for line in listed.stdout.splitlines() if job in line)
+        assert "1 open job(s)" in listed.stdout and "default / token:" in row, listed.stdout
+        assert row.split()[1] == "2" and int(row.split()[3]) >= len(received), row  # ranks, microbatches sent
+        print(listed.stdout)
+        other = subprocess.run([sys.executable, "-m", "preprocess_service", "status", "--address",
+                                f"127.0.0.1:{port}"], cwd=REPO, capture_output=True, text=True,
+                               env={**os.environ, "DISTTRAIN_AUTH_TOKEN": "other"}, timeout=60)
+        assert other.stdout.strip() == "no open jobs", "another token sees none of this token's jobs"
         denied = subprocess.run([sys.executable, "-m", "preprocess_service", "status", "--address",
                                  f"127.0.0.1:{port}", "--job-id", job], cwd=REPO, capture_output=True, text=True,
                                 env={k: v for k, v in os.environ.items() if k != "DISTTRAIN_AUTH_TOKEN"}, timeout=60)

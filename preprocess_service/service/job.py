@@ -163,16 +163,30 @@ class Job:
         """The size of a microbatch message sent; the largest so far sizes new streams' admission."""
         self._largest_message = max(self._largest_message, nbytes)
 
-    def stream_estimate(self, prefetch: int) -> int:
+    def stream_estimate(self, prefetch: int, start_step: int = 0, rank: int = 0) -> int:
         """Bytes a stream of this job may hold: two microbatches in decode (each a shared-memory
         arena rounded up to a power of two, with room for the encoded inputs) plus a media-free
         one (streams.py lets it pass the decode slots: one minimal arena), ``prefetch`` prepared
         messages, and two with gRPC (the one being sent and gRPC's copy of the one before).
-        Sized by the largest message seen, or before any by the config's bound."""
-        per = self._largest_message or self.config.max_microbatch_bytes()
+        Sized by the largest message seen; before any, by the largest of the rank's microbatches of
+        its first step when that is planned already (their layouts: no decoding), else by the
+        config's bound."""
+        per = self._largest_message or self._planned_bytes(start_step, rank) or self.config.max_microbatch_bytes()
         minimal = 1 << 22
         arena = max(minimal, 1 << (int(per * 1.5) - 1).bit_length())
         return 2 * arena + minimal + (prefetch + 2) * per
+
+    def _planned_bytes(self, step: int, rank: int) -> int:
+        """The largest of ``rank``'s microbatches of ``step`` (0 if it is not planned and held
+        yet): tensor bytes of its layout, media included, from the planned sizes alone."""
+        plan = self.plans.held(step)
+        if plan is None or not 0 <= rank < self.config.dp_size:
+            return 0
+        largest = 0
+        for index in range(plan.num_microbatches):
+            layout = self.assembly.layout(plan.microbatch(rank, index))
+            largest = max(largest, layout.nbytes + sum(a.nbytes for a in layout.arrays.values()))
+        return largest
 
     # --- feedback, acknowledgements, report -----------------------------------------------------
     def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:

@@ -64,6 +64,9 @@ class PlanSource(Protocol):
     def taken(self, plan: StepPlan, rank: int, index: int) -> None:
         """The decoder took the media of one planned microbatch: its held bytes may go."""
 
+    def held(self, step: int) -> StepPlan | None:
+        """The plan of ``step`` if it is planned and held here, without planning or waiting."""
+
     def lost(self, records: list[SkippedRecord]) -> None:
         """Documents that failed while serving (their decode): into the job's report."""
 
@@ -274,6 +277,10 @@ class LocalPlans:
     def resolve(self, sequences: list[PackedSequence], epoch: int = 0) \
             -> tuple[list[PackedSequence], list[SkippedRecord]]:
         return self.retention.with_bytes(sequences), []  # media are re-read by member: plugins never change them
+
+    def held(self, step: int) -> StepPlan | None:
+        with self._lock:
+            return self._plans.get(step)
 
     def taken(self, plan: StepPlan, rank: int, index: int) -> None:
         for seq in plan.microbatch(rank, index):

@@ -264,7 +264,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         client = self._identity(context)
         try:
-            end_commitment = self.budget.commit(job.stream_estimate(self.prefetch), f"a stream of job {job.job_id}")
+            end_commitment = self.budget.commit(job.stream_estimate(self.prefetch, request.start_step, request.dp_rank),
+                                              f"a stream of job {job.job_id}")
         except ResourceExhausted as exc:
             abort_rpc(context, exc)
         try:

@@ -63,8 +63,8 @@ class ServiceSettings(ReaderConfig, BudgetConfig):
     max_streams_per_client: int = _doc("concurrent streams per client (its token, else its address); 0: no limit", 64)
     max_open_jobs: int = _doc("jobs open at once on this server; 0: no limit", 64)
     max_seq_len: int = _doc("longest packed sequence a job may ask for, tokens", 131_072)
-    max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest), "
-                                     "bytes", 512 << 20)
+    max_microbatch_bytes: int = _doc("largest microbatch a job's config may imply (every token at its costliest: "
+                                     "a video token's two frames), bytes", 1 << 30)
     max_open_jobs_per_client: int = _doc("jobs one client (its token, else its address) may have opened at once; "
                                          "0: no limit", 16)
     stream_stall_timeout_s: float = _doc("seconds a stream's client may take no message before the stream is "

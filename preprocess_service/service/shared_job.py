@@ -280,6 +280,10 @@ class SharedPlans:
     def taken(self, plan: StepPlan, rank: int, index: int) -> None:
         pass  # committed plans hold references, never bytes
 
+    def held(self, step: int) -> StepPlan | None:
+        with self._lock:
+            return self._cache.get(step)
+
     def lost(self, records: list[SkippedRecord]) -> None:
         """Documents lost while serving go to Redis, so every replica's report has them."""
         self.store.record_skipped(self.job_id, {r.record_id: r.to_json() for r in records}, stop=self._closed)

@@ -20,7 +20,7 @@ from disttrain_api.config import JobConfig
 from disttrain_api.errors import ConfigError, ResourceExhausted
 from disttrain_api.spec import spec_from_config
 from helpers import shard_keys, write_tiny_shards
-from preprocess_service.adapters.infra.budget import MemoryBudget
+from preprocess_service.adapters.infra.budget import STREAM_SHARE, MemoryBudget
 from preprocess_service.adapters.infra.procmem import Calibrated, descendants, pss_bytes, resident_bytes
 from preprocess_service.service.server import create_server
 from preprocess_service.service.settings import ServiceSettings
@@ -264,7 +264,8 @@ def test_new_streams_beyond_the_budget_are_refused_with_a_retry_hint(shards):
             stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(big)), timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in info.value.details()
         job_id = stub.OpenJob(pb.OpenJobRequest(spec=spec_from_config(_config(root, dp_size=1))), timeout=30).job_id
-        ballast = servicer.budget.commit(350 << 20, "a test's ballast")  # streams' share nearly all committed
+        budget = servicer.budget  # the streams' share all committed but 1 MiB: no stream fits
+        ballast = budget.commit(int(budget.data_total * STREAM_SHARE) - budget.committed - (1 << 20), "ballast")
         with pytest.raises(grpc.RpcError) as info:
             next(stub.StreamMicrobatches(pb.StreamRequest(job_id=job_id, dp_rank=0), timeout=30))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -19,6 +19,8 @@ class RankResult:
     num_sequences: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
+    data_wait_s: float = 0.0
+    """Seconds the rank waited for its next microbatch (DataClient.data_wait_s)."""
     error: str = ""
 
     @property
@@ -43,6 +45,7 @@ def consume_rank(address: str, job_id: str, rank: int, prefetch: int, results) -
                 out.microbatches.append({"step": mb.step, "microbatch": mb.microbatch_index, "keys": keys})
                 out.num_sequences += int((mb.modality != 0).any(dim=1).sum())
                 out.num_bytes += mb.nbytes
+            out.data_wait_s = client.data_wait_s
     except Exception as exc:  # reported to the parent, which fails the run with it
         out.error = f"{type(exc).__name__}: {exc}"
     out.seconds = time.perf_counter() - start

@@ -260,6 +260,8 @@ def summary(result: RunResult, config: JobConfig) -> str:
         f"  packed sequences     {num_sequences:8d}   {num_sequences / seconds:9.1f} sequences/s",
         f"  payload              {num_bytes / 1e6:8.1f} MB {num_bytes / 1e6 / seconds:9.1f} MB/s",
         f"  steps                {len(balance):8d}",
+        "  data wait per rank   " + ", ".join(f"{r.data_wait_s:.2f} s" for r in result.ranks)
+        + "  (DataClient.data_wait_s; a consumer that trains nothing waits for every microbatch)",
     ]
     if full:
         arrival = float(np.mean([b["arrival_imbalance"] for b in full]))
@@ -324,7 +326,8 @@ def write_report(path: Path, result: RunResult, config: JobConfig) -> None:
         "job_id": result.job_id,
         "config": config.to_dict(),
         "seconds": result.seconds,
-        "ranks": {str(r.rank): {"microbatches": r.microbatches, "error": r.error} for r in result.ranks},
+        "ranks": {str(r.rank): {"microbatches": r.microbatches, "error": r.error, "data_wait_s": r.data_wait_s}
+                  for r in result.ranks},
         "skipped": result.skipped,
         "step_balance": result.step_balance,
         "exactly_once": result.exactly_once(),

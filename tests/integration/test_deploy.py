@@ -4,6 +4,7 @@ DISTTRAIN_* variable, port, module and flag they name exists in the code."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -193,3 +194,24 @@ def test_pods_are_sized_by_their_quota_and_ship_compiled_kernels():
     assert not any(cache == m or cache.startswith(m.rstrip("/") + "/") for m in mounts), (cache, mounts)
     assert "preprocess_service warm" in service and service.index("preprocess_service warm") < service.index("USER ")
     assert service_cli(["warm"]) == 0  # the command the image runs exists and compiles
+
+
+def test_the_grafana_dashboard_plots_only_metrics_the_code_exports():
+    """docker/grafana/disttrain-dashboard.json: valid JSON, every panel on the dashboard's data
+    source, and every disttrain_* series it queries is one the service or the client registers."""
+    from prometheus_client import REGISTRY
+
+    import trainer.client  # noqa: F401  (registers the client's data-wait counter)
+    from preprocess_service.adapters.infra import metrics  # noqa: F401
+
+    dashboard = json.loads((DOCKER / "grafana" / "disttrain-dashboard.json").read_text())
+    families = {family.name: family.type for family in REGISTRY.collect() if family.name.startswith("disttrain_")}
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+    exported = {name + suffix for name, kind in families.items() for suffix in suffixes.get(kind, ("",))}
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"\bdisttrain_[a-z_]+", target["expr"]))
+    assert queried and queried <= exported, sorted(queried - exported)
+    assert {"disttrain_client_data_wait_seconds_total", "disttrain_step_bubble_fraction"} <= queried

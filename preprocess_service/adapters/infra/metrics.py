@@ -57,7 +57,7 @@ from disttrain_api.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ITEMS_SENT = Counter("disttrain_items_sent", "Items sent to trainers, by modality "
-                     "(sample, image, audio, generation)", ["modality"])
+                     "(sample, image, audio, generation, video)", ["modality"])
 MICROBATCHES_SENT = Counter("disttrain_microbatches_sent", "Microbatches sent to trainers")
 BYTES_SENT = Counter("disttrain_sent_bytes", "Microbatch payload bytes sent to trainers")
 DECODE_ERRORS = Counter("disttrain_decode_errors", "Samples skipped, by reason (errors.SampleError.KINDS) and "
@@ -83,7 +83,7 @@ SHARD_CACHE_EVENTS = Counter("disttrain_shard_cache_events", "Remote-shard cache
 SHARD_CACHE_BYTES = Gauge("disttrain_shard_cache_bytes", "Bytes of remote shards cached on disk or reserved for "
                           "downloads under way")
 
-for _modality in ("sample", "image", "audio", "generation"):
+for _modality in ("sample", "image", "audio", "generation", "video"):
     ITEMS_SENT.labels(_modality)
 for _queue in ("decode", "send"):
     QUEUE_DEPTH.labels(_queue)
@@ -234,7 +234,8 @@ def microbatch_sent(arrays, nbytes: int) -> None:
     MICROBATCHES_SENT.inc()
     BYTES_SENT.inc(nbytes)
     ITEMS_SENT.labels("sample").inc(len(arrays.sample_keys))
-    for modality, name in (("image", "image_spans"), ("audio", "audio_spans"), ("generation", "gen_spans")):
+    for modality, name in (("image", "image_spans"), ("audio", "audio_spans"), ("generation", "gen_spans"),
+                           ("video", "video_spans")):
         if name in arrays.arrays:
             ITEMS_SENT.labels(modality).inc(len(arrays.arrays[name]))
     for record in arrays.skipped:

@@ -57,23 +57,31 @@ WARN_EVERY_S = 60.0
 
 class _WaitMetric:
     """``disttrain_client_data_wait_seconds_total{rank}`` where prometheus_client is installed (the
-    trainer's own /metrics exports it); nothing otherwise (the client needs no metrics library)."""
+    trainer's own /metrics exports it); nothing otherwise (the client needs no metrics library).
+    Registered on first use: importing the client loads no metrics library."""
 
     def __init__(self):
-        try:
-            from prometheus_client import Counter
-        except ImportError:
-            self._counter = None
-            return
-        try:
-            self._counter = Counter("disttrain_client_data_wait_seconds", "Seconds a trainer rank waited for its "
-                                    "next microbatch from the service (its prefetch queue empty)", ["rank"])
-        except ValueError:  # registered already (the module imported twice)
-            self._counter = None
+        self._counter = None
+        self._tried = False
+
+    def counter(self):
+        if not self._tried:
+            self._tried = True
+            try:
+                from prometheus_client import Counter
+            except ImportError:
+                return None
+            try:
+                self._counter = Counter("disttrain_client_data_wait_seconds", "Seconds a trainer rank waited for "
+                                        "its next microbatch from the service (its prefetch queue empty)", ["rank"])
+            except ValueError:  # registered already in this process's registry
+                pass
+        return self._counter
 
     def add(self, rank: int, seconds: float) -> None:
-        if self._counter is not None:
-            self._counter.labels(str(rank)).inc(seconds)
+        counter = self.counter()
+        if counter is not None:
+            counter.labels(str(rank)).inc(seconds)
 
 
 _DATA_WAIT = _WaitMetric()

@@ -10,6 +10,7 @@ health exit 0 if the service at --address answers SERVING (container health chec
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -53,6 +54,7 @@ def cmd_serve(args) -> int:
     print(f"mode: {mode}; {security}; metrics: "
           f"{f'http://{cfg.metrics_host}:{metrics_port}/metrics' if metrics_port else 'off'}"
           f"{' (token required)' if cfg.metrics_tokens() else ''}", flush=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

@@ -97,7 +97,13 @@ def test_sigterm_drains_and_exits_within_its_grace_with_stuck_calls(shards, tmp_
             time.sleep(0.1)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # keep what it was doing: every thread's stack (faulthandler)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError("the server did not exit within 30 s of SIGTERM; its log and stacks:\n"
+                                 + "".join(lines[-200:])) from None
         assert time.monotonic() - started < 15 and code == 0
         channel.close()
     finally:

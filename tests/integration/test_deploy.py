@@ -201,8 +201,10 @@ def test_the_grafana_dashboard_plots_only_metrics_the_code_exports():
     source, and every disttrain_* series it queries is one the service or the client registers."""
     from prometheus_client import REGISTRY
 
-    import trainer.client  # noqa: F401  (registers the client's data-wait counter)
     from preprocess_service.adapters.infra import metrics  # noqa: F401
+    from trainer.client import _DATA_WAIT
+
+    _DATA_WAIT.counter()  # the client's data-wait counter, registered on first use
 
     dashboard = json.loads((DOCKER / "grafana" / "disttrain-dashboard.json").read_text())
     families = {family.name: family.type for family in REGISTRY.collect() if family.name.startswith("disttrain_")}

@@ -474,15 +474,15 @@ class JobConfig:
                           shared_by=(self.enc_shared_by, 1, self.gen_shared_by),
                           split_by=(self.enc_split_by, 1, self.gen_split_by))
 
-    def max_microbatch_bytes(self) -> int:
+    def max_microbatch_bytes(self, video: bool = True) -> int:
         """An upper bound on one microbatch's tensor bytes, from the config alone: every token at
         its costliest (int32 id and position, a modality byte, plus the pixels or mel frames that
         token can stand for). The service refuses a job whose bound exceeds its limit."""
         image = max(cfg.factor for cfg in (self.image, *(d.image for d in self.datasets if d.image))) ** 2 * 3
         audio = self.audio.token_stride * self.audio.n_mels * 2
         generated = -(-self.generation.image_size ** 2 * 3 // self.generation.query_tokens)
-        video = self.video.temporal_patch * self.image.factor ** 2 * 3  # one token: a patch of each frame
-        per_token = 9 + max(image, audio, generated, video) + 16  # + spans and boundaries
+        video_bytes = self.video.temporal_patch * self.image.factor ** 2 * 3  # one token: a patch of each frame
+        per_token = 9 + max(image, audio, generated, video_bytes if video else 0) + 16  # + spans and boundaries
         return self.seqs_per_microbatch * self.seq_len * per_token
 
     @property

@@ -171,10 +171,19 @@ class Job:
         Sized by the largest message seen; before any, by the largest of the rank's microbatches of
         its first step when that is planned already (their layouts: no decoding), else by the
         config's bound."""
-        per = self._largest_message or self._planned_bytes(start_step, rank) or self.config.max_microbatch_bytes()
+        # before any message: the worst case of what the first step holds (video tokens cost two frames)
+        per = self._largest_message or self.config.max_microbatch_bytes(video=self._plans_video(start_step))
         minimal = 1 << 22
         arena = max(minimal, 1 << (int(per * 1.5) - 1).bit_length())
         return 2 * arena + minimal + (prefetch + 2) * per
+
+    def _plans_video(self, step: int) -> bool:
+        """Whether ``step`` is planned and held and has a video (not planned yet: priced as before
+        video, and the first message's real size replaces the estimate)."""
+        plan = self.plans.held(step)
+        if plan is None:
+            return False
+        return any(type(s).__name__ == "VideoRef" for doc in plan.documents() for s in doc.segments)
 
     def _planned_bytes(self, step: int, rank: int) -> int:
         """The largest of ``rank``'s microbatches of ``step`` (0 if it is not planned and held

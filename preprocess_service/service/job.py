@@ -34,6 +34,7 @@ from preprocess_service.adapters.plugins import registry as plugin_registry
 from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits
 from preprocess_service.core.assemble import MicrobatchArrays
 from preprocess_service.core.planner import StepPlan
+from preprocess_service.core.sample import VideoRef
 from preprocess_service.core.shardnames import ShardNames
 from preprocess_service.core.tokenizer import Tokenizer
 from preprocess_service.service.assembly import Assembly, PendingMicrobatch
@@ -168,9 +169,8 @@ class Job:
         arena rounded up to a power of two, with room for the encoded inputs) plus a media-free
         one (streams.py lets it pass the decode slots: one minimal arena), ``prefetch`` prepared
         messages, and two with gRPC (the one being sent and gRPC's copy of the one before).
-        Sized by the largest message seen; before any, by the largest of the rank's microbatches of
-        its first step when that is planned already (their layouts: no decoding), else by the
-        config's bound."""
+        Sized by the largest message seen; before any, by the config's bound (with video's two
+        frames a token only when the stream's first step is planned and holds a video)."""
         # before any message: the worst case of what the first step holds (video tokens cost two frames)
         per = self._largest_message or self.config.max_microbatch_bytes(video=self._plans_video(start_step))
         minimal = 1 << 22
@@ -183,19 +183,7 @@ class Job:
         plan = self.plans.held(step)
         if plan is None:
             return False
-        return any(type(s).__name__ == "VideoRef" for doc in plan.documents() for s in doc.segments)
-
-    def _planned_bytes(self, step: int, rank: int) -> int:
-        """The largest of ``rank``'s microbatches of ``step`` (0 if it is not planned and held
-        yet): tensor bytes of its layout, media included, from the planned sizes alone."""
-        plan = self.plans.held(step)
-        if plan is None or not 0 <= rank < self.config.dp_size:
-            return 0
-        largest = 0
-        for index in range(plan.num_microbatches):
-            layout = self.assembly.layout(plan.microbatch(rank, index))
-            largest = max(largest, layout.nbytes + sum(a.nbytes for a in layout.arrays.values()))
-        return largest
+        return any(isinstance(s, VideoRef) for doc in plan.documents() for s in doc.segments)
 
     # --- feedback, acknowledgements, report -----------------------------------------------------
     def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:

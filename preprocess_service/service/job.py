@@ -34,7 +34,7 @@ from preprocess_service.adapters.plugins import registry as plugin_registry
 from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits
 from preprocess_service.core.assemble import MicrobatchArrays
 from preprocess_service.core.planner import StepPlan
-from preprocess_service.core.sample import VideoRef
+from preprocess_service.core.sample import Document, VideoRef
 from preprocess_service.core.shardnames import ShardNames
 from preprocess_service.core.tokenizer import Tokenizer
 from preprocess_service.service.assembly import Assembly, PendingMicrobatch
@@ -183,7 +183,9 @@ class Job:
         plan = self.plans.held(step)
         if plan is None:
             return False
-        return any(isinstance(s, VideoRef) for doc in plan.documents() for s in doc.segments)
+        # a replica's plan read from Redis holds DocRefs until resolved: what they hold is not known yet
+        return any(isinstance(s, VideoRef) for doc in plan.documents() if isinstance(doc, Document)
+                   for s in doc.segments)
 
     # --- feedback, acknowledgements, report -----------------------------------------------------
     def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:

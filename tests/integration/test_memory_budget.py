@@ -342,3 +342,23 @@ def test_free_heap_is_measured_so_the_server_trims_only_when_it_pays():
     del pieces[::2]  # every other one freed: fragments the heap cannot shrink over
     assert heap.free_heap_bytes() - allocated >= 30 << 20
     del pieces
+
+
+def test_stream_admission_reads_a_plan_held_as_references(tmp_path):
+    """A replica's plans come from Redis as DocRefs (the chaos run of stop 44 died on one): the
+    admission estimate treats them as not known yet, the bound before video."""
+    from preprocess_service.core import plan_record
+    from preprocess_service.service.job import Job
+
+    write_tiny_shards(tmp_path, num_shards=1, samples_per_shard=8)
+    config = _config(tmp_path, dp_size=1)
+    job = Job(config)
+    try:
+        assert job.step_plan(0) is not None
+        from_redis = plan_record.decode(plan_record.encode(job.plans.held(0)))
+        assert all(isinstance(doc, plan_record.DocRef) for doc in from_redis.documents())
+        job.plans.held = lambda step: from_redis  # type: ignore[method-assign]
+        per = config.max_microbatch_bytes(video=False)
+        assert job.stream_estimate(prefetch=2, start_step=0) >= 4 * per
+    finally:
+        job.close()

@@ -479,20 +479,22 @@ class StepBalance(_message.Message):
     def __init__(self, step: _Optional[int] = ..., imbalance: _Optional[float] = ..., arrival_imbalance: _Optional[float] = ..., rank_load_s: _Optional[_Iterable[float]] = ..., num_sequences: _Optional[int] = ..., num_samples: _Optional[int] = ..., iteration_s: _Optional[float] = ..., arrival_iteration_s: _Optional[float] = ..., lower_bound_s: _Optional[float] = ..., bubble_fraction: _Optional[float] = ...) -> None: ...
 
 class MicrobatchTiming(_message.Message):
-    __slots__ = ("step", "dp_rank", "microbatch_index", "encoder_s", "backbone_s", "generator_s")
+    __slots__ = ("step", "dp_rank", "microbatch_index", "encoder_s", "backbone_s", "generator_s", "total_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENCODER_S_FIELD_NUMBER: _ClassVar[int]
     BACKBONE_S_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     dp_rank: int
     microbatch_index: int
     encoder_s: float
     backbone_s: float
     generator_s: float
-    def __init__(self, step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., encoder_s: _Optional[float] = ..., backbone_s: _Optional[float] = ..., generator_s: _Optional[float] = ...) -> None: ...
+    total_s: float
+    def __init__(self, step: _Optional[int] = ..., dp_rank: _Optional[int] = ..., microbatch_index: _Optional[int] = ..., encoder_s: _Optional[float] = ..., backbone_s: _Optional[float] = ..., generator_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class TimingReport(_message.Message):
     __slots__ = ("job_id", "timings", "bubble_step", "bubble_fraction", "has_bubble")
@@ -509,17 +511,19 @@ class TimingReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[MicrobatchTiming, _Mapping]]] = ..., bubble_step: _Optional[int] = ..., bubble_fraction: _Optional[float] = ..., has_bubble: _Optional[bool] = ...) -> None: ...
 
 class TimingAck(_message.Message):
-    __slots__ = ("cost", "num_observations", "first_step_priced", "encoder_rel_error", "backbone_rel_error", "generator_rel_error")
+    __slots__ = ("cost", "num_observations", "first_step_priced", "encoder_rel_error", "backbone_rel_error", "generator_rel_error", "total_rel_error")
     COST_FIELD_NUMBER: _ClassVar[int]
     NUM_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_PRICED_FIELD_NUMBER: _ClassVar[int]
     ENCODER_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     BACKBONE_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     cost: CostSpec
     num_observations: int
     first_step_priced: int
     encoder_rel_error: float
     backbone_rel_error: float
     generator_rel_error: float
-    def __init__(self, cost: _Optional[_Union[CostSpec, _Mapping]] = ..., num_observations: _Optional[int] = ..., first_step_priced: _Optional[int] = ..., encoder_rel_error: _Optional[float] = ..., backbone_rel_error: _Optional[float] = ..., generator_rel_error: _Optional[float] = ...) -> None: ...
+    total_rel_error: float
+    def __init__(self, cost: _Optional[_Union[CostSpec, _Mapping]] = ..., num_observations: _Optional[int] = ..., first_step_priced: _Optional[int] = ..., encoder_rel_error: _Optional[float] = ..., backbone_rel_error: _Optional[float] = ..., generator_rel_error: _Optional[float] = ..., total_rel_error: _Optional[float] = ...) -> None: ...

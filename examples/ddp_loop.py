@@ -2,6 +2,7 @@
 service through ``ServiceDataset`` and a ``DataLoader``: no disaggregation, no pipeline.
 
     torchrun --nproc-per-node 2 examples/ddp_loop.py --address HOST:PORT --shards DATA [--steps 4]
+        [--calibrate-steps 2]
 
 The model is a Llama built from a config (no downloaded weights) plus a linear projection of each
 image's 28 x 28 pixel blocks into the token embeddings at the image's placeholder tokens (the
@@ -11,6 +12,9 @@ restart per document, and the text loss is summed over ``labels`` (-100 where no
 divided by the step's trained tokens over every rank. Audio and generation targets stay
 placeholder tokens here. Each step is ``num_microbatches`` microbatches of gradient accumulation,
 then one optimizer step; the data position is checkpointed with ``dataset.state_dict()``.
+With ``--calibrate-steps N`` the job takes cost feedback and a ``CostProfiler`` times forward +
+backward of each microbatch for N steps after a warm-up step: the service refits its cost model to
+this model's own times and balances the steps it plans afterwards with them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from disttrain_api.config import MONOLITHIC, JobConfig
-from trainer import Microbatch, ParallelLayout, ServiceDataset
+from trainer import CostProfiler, Microbatch, ParallelLayout, ServiceDataset
 
 BLOCK = 28
 """Pixels along one side of one image token: the job's patch_size x merge_size (14 x 2)."""
@@ -81,6 +85,8 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--calibrate-steps", type=int, default=0,
+                        help="time this many steps (after one warm-up step) and refit the service's costs to them")
     parser.add_argument("--log-json", help="a JSON line per step (step, loss) is appended here")
     parser.add_argument("--save-state", help="the data position is saved here at the end")
     args = parser.parse_args()
@@ -88,8 +94,10 @@ def main() -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     layout = ParallelLayout.from_torch()  # plain DDP: every rank its own data-parallel rank
     config = JobConfig(shards=tuple(args.shards), seq_len=args.seq_len, dp_size=layout.dp_size,
-                       num_microbatches=args.microbatches, stage_map=MONOLITHIC, seed=0)
+                       num_microbatches=args.microbatches, stage_map=MONOLITHIC, seed=0,
+                       cost_feedback=args.calibrate_steps > 0)
     dataset = ServiceDataset(args.address, config, layout)
+    profiler = CostProfiler(dataset.client, steps=args.calibrate_steps) if args.calibrate_steps else None
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DistributedDataParallel(ImageLM(vocab_size=dataset.client.info.tokenizer.vocab_size,
                                             max_positions=args.seq_len))
@@ -97,7 +105,8 @@ def main() -> int:
     losses, parts, trained = [], [], 0
     for mb in DataLoader(dataset, batch_size=None):
         last = mb.microbatch_index + 1 == mb.num_microbatches
-        with model.no_sync() if not last else contextlib.nullcontext():
+        timing = profiler.measure(mb) if profiler is not None else contextlib.nullcontext()
+        with timing, model.no_sync() if not last else contextlib.nullcontext():
             loss = model(mb)
             loss.backward()  # summed; scaled below by the step's trained tokens over every rank
         parts.append(loss.detach())
@@ -124,6 +133,11 @@ def main() -> int:
     dataset.close()
     dist.destroy_process_group()
     print(f"rank {layout.rank}: {len(losses)} steps, losses {[round(x, 3) for x in losses]}", flush=True)
+    if profiler is not None and profiler.last_ack is not None:
+        ack = profiler.last_ack
+        print(f"rank {layout.rank}: costs refit from {ack.num_observations} timed microbatches (fit error "
+              f"{100 * ack.total_rel_error:.1f}%), steps from {ack.first_step_priced} priced with "
+              f"bb_linear_s={ack.cost.bb_linear_s:.3g} enc_linear_s={ack.cost.enc_linear_s:.3g}", flush=True)
     return 0
 
 

@@ -2,5 +2,6 @@
 
 from trainer.client import Credentials, DataClient, Microbatch
 from trainer.data import ParallelLayout, ServiceDataset
+from trainer.profiling import CostProfiler
 
-__all__ = ["Credentials", "DataClient", "Microbatch", "ParallelLayout", "ServiceDataset"]
+__all__ = ["CostProfiler", "Credentials", "DataClient", "Microbatch", "ParallelLayout", "ServiceDataset"]

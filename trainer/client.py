@@ -544,6 +544,16 @@ class DataClient:
             request.bubble_step, request.bubble_fraction, request.has_bubble = bubble[0], bubble[1], True
         return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s))
 
+    def report_totals(self, timings: list[tuple[int, int, float]]) -> pb.TimingAck:
+        """Sends measured (step, microbatch_index, seconds) of this rank's microbatches: forward +
+        backward of the whole model, for a model not timed per module (CostProfiler sends these).
+        The service fits its cost model's coefficients to them jointly; the job must have
+        cost_feedback on."""
+        request = pb.TimingReport(job_id=self.job_id, timings=[
+            pb.MicrobatchTiming(step=step, dp_rank=self.dp_rank, microbatch_index=index, total_s=seconds)
+            for step, index, seconds in timings])
+        return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s))
+
     def close_job(self) -> int:
         """Ends the job on the service for every rank (CloseJob); returns the streams it ended."""
         return self._unary(lambda stub: stub.CloseJob(pb.CloseJobRequest(job_id=self.job_id),

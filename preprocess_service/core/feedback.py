@@ -8,6 +8,12 @@ observations each module is refit by non-negative least squares (cost.fit_nonneg
 forward seconds = measured / (1 + backward factor); the backward factors stay as configured. A
 module is refit once ``min_observations`` of them have non-zero features; until then its
 coefficients stay as they were. Steps planned after a refit are priced with the new coefficients.
+
+A trainer that does not time each module (a monolithic model under DDP or FSDP: one forward and
+backward over the whole microbatch) reports the microbatch's total seconds instead. Those
+observations fit every coefficient no per-module observation fits, jointly: total = sum over
+modules of (1 + backward factor) x the module's forward model, by the same non-negative least
+squares (a coefficient whose feature is zero in every observation keeps its value).
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ class Observation:
     features: Features
     """(encoder sum t, sum t^2), (backbone sum n, sum n^2), (images to generate,)."""
     seconds: tuple[float, float, float]
-    """Measured forward + backward seconds of encoder, backbone, generator."""
+    """Measured forward + backward seconds of encoder, backbone, generator (0 where not timed)."""
+    total: float = 0.0
+    """Measured forward + backward seconds of the whole microbatch, for trainers that do not time
+    each module (the module seconds are then 0)."""
 
 
 def microbatch_features(sequences) -> tuple:
@@ -58,12 +67,15 @@ def sum_features(rows) -> tuple:
 
 
 def observation_json(observation: Observation) -> str:
-    return json.dumps({"f": observation.features, "s": observation.seconds})
+    row: dict[str, Any] = {"f": observation.features, "s": observation.seconds}
+    if observation.total:
+        row["t"] = observation.total
+    return json.dumps(row)
 
 
 def observation_from_json(data: bytes | str) -> Observation:
     row = json.loads(data)
-    return Observation(cast(Features, tuple(tuple(f) for f in row["f"])), tuple(row["s"]))
+    return Observation(cast(Features, tuple(tuple(f) for f in row["f"])), tuple(row["s"]), float(row.get("t", 0.0)))
 
 
 class CostRefitter:
@@ -87,6 +99,7 @@ class CostRefitter:
                     cost.gen_backward_factor)
         names = (REFIT_FIELDS[0:2], REFIT_FIELDS[2:4], REFIT_FIELDS[4:])
         updates: dict[str, Any] = {}
+        fitted = []
         for module, (label, fields) in enumerate(zip(MODULES, names)):
             rows = [(o.features[module], o.seconds[module] / (1 + backward[module])) for o in self._observations
                     if any(o.features[module]) and o.seconds[module] > 0]
@@ -95,5 +108,35 @@ class CostRefitter:
             fit = fit_nonnegative(np.array([f for f, _ in rows]), np.array([s for _, s in rows]))
             updates.update(dict(zip(fields, (float(c) for c in fit.coef))))
             self.errors[label] = fit.mean_rel_error
+            fitted.append(module)
         self.cost = dataclasses.replace(cost, **updates)
+        self._refit_totals(backward, fitted)
         return self.cost
+
+    def _refit_totals(self, backward: tuple[float, float, float], fitted: list[int]) -> None:
+        """The coefficients of modules without their own observations, fit jointly to the totals
+        (less what the modules fitted on their own predict)."""
+        totals = [o for o in self._observations if o.total > 0]
+        if len(totals) < self.min_observations or len(fitted) == len(MODULES):
+            return
+        columns = [(module, index) for module, width in enumerate((2, 2, 1)) if module not in fitted
+                   for index in range(width) if any(o.features[module][index] for o in totals)]
+        if not columns:
+            return
+        known = np.array([sum(self._module_seconds(o.features, m, backward) for m in fitted) for o in totals])
+        target = np.array([o.total for o in totals]) - known
+        keep = target > 0
+        if keep.sum() < self.min_observations:
+            return
+        features = np.array([[o.features[m][i] * (1 + backward[m]) for m, i in columns] for o in totals])[keep]
+        fit = fit_nonnegative(features, target[keep])
+        fields = {(m, i): REFIT_FIELDS[(0, 2, 4)[m] + i] for m, i in columns}
+        updates: dict[str, Any] = {fields[c]: float(v) for c, v in zip(columns, fit.coef)}
+        self.cost = dataclasses.replace(self.cost, **updates)
+        self.errors["total"] = fit.mean_rel_error
+
+    def _module_seconds(self, features: Features, module: int, backward: tuple[float, float, float]) -> float:
+        """Forward + backward seconds the current coefficients give ``module`` for ``features``."""
+        names = (REFIT_FIELDS[0:2], REFIT_FIELDS[2:4], REFIT_FIELDS[4:])[module]
+        coefficients = [getattr(self.cost, name) for name in names]
+        return float(np.dot(coefficients, features[module])) * (1 + backward[module])

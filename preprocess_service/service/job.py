@@ -188,9 +188,9 @@ class Job:
                    for s in doc.segments)
 
     # --- feedback, acknowledgements, report -----------------------------------------------------
-    def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:
+    def report_timings(self, timings: list[tuple[int, int, int, float, float, float, float]]) -> dict:
         """Refits the cost model from measured (step, rank, microbatch, encoder_s, backbone_s,
-        generator_s); the steps planned from now on are priced with it (feedback.py)."""
+        generator_s, total_s); the steps planned from now on are priced with it (feedback.py)."""
         return self.plans.report_timings(timings)
 
     def acknowledge(self, rank: int, next_step: int) -> int:

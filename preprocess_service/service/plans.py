@@ -75,7 +75,7 @@ class PlanSource(Protocol):
     def acknowledge(self, rank: int, next_step: int) -> int:
         """``rank`` never resumes before ``next_step``; returns the lowest acknowledged step."""
 
-    def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict: ...
+    def report_timings(self, timings: list[tuple[int, int, int, float, float, float, float]]) -> dict: ...
 
     def report(self) -> dict: ...
 
@@ -310,9 +310,9 @@ class LocalPlans:
                 self.retention.drop(doc)
 
     # --- feedback, acknowledgements, report ----------------------------------------------------
-    def report_timings(self, timings: list[tuple[int, int, int, float, float, float]]) -> dict:
+    def report_timings(self, timings: list[tuple[int, int, int, float, float, float, float]]) -> dict:
         """Refits the cost model from measured (step, rank, microbatch, encoder_s, backbone_s,
-        generator_s); the steps planned from now on are priced with it (feedback.py)."""
+        generator_s, total_s); the steps planned from now on are priced with it (feedback.py)."""
         if self.refitter is None:
             raise FeedbackDisabled(f"job {self.job_id} was opened without cost_feedback; its plans do not "
                                    "take measured timings")
@@ -322,11 +322,11 @@ class LocalPlans:
                                           "(reading its shards); report the timings again")
         try:
             with self._lock:
-                for step, rank, index, *seconds in timings:
+                for step, rank, index, enc, bb, gen, total in timings:
                     if step in self._plans and 0 <= rank < self.config.dp_size \
                             and 0 <= index < self._plans[step].num_microbatches:
                         features = microbatch_features(self._plans[step].microbatch(rank, index))
-                        self.refitter.add(Observation(features, tuple(seconds)))
+                        self.refitter.add(Observation(features, (enc, bb, gen), total))
                 self.planner.cost = self.refitter.refit()
                 return {"cost": self.planner.cost, "num_observations": self.refitter.num_observations,
                         "first_step_priced": self._next_step, "errors": dict(self.refitter.errors)}

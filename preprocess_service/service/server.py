@@ -82,11 +82,14 @@ def check_timings(request) -> None:
     if len(request.timings) > MAX_TIMINGS_PER_REPORT:
         raise ConfigError(f"a TimingReport holds {len(request.timings)} timings, more than {MAX_TIMINGS_PER_REPORT}")
     for i, t in enumerate(request.timings):
-        for name in ("encoder_s", "backbone_s", "generator_s"):
+        for name in ("encoder_s", "backbone_s", "generator_s", "total_s"):
             value = getattr(t, name)
             if not (math.isfinite(value) and 0.0 <= value <= MAX_TIMING_S):
                 raise ConfigError(f"timings[{i}].{name} = {value!r} is not a finite number of seconds in "
                                   f"[0, {MAX_TIMING_S:g}]")
+        if t.total_s and (t.encoder_s or t.backbone_s or t.generator_s):
+            raise ConfigError(f"timings[{i}] has total_s and module seconds: give the modules' seconds, or "
+                              "total_s alone for a model not timed per module")
     if request.has_bubble and not (math.isfinite(request.bubble_fraction) and 0.0 <= request.bubble_fraction <= 1.0):
         raise ConfigError(f"bubble_fraction = {request.bubble_fraction!r} is not a fraction in [0, 1]")
 
@@ -238,7 +241,7 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 job.check_rank(t.dp_rank)
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        timings = [(t.step, t.dp_rank, t.microbatch_index, t.encoder_s, t.backbone_s, t.generator_s)
+        timings = [(t.step, t.dp_rank, t.microbatch_index, t.encoder_s, t.backbone_s, t.generator_s, t.total_s)
                    for t in request.timings]
         try:
             result = job.report_timings(timings)
@@ -254,7 +257,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                             first_step_priced=result["first_step_priced"],
                             encoder_rel_error=errors.get("encoder", 0.0),
                             backbone_rel_error=errors.get("backbone", 0.0),
-                            generator_rel_error=errors.get("generator", 0.0))
+                            generator_rel_error=errors.get("generator", 0.0),
+                            total_rel_error=errors.get("total", 0.0))
 
     def StreamMicrobatches(self, request, context):
         job = self._job(request.job_id, context)

@@ -302,14 +302,14 @@ class SharedPlans:
         return "", doc
 
     def report_timings(self, timings) -> dict:
-        """Measured (step, rank, microbatch, encoder_s, backbone_s, generator_s) -> observations
+        """Measured (step, rank, microbatch, encoder_s, backbone_s, generator_s, total_s) -> observations
         in Redis, priced by the features the committed plans keep; returns this replica's refit
         (the planning replica refits the same way before each step it commits)."""
         if self.refitter is None:
             raise FeedbackDisabled(f"job {self.job_id} was opened without cost_feedback; its plans do not "
                                    "take measured timings")
         plans, rows = {}, []
-        for step, rank, index, *seconds in timings:
+        for step, rank, index, enc, bb, gen, total in timings:
             if step not in plans:
                 data = self.store.committed_plan(self.job_id, step, stop=self._closed) if step >= 0 else None
                 features = plan_record.feedback_fields(data)[1] if data is not None else None
@@ -319,7 +319,7 @@ class SharedPlans:
                 continue  # a step never planned, or dropped after every rank acknowledged it
             plan, features = plans[step]
             observed = sum_features(features[i] for i in plan.assignment[rank, index])
-            rows.append(observation_json(Observation(observed, tuple(seconds))))
+            rows.append(observation_json(Observation(observed, (enc, bb, gen), total)))
         total, frontier = self.store.add_timings(self.job_id, rows, self.refitter.window)
         cost, errors = self._refit(self._closed)
         # the planner may be pricing step ``frontier`` with what it read before these rows landed

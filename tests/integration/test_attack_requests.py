@@ -145,12 +145,19 @@ def test_hostile_timing_reports_are_refused(shards, server):
             with pytest.raises(grpc.RpcError) as info:
                 client.report_timings([(0, 0, 0.1, 0.1, 0.1)], bubble=(0, bad))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bubble" in info.value.details()
+            with pytest.raises(grpc.RpcError) as info:
+                client.report_totals([(0, 0, bad)])
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "total_s" in info.value.details()
         channel, stub = _stub(address)
         try:
             flood = pb.TimingReport(job_id=client.job_id, timings=[pb.MicrobatchTiming(step=0)] * 70_000)
             with pytest.raises(grpc.RpcError) as info:
                 stub.ReportTimings(flood, timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            both = pb.TimingReport(job_id=client.job_id, timings=[pb.MicrobatchTiming(step=0, encoder_s=1, total_s=2)])
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ReportTimings(both, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "total_s alone" in info.value.details()
             wrong_rank = pb.TimingReport(job_id=client.job_id, timings=[pb.MicrobatchTiming(step=0, dp_rank=5)])
             with pytest.raises(grpc.RpcError) as info:
                 stub.ReportTimings(wrong_rank, timeout=10)

@@ -39,16 +39,20 @@ def _torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProces
 def test_a_plain_ddp_loop_trains_a_hugging_face_lm_through_the_dataset_adapter(service, tmp_path):
     address, shards, servicer = service
     log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    done = _torchrun(2, "ddp_loop.py", "--address", address, "--shards", shards, "--steps", "3",
-                     "--seq-len", "1024", "--log-json", str(log), "--save-state", str(ckpt))
+    done = _torchrun(2, "ddp_loop.py", "--address", address, "--shards", shards, "--steps", "4",
+                     "--seq-len", "1024", "--log-json", str(log), "--save-state", str(ckpt), "--calibrate-steps", "2")
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
+    assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses), losses
     states = [json.loads((tmp_path / f"ckpt.rank{r}.json").read_text()) for r in range(2)]
-    assert [(s["dp_rank"], s["next_step"], s["next_microbatch"]) for s in states] == [(0, 3, 0), (1, 3, 0)]
-    job = servicer.jobs.get(JobConfig(shards=(shards,), seq_len=1024, dp_size=2, num_microbatches=2,
-                                      stage_map=MONOLITHIC, seed=0).job_id())
-    assert job.state_dict()["acked"] == {"0": 3, "1": 3}, "saving the data position acknowledged it"
-    print(done.stdout.strip().splitlines()[-1])
+    assert [(s["dp_rank"], s["next_step"], s["next_microbatch"]) for s in states] == [(0, 4, 0), (1, 4, 0)]
+    config = JobConfig(shards=(shards,), seq_len=1024, dp_size=2, num_microbatches=2, stage_map=MONOLITHIC,
+                       seed=0, cost_feedback=True)
+    job = servicer.jobs.get(config.job_id())
+    assert job.state_dict()["acked"] == {"0": 4, "1": 4}, "saving the data position acknowledged it"
+    # steps 1 and 2 timed (step 0 warms up): 2 ranks x 2 microbatches x 2 steps refit the costs
+    assert "costs refit from 8 timed microbatches" in done.stdout, done.stdout[-2000:]
+    assert job.plans.planner.cost != config.cost, "the trainer's own timings replaced the configured costs"
+    print("\n".join(done.stdout.strip().splitlines()[-4:]))
 
 
 def test_the_disaggregated_example_runs_our_trainer(service, tmp_path):

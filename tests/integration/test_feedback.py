@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import grpc
 import numpy as np
@@ -12,7 +13,13 @@ from disttrain_api.config import CostConfig, JobConfig
 from disttrain_tools import synth
 from helpers import write_tiny_shards
 from preprocess_service.core.cost import price_sequence
-from preprocess_service.core.feedback import CostRefitter, Observation, microbatch_features
+from preprocess_service.core.feedback import (
+    CostRefitter,
+    Observation,
+    microbatch_features,
+    observation_from_json,
+    observation_json,
+)
 from preprocess_service.core.packing import price
 from preprocess_service.service.job import Job
 from preprocess_service.service.server import create_server
@@ -216,3 +223,86 @@ def test_feedback_with_replicas_refits_on_the_planner_and_a_takeover_replays_the
         finally:
             for server, _, _ in servers.values():
                 server.stop(0).wait()
+
+
+def _total(features, cost=TRUE):
+    return sum(_measured(features, cost))
+
+
+def _random_features(rng):
+    images = rng.integers(4, 1024, size=rng.integers(1, 6)).tolist()
+    docs = rng.integers(50, 3000, size=rng.integers(1, 5)).tolist()
+    return ((float(sum(images)), float(sum(t * t for t in images))),
+            (float(sum(docs)), float(sum(n * n for n in docs))), (float(rng.integers(0, 3)),))
+
+
+def test_whole_microbatch_totals_fit_every_coefficient_jointly():
+    """A monolithic trainer reports one time per microbatch: the joint fit finds the coefficients."""
+    rng = np.random.default_rng(1)
+    refitter = CostRefitter(CostConfig(), min_observations=8)
+    for _ in range(40):
+        features = _random_features(rng)
+        observation = Observation(features, (0.0, 0.0, 0.0), _total(features))
+        assert observation_from_json(observation_json(observation)) == observation  # as replicas keep it in Redis
+        refitter.add(observation)
+    cost = refitter.refit()
+    for name in ("enc_linear_s", "enc_quadratic_s", "bb_linear_s", "bb_quadratic_s", "gen_per_image_s"):
+        assert getattr(cost, name) == pytest.approx(getattr(TRUE, name), rel=1e-5), name
+    assert refitter.errors["total"] < 1e-6 and set(refitter.errors) == {"total"}
+
+
+def test_totals_fit_only_what_module_timings_do_not_and_a_missing_feature_keeps_its_value():
+    rng = np.random.default_rng(2)
+    encoder_only = dataclasses.replace(TRUE, enc_linear_s=9e-5)  # what the encoder's own timings say
+    refitter = CostRefitter(CostConfig(), min_observations=8)
+    for _ in range(30):
+        (enc, bb, _) = _random_features(rng)
+        features = (enc, bb, (0.0,))  # nothing to generate: the generator's coefficient cannot be fit
+        refitter.add(Observation(features, (_measured(features, encoder_only)[0], 0.0, 0.0)))
+        refitter.add(Observation(features, (0.0, 0.0, 0.0), _total(features, encoder_only)))
+    cost = refitter.refit()
+    assert cost.enc_linear_s == pytest.approx(9e-5, rel=1e-6)  # from the encoder's own timings
+    assert cost.bb_linear_s == pytest.approx(TRUE.bb_linear_s, rel=1e-5)  # the totals less the encoder
+    assert cost.bb_quadratic_s == pytest.approx(TRUE.bb_quadratic_s, rel=1e-5)
+    assert cost.gen_per_image_s == CostConfig().gen_per_image_s
+
+
+def test_cost_profiler_reports_the_trainers_totals_and_later_steps_are_priced_with_them(dataset):
+    from trainer import CostProfiler
+
+    config = JobConfig(shards=(str(dataset),), seq_len=2048, dp_size=1, num_microbatches=2, cost_feedback=True)
+    server, port, servicer = create_server("127.0.0.1:0", decode_workers=0)
+    try:
+        with DataClient(f"127.0.0.1:{port}", config, 0, prefetch=1) as client:
+            with pytest.raises(ValueError, match="steps must be"):
+                CostProfiler(client, steps=0)
+            profiler = CostProfiler(client, steps=5, warmup=1)
+            timed = []
+            for mb in client:
+                with profiler.measure(mb):  # a model whose time grows with the tokens it trains on
+                    busy = 1e-6 * int((mb.labels != -100).sum()) + 2e-7 * sum(int(i.numel()) for i in mb.images) / 3
+                    deadline = time.perf_counter() + busy
+                    while time.perf_counter() < deadline:
+                        pass
+                timed.append(profiler.active)
+                if mb.step == 7:
+                    break
+            ack = profiler.last_ack
+        assert timed[:2] == [True, True] and not profiler.active, "steps 1-5 timed after a warm-up step"
+        assert timed.count(True) == 2 * 5 + 1 and timed[-1] is False
+        assert ack.num_observations == 2 * 5
+        refit = CostConfig(**{f.name: getattr(ack.cost, f.name) for f in dataclasses.fields(CostConfig)})
+        assert refit != config.cost
+        job = servicer.jobs.get(config.job_id())
+        later = job.step_plan(ack.first_step_priced)
+        assert all(seq.cost == price(seq, refit) for seq in later.sequences if seq.documents)
+    finally:
+        server.stop(0).wait()
+
+    with pytest.raises(ValueError, match="without cost_feedback"):
+        server, port, _ = create_server("127.0.0.1:0", decode_workers=0)
+        try:
+            with DataClient(f"127.0.0.1:{port}", dataclasses.replace(config, cost_feedback=False), 0) as client:
+                CostProfiler(client)
+        finally:
+            server.stop(0).wait()

@@ -21,7 +21,7 @@ from trainer.train import parse as trainer_parse
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
-K8S = DOCKER / "k8s"
+K8S = DOCKER / "k8s" / "base"
 COMPOSE_BIN = REPO / ".venv-compose" / "bin" / "docker-compose"
 KNOWN_ENV = set(settings.ENV_NAMES) | settings.CLIENT_ENV_NAMES
 DEFAULTS = settings.ServiceSettings()

@@ -21,7 +21,6 @@ from trainer.train import parse as trainer_parse
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
-K8S = DOCKER / "k8s" / "base"
 COMPOSE_BIN = REPO / ".venv-compose" / "bin" / "docker-compose"
 KNOWN_ENV = set(settings.ENV_NAMES) | settings.CLIENT_ENV_NAMES
 DEFAULTS = settings.ServiceSettings()
@@ -32,12 +31,22 @@ def _compose() -> dict:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
 
-def _k8s_documents() -> list[dict]:
+OVERLAYS = ("base", "overlays/dev", "overlays/production")
+
+
+def _k8s_documents(overlay: str = "base") -> list[dict]:
     """The manifests as kustomize renders them (kubectl's built-in kustomize)."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with its built-in kustomize) renders docker/k8s; install it to run this test"
-    rendered = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, check=True).stdout
+    rendered = subprocess.run([kubectl, "kustomize", str(DOCKER / "k8s" / overlay)], capture_output=True, text=True,
+                              check=True).stdout
     return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def _pod_specs(documents: list[dict]) -> dict[str, dict]:
+    specs = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents if "template" in d.get("spec", {})}
+    specs |= {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Pod"}
+    return specs
 
 
 def test_compose_file_is_valid_for_docker_compose():
@@ -71,15 +80,20 @@ def test_compose_runs_redis_with_aof_two_replicas_and_a_trainer():
     assert args.enc_dp + args.bb_dp * args.bb_pp + args.gen_dp == int(trainer[trainer.index("--nproc-per-node") + 1])
 
 
-def test_kubernetes_manifests_validate_strictly():
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_manifests_validate_strictly(overlay):
     import kubernetes_validate
 
-    documents = _k8s_documents()
+    documents = _k8s_documents(overlay)
     kinds = sorted(d["kind"] for d in documents)
-    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "Service", "Service",
-                     "Service", "StatefulSet"]
+    demo = ["Job"] if overlay == "overlays/dev" else []
+    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", "Job", "PersistentVolumeClaim",
+                            "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "Service", "Service",
+                            "StatefulSet", *demo])
     for doc in documents:
         kubernetes_validate.validate(doc, "1.32.0", strict=True)
+    if overlay != "base":
+        return
     deployment = next(d for d in documents if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     container["readinessProbe"]["grpc"]["prot"] = 1  # the validator does catch a mistake
@@ -217,3 +231,73 @@ def test_the_grafana_dashboard_plots_only_metrics_the_code_exports():
             queried |= set(re.findall(r"\bdisttrain_[a-z_]+", target["expr"]))
     assert queried and queried <= exported, sorted(queried - exported)
     assert {"disttrain_client_data_wait_seconds_total", "disttrain_step_bubble_fraction"} <= queried
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_volume_and_image_a_pod_names_is_in_the_manifests(overlay):
+    """No volume made by hand: each claim a pod mounts is a PersistentVolumeClaim of the same
+    rendering (or a StatefulSet's template); each image is tagged (never :latest), the project's
+    version in base and production, from a registry in production."""
+    documents = _k8s_documents(overlay)
+    claims = {d["metadata"]["name"] for d in documents if d["kind"] == "PersistentVolumeClaim"}
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for name, spec in _pod_specs(documents).items():
+        templates = {t["metadata"]["name"] for d in documents if d["metadata"]["name"] == name
+                     for t in d["spec"].get("volumeClaimTemplates", [])}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec["containers"] + spec.get("initContainers", []):
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes or mount["name"] in templates, (name, mount)
+            image = container["image"]
+            assert ":" in image and not image.endswith(":latest"), (name, image)
+            if image.split(":")[0].endswith(("disttrain-service", "disttrain-trainer")):
+                tag = image.rsplit(":", 1)[1]
+                assert tag == {"overlays/dev": "dev"}.get(overlay, version), (overlay, image)
+                assert (overlay == "overlays/production") == image.startswith("ghcr.io/"), image
+                assert (overlay == "overlays/dev") == (container.get("imagePullPolicy") == "Never"), (name, image)
+        for volume in volumes.values():
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, (name, volume)
+    assert claims == {"disttrain-shards", "disttrain-checkpoints"}
+
+
+def test_dev_overlay_writes_the_demo_data_the_trainer_waits_for_and_production_requires_tokens():
+    from disttrain_tools import synth
+
+    dev = _k8s_documents("overlays/dev")
+    specs = _pod_specs(dev)
+    writer = specs["disttrain-demo-data"]["containers"][0]
+    script = writer["args"][0]
+    synth_args = shlex.split(script.split("&&")[0])
+    assert synth_args[:4] == ["python", "-m", "disttrain_tools", "synth"]
+    flags = synth.build_parser().parse_args(synth_args[4:])
+    marker = shlex.split(script.split("&&")[1])[-1]
+    assert marker == f"{flags.out}/.complete"
+    wait = specs["disttrain-trainer"]["initContainers"][0]["command"][-1]
+    assert f"[ -f {marker} ]" in wait
+    job_args = next(d for d in dev if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("disttrain-job"))
+    assert f"--shards {flags.out} " in job_args["data"]["DISTTRAIN_TRAIN_ARGS"]
+    assert {c["accessModes"][0] for c in (d["spec"] for d in dev if d["kind"] == "PersistentVolumeClaim")} \
+        == {"ReadWriteOnce"}, "a one-node cluster's storage"
+
+    production = _k8s_documents("overlays/production")
+    service = _pod_specs(production)["disttrain-service"]
+    auth = next(v for v in service["volumes"] if v["name"] == "auth")
+    assert auth["secret"]["optional"] is False
+    replicas = next(d for d in production if d["kind"] == "Deployment")["spec"]["replicas"]
+    budget = next(d for d in production if d["kind"] == "PodDisruptionBudget")["spec"]["minAvailable"]
+    assert replicas > budget >= 2
+    args = next(d for d in production if d["kind"] == "ConfigMap"
+                and d["metadata"]["name"].startswith("disttrain-job"))["data"]["DISTTRAIN_TRAIN_ARGS"]
+    trainer_parse(shlex.split(args) + ["--address", "x:1"])  # the flags exist
+
+
+def test_the_shards_loader_mounts_the_shards_claim_writable():
+    import kubernetes_validate
+
+    loader = yaml.safe_load((DOCKER / "k8s" / "shards-loader.yaml").read_text())
+    kubernetes_validate.validate(loader, "1.32.0", strict=True)
+    claim = next(v for v in loader["spec"]["volumes"] if v["name"] == "shards")["persistentVolumeClaim"]
+    assert claim["claimName"] == "disttrain-shards" and not claim.get("readOnly")
+    mount = loader["spec"]["containers"][0]["volumeMounts"][0]
+    assert mount["mountPath"] == "/data/shards" and not mount.get("readOnly")

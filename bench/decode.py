@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1. image paths, one core, JPEGs to their planned size ({figures['cores']} cores on this machine)")
     for name, rate in paths.items():
         print(f"   {name:48s} " + (f"{rate:7.1f} images/s" if rate else "not installed: it replaces Pillow and "
-                                   "needs a compiler build from source (see README)"))
+                                   "needs a compiler build from source (pip install pillow-simd)"))
 
     groups = {
         "image": [d for d in docs if d.images and not d.audio and not d.generated],

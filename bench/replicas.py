@@ -132,7 +132,7 @@ def failover(shards, workdir: Path, repeats: int) -> dict:
                             received += 1
                             if received == 6:
                                 holder = redis.Redis.from_url(server.url).get(lease) or b""
-                                if holder.startswith(f"replica-{planner.port}/".encode()) is False:
+                                if holder.startswith(f"replica-{planner.address}/".encode()) is False:
                                     raise RuntimeError(f"the planning lease is held by {holder!r}, "
                                                        f"not by {planner.port}")
                                 killed_at = time.monotonic()

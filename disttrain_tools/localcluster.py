@@ -82,8 +82,12 @@ class Replica:
     it can be SIGKILLed like a crashed node and restarted on the same port."""
 
     def __init__(self, redis_url: str, *, port: int | None = None, decode_workers: int = 1,
-                 log_path: Path | None = None, extra_args: tuple[str, ...] = ()):
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = (), host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] = ()):
         self.redis_url = redis_url
+        self.host = host
+        self.prefix = prefix
+        """Prepended to the command (``ip netns exec NS`` runs it in a network namespace)."""
         self.port = port or free_port()
         self.decode_workers = decode_workers
         self.log_path = log_path
@@ -93,14 +97,15 @@ class Replica:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, *, wait: bool = True, timeout_s: float = 120.0) -> Replica:
         import sys
 
-        args = [sys.executable, "-m", "preprocess_service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        args = [*self.prefix, sys.executable, "-m", "preprocess_service", "serve", "--host", self.host,
+                "--port", str(self.port),
                 "--redis", self.redis_url, "--decode-workers", str(self.decode_workers),
-                "--replica-id", f"replica-{self.port}", "--metrics-port", "0", *self.extra_args]
+                "--replica-id", f"replica-{self.host}:{self.port}", "--metrics-port", "0", *self.extra_args]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         self.starts += 1

@@ -301,6 +301,15 @@ def _pushback_s(exc: grpc.RpcError) -> float:
     return 1.0
 
 
+def next_position(mb) -> tuple[int, int]:
+    """(step, microbatch index) after ``mb`` (a Microbatch or a wire header): after a step's last
+    microbatch, the next step's first, so that a stream resumed there never names a step whose
+    plan the service dropped once every rank acknowledged it."""
+    if mb.microbatch_index + 1 >= mb.num_microbatches:
+        return mb.step + 1, 0
+    return mb.step, mb.microbatch_index + 1
+
+
 class _Link:
     """A channel to one of the addresses; connect() moves it to the next reachable one. Each link
     has one owner (the stream thread, or the unary calls under a lock), so closing a channel never
@@ -358,7 +367,7 @@ class DataClient:
 
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
                  connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0,
-                 credentials: Credentials | None = None, keepalive_s: float = 15.0, call_timeout_s: float = 20.0,
+                 credentials: Credentials | None = None, keepalive_s: float = 5.0, call_timeout_s: float = 20.0,
                  message_timeout_s: float = 900.0, pin_memory: bool = False, shared_memory: bool = True):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
@@ -497,8 +506,7 @@ class DataClient:
         if isinstance(item, BaseException):
             raise item
         mb = item if isinstance(item, Microbatch) else _to_microbatch(*item)
-        last = mb.microbatch_index + 1 == mb.num_microbatches
-        self._next = (mb.step + 1, 0) if last else (mb.step, mb.microbatch_index + 1)
+        self._next = next_position(mb)
         return mb
 
     def _waited(self, asked: float, got: float) -> None:
@@ -587,7 +595,7 @@ class DataClient:
                         if self._probe is not None:  # the server has read it
                             _drop_probe(self._probe)
                             self._probe = None
-                        position = (message[0].step, message[0].microbatch_index + 1)
+                        position = next_position(message[0])
                         if failing_since is not None:
                             self.resumed_at.append(time.monotonic())
                             failing_since = None

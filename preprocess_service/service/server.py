@@ -525,6 +525,7 @@ def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSetting
         store = RedisStore(settings.redis_url)
         replica_id = settings.replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:{os.getpid()}"
         jobs = shared_registry(store, replica_id, reader=reader, budget=budget, plugin_limits=plugin_limits,
+                               stream_timeout_s=settings.stream_redis_timeout_s,
                                **{"lease_ttl_s": settings.lease_ttl_s, **(job_options or {})})
     jobs.plan_ahead = settings.plan_ahead
     heap.tune_malloc()

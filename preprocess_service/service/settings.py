@@ -48,6 +48,10 @@ class ServiceSettings(ReaderConfig, BudgetConfig):
     state_dir: str | None = _doc("single node: directory where each job's state at its acknowledged step is kept, so "
                                  "a job opened again after a restart continues there (unset: it replans from step 0)")
     lease_ttl_s: float = _doc("seconds before a dead replica's planning lease passes to another", 5.0)
+    stream_redis_timeout_s: float = _doc(
+        "replicas: the longest a stream waits on Redis (a connect, a reply, retries) before it ends with "
+        "UNAVAILABLE and its client moves to another replica (a replica cut from Redis while its clients still "
+        "reach it); the planner rides out longer faults", 3.0)
     log_format: str = _doc("text or json (one JSON object per line, with job, step and rank where known)", "text")
     log_level: str = _doc("DEBUG, INFO, WARNING or ERROR", "INFO")
     tls_cert: str | None = _doc("PEM certificate chain to serve TLS with (needs tls_key)")
@@ -93,7 +97,7 @@ class ServiceSettings(ReaderConfig, BudgetConfig):
         for name in ("prefetch", "max_workers", "max_seq_len", "max_microbatch_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("stream_stall_timeout_s", "shutdown_grace_s"):
+        for name in ("stream_stall_timeout_s", "shutdown_grace_s", "stream_redis_timeout_s"):
             if not 0 < getattr(self, name) <= 86400:
                 raise ConfigError(f"{name} must be in (0, 86400] seconds, got {getattr(self, name)}")
         if not 1 <= self.job_idle_ttl_s <= 30 * 86400:

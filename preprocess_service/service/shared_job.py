@@ -74,7 +74,7 @@ class SharedPlans:
 
     def __init__(self, job: Job, store: RedisStore, replica_id: str, *, lookahead: int = 2,
                  lease_ttl_s: float = 5.0, rank_lease_ttl_s: float = 30.0, cache_steps: int = 64,
-                 poll_s: float = 0.02, snapshot_every: int = 16):
+                 poll_s: float = 0.02, snapshot_every: int = 16, stream_store: RedisStore | None = None):
         self.config, self.job_id = job.config, job.job_id
         self.reader = job.reader
         self.documents = job.documents.with_sink(
@@ -86,6 +86,10 @@ class SharedPlans:
         self._dataset_counts: list[dict] = []
         """The planner's per-dataset counts as of its last step (this replica's planner only)."""
         self.store = store
+        self.stream_store = stream_store or store
+        """Redis for what a client waits on (plans, its rank's lease, acknowledgements, reports): calls
+        bounded by the service's stream_redis_timeout_s, so that on a replica cut from Redis they fail
+        with UNAVAILABLE and the client moves to another replica; the planner rides faults out."""
         self.replica_id = replica_id
         self.lookahead = lookahead
         self.lease_ttl_s = lease_ttl_s
@@ -112,7 +116,7 @@ class SharedPlans:
                 if plan is not None:
                     self._cache.move_to_end(step)
                     return plan
-            data, frontier, done = self.store.read_plan(self.job_id, step, want=True, stop=stop)
+            data, frontier, done = self.stream_store.read_plan(self.job_id, step, want=True, stop=stop)
             if data is not None:
                 return self._remember(plan_record.decode(data))
             if done is not None:
@@ -286,7 +290,7 @@ class SharedPlans:
 
     def lost(self, records: list[SkippedRecord]) -> None:
         """Documents lost while serving go to Redis, so every replica's report has them."""
-        self.store.record_skipped(self.job_id, {r.record_id: r.to_json() for r in records}, stop=self._closed)
+        self.stream_store.record_skipped(self.job_id, {r.record_id: r.to_json() for r in records}, stop=self._closed)
 
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None, epoch: int):
         if sample is None:
@@ -311,7 +315,7 @@ class SharedPlans:
         plans, rows = {}, []
         for step, rank, index, enc, bb, gen, total in timings:
             if step not in plans:
-                data = self.store.committed_plan(self.job_id, step, stop=self._closed) if step >= 0 else None
+                data = self.stream_store.committed_plan(self.job_id, step, stop=self._closed) if step >= 0 else None
                 features = plan_record.feedback_fields(data)[1] if data is not None else None
                 plans[step] = (plan_record.decode(data), features) if features is not None else None
             if plans[step] is None or not 0 <= rank < self.config.dp_size \
@@ -320,7 +324,7 @@ class SharedPlans:
             plan, features = plans[step]
             observed = sum_features(features[i] for i in plan.assignment[rank, index])
             rows.append(observation_json(Observation(observed, (enc, bb, gen), total)))
-        total, frontier = self.store.add_timings(self.job_id, rows, self.refitter.window)
+        total, frontier = self.stream_store.add_timings(self.job_id, rows, self.refitter.window)
         cost, errors = self._refit(self._closed)
         # the planner may be pricing step ``frontier`` with what it read before these rows landed
         return {"cost": cost, "num_observations": total, "first_step_priced": frontier + 1, "errors": errors}
@@ -332,13 +336,13 @@ class SharedPlans:
     def acknowledge(self, rank: int, next_step: int) -> int:
         """Records that ``rank`` will never resume before ``next_step``; drops the plans of steps
         every rank has acknowledged. Returns the lowest acknowledged step over all ranks."""
-        low = self.store.acknowledge(self.job_id, rank, next_step, self.config.dp_size)
+        low = self.stream_store.acknowledge(self.job_id, rank, next_step, self.config.dp_size)
         with self._lock:
             drop = range(self._dropped_through, low)
             for step in drop:
                 self._cache.pop(step, None)
         try:
-            self.store.drop_plans(self.job_id, drop, keep_state_from=low)
+            self.stream_store.drop_plans(self.job_id, drop, keep_state_from=low)
         except ServiceUnavailableError:
             return low  # the acknowledgement is recorded; the next one drops these plans too
         with self._lock:
@@ -346,7 +350,7 @@ class SharedPlans:
         return low
 
     def report(self) -> dict:
-        shared = self.store.report(self.job_id)
+        shared = self.stream_store.report(self.job_id)
         with self._lock:
             cached = list(self._cache.values())
         return {
@@ -374,14 +378,14 @@ class FencedLease:
         self.info = {"replica": plans.replica_id, "stream": self.stream_id, "step": start_step}
         if stop.is_set():  # a request whose client left while it waited must not fence the live stream
             raise ServiceUnavailableError("the client cancelled the stream before it started")
-        self.fence = plans.store.claim_rank(plans.job_id, rank, self.info, plans.rank_lease_ttl_s, plans.spec_bytes,
-                                            stop=stop)
+        self.fence = plans.stream_store.claim_rank(plans.job_id, rank, self.info, plans.rank_lease_ttl_s,
+                                                   plans.spec_bytes, stop=stop)
 
     def step_sent(self, step: int, num_microbatches: int) -> None:
         plans = self.plans
         self.info["step"] = step + 1
-        fence = plans.store.step_sent(plans.job_id, self.rank, self.info, plans.rank_lease_ttl_s, num_microbatches,
-                                      stop=self.stop)
+        fence = plans.stream_store.step_sent(plans.job_id, self.rank, self.info, plans.rank_lease_ttl_s,
+                                             num_microbatches, stop=self.stop)
         if fence != self.fence:
             raise StreamSuperseded(f"rank {self.rank} of job {plans.job_id} is now streamed by a newer stream; "
                                    f"this one (on {plans.replica_id}) stops after step {step}")
@@ -395,8 +399,10 @@ class SharedJobs:
     its spec there and opens the same job here; its owner is whoever opened it first anywhere."""
 
     def __init__(self, store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
-                 budget: MemoryBudget = UNLIMITED, plugin_limits: HookLimits = DEFAULT_LIMITS, **plan_options):
+                 budget: MemoryBudget = UNLIMITED, plugin_limits: HookLimits = DEFAULT_LIMITS,
+                 stream_timeout_s: float | None = None, **plan_options):
         self.store, self.replica_id, self.budget = store, replica_id, budget
+        self.stream_store = store.impatient(stream_timeout_s) if stream_timeout_s else store
         self.plugin_limits = plugin_limits
         self.reader = reader
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
@@ -404,18 +410,18 @@ class SharedJobs:
 
     def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
         def plans(job: Job) -> SharedPlans:
-            return SharedPlans(job, self.store, self.replica_id, **self.plan_options)
+            return SharedPlans(job, self.store, self.replica_id, stream_store=self.stream_store, **self.plan_options)
 
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget, plans=plans,
                   plugin_limits=self.plugin_limits)
-        self.store.register_job(job.job_id, job.plans.spec_bytes)  # type: ignore[attr-defined]
+        self.stream_store.register_job(job.job_id, job.plans.spec_bytes)  # type: ignore[attr-defined]
         return job
 
     def owner(self, job: Job, client: str) -> str:
-        return self.store.job_owner(job.job_id, client)
+        return self.stream_store.job_owner(job.job_id, client)
 
     def find(self, job_id: str) -> tuple[JobConfig, shards.ShardReader] | None:
-        spec = self.store.job_spec(job_id)
+        spec = self.stream_store.job_spec(job_id)
         if spec is None:
             raise NotFoundError(f"no job with id {job_id!r} is registered in Redis at {self.store.address}; "
                                 "call OpenJob first")
@@ -424,7 +430,9 @@ class SharedJobs:
 
 def shared_registry(store: RedisStore, replica_id: str, *, reader: shards.ShardReader = shards.DEFAULT_READER,
                     budget: MemoryBudget = UNLIMITED, plugin_limits: HookLimits = DEFAULT_LIMITS,
-                    **plan_options) -> JobRegistry:
-    """A registry of jobs shared through ``store`` (SharedJobs)."""
+                    stream_timeout_s: float | None = None, **plan_options) -> JobRegistry:
+    """A registry of jobs shared through ``store`` (SharedJobs); streams wait on Redis at most
+    ``stream_timeout_s`` (None: as long as ``store`` does)."""
     return JobRegistry(factory=SharedJobs(store, replica_id, reader=reader, budget=budget,
-                                          plugin_limits=plugin_limits, **plan_options))
+                                          plugin_limits=plugin_limits, stream_timeout_s=stream_timeout_s,
+                                          **plan_options))

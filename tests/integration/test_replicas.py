@@ -271,7 +271,7 @@ def test_sigkill_of_the_planning_replica_mid_epoch_loses_and_repeats_nothing(dat
         def kill_planner(count):
             if count == 5 and not killed:
                 holder = client.get(f"disttrain:{{{config.job_id()}}}:planner").decode()
-                victim = next(r for r in replicas if holder.startswith(f"replica-{r.port}/"))
+                victim = next(r for r in replicas if holder.startswith(f"replica-{r.address}/"))
                 victim.kill()
                 killed.append(victim)
 

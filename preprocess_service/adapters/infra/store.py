@@ -197,6 +197,17 @@ class RedisStore:
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
 
+    def impatient(self, timeout_s: float) -> RedisStore:
+        """The same Redis with every call bounded by about ``timeout_s`` (the connect, each reply and
+        the retries: a silent partition fails in that time, not the socket timeout's 10 s). For
+        streams: a client moves to another replica rather than wait out a fault that may be this
+        replica's alone (cut from Redis while its clients still reach it)."""
+        # redis-py's one reconnect after a failed read may take another connect timeout: halves
+        clone = RedisStore(self.url, connect_timeout_s=timeout_s / 2, socket_timeout_s=timeout_s / 2,
+                           retry_deadline_s=timeout_s)
+        clone._stats, clone._lock = self._stats, self._lock  # one replica's counts, whichever pool
+        return clone
+
     # --- plumbing -----------------------------------------------------------------------------
     def _call(self, fn: Callable, *, commands: int, stop: threading.Event | None = None,
               deadline_s: float | None = None):

@@ -1,0 +1,69 @@
+"""Cluster faults (bench/faults.py): the history verdict catches what it must, and the short
+version of the bench (one run of each fault, in network namespaces) loses, repeats and conflicts
+nothing, with the ranks of a replica cut from Redis moving before the cut heals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disttrain_tools import netlab
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import faults  # noqa: E402
+
+
+def _history(path: Path, rows: list) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def _mb(t, step, index, keys, replica="a", pace=0.1):
+    return {"t": t, "rank": 0, "epoch": 0, "step": step, "mb": index, "keys": keys, "skipped": [], "pace": pace,
+            "replica": replica}
+
+
+def test_the_verdict_counts_lost_repeated_conflicting_and_acknowledged_replays(tmp_path):
+    keys = {"k1", "k2", "k3", "k4", "k5"}
+    _history(tmp_path / "rank0.jsonl", [
+        {"event": "start", "t": 0.0, "from_step": 0},
+        _mb(1.0, 0, 0, ["k1"]), _mb(1.1, 0, 1, ["k2"]), {"t": 1.2, "ack": 1},
+        _mb(1.3, 1, 0, ["k3"]), '{"t": 1.4, "ra',  # a rank killed while writing
+        {"event": "start", "t": 2.0, "from_step": 1},
+        _mb(9.0, 1, 0, ["k4"], replica="b"),  # replayed after the restart, with other keys: a conflict
+        _mb(9.1, 0, 1, ["k2"], replica="b"),  # a step it had acknowledged
+        _mb(9.2, 1, 1, ["k1"], replica="b"),  # k1 a second time
+        {"event": "done", "t": 9.3}])
+    result = faults.verdict(tmp_path, 1, keys, 1, fault_at=5.0, healed_at=8.0)
+    assert result["keys_lost"] == 2  # k4 (its slot kept the first delivery, k3) and k5
+    assert result["keys_repeated"] == 1  # k1
+    assert result["conflicting_microbatches"] == 1 and result["acknowledged_steps_replayed"] == 1
+    assert result["ranks_finished"] == 1 and result["ranks_moved_during_fault"] == 0
+    assert result["stall_s"] == pytest.approx(9.0 - 2.0 - 0.1)  # the restarted rank's wait for data
+
+
+def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move(tmp_path):
+    reason = netlab.unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    out = tmp_path / "faults.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "faults.py"), "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    print(done.stdout[-4000:])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == set(faults.FAULTS)
+    for name, runs in results.items():
+        for run in runs:
+            assert run["keys_lost"] == run["keys_repeated"] == run["conflicting_microbatches"] == 0, (name, run)
+            assert run["acknowledged_steps_replayed"] == 0 and run["ranks_finished"] == 2, (name, run)
+            assert run["keys_delivered"] == run["keys_expected"], (name, run)
+    # the rank on the replica cut from Redis resumed elsewhere while the cut lasted, not after it
+    for name in ("redis-cut", "clients-cut", "minority"):
+        assert results[name][0]["ranks_moved_during_fault"] >= 1, (name, results[name])
+    assert results["rank-kill"][0]["microbatches_replayed_after_restart"] >= 0

@@ -21,7 +21,8 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True):
+    def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True,
+                 extra_args: tuple[str, ...] = ()):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (./dev.sh setup installs the Debian package)")
@@ -30,6 +31,8 @@ class LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.extra_args = extra_args
+        """More redis-server arguments (``--replicaof 127.0.0.1 PORT`` makes it a replica)."""
         self.process: subprocess.Popen | None = None
 
     @property
@@ -40,6 +43,7 @@ class LocalRedis:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "redis.log")]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
+        args += list(self.extra_args)
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
@@ -75,6 +79,63 @@ class LocalRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop(kill=True)
+
+
+class LocalSentinel:
+    """One Redis Sentinel (redis-server in sentinel mode) watching the primary on ``master_port``
+    as ``name``, quick to act (down after 1 s, quorum 1): a failover promotes its replica. The
+    service reaches it as ``redis+sentinel://127.0.0.1:PORT/NAME/0``."""
+
+    def __init__(self, work_dir: Path, master_port: int, *, name: str = "disttrain", port: int | None = None,
+                 master_host: str = "127.0.0.1", host: str = "127.0.0.1", prefix: tuple[str, ...] = ()):
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.port, self.host, self.name, self.prefix = port or free_port(), host, name, prefix
+        self.master = (master_host, master_port)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://{self.host}:{self.port}/{self.name}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalSentinel:
+        config = self.work_dir / "sentinel.conf"  # Sentinel rewrites it with what it learns
+        config.write_text(f"port {self.port}\nbind {self.host}\nprotected-mode no\ndir {self.work_dir}\n"
+                          f"logfile {self.work_dir / 'sentinel.log'}\n"
+                          f"sentinel monitor {self.name} {self.master[0]} {self.master[1]} 1\n"
+                          f"sentinel down-after-milliseconds {self.name} 1000\n"
+                          f"sentinel failover-timeout {self.name} 3000\n")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (./dev.sh setup installs the Debian package)")
+        self.process = subprocess.Popen([*self.prefix, binary, str(config), "--sentinel"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2) as client:
+                    if client.sentinel_get_master_addr_by_name(self.name):
+                        return self
+            except redis.RedisError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis sentinel on port {self.port} did not start")
+            time.sleep(0.05)
+
+    def primary(self) -> tuple[str, int] | None:
+        """Where the Sentinel says the primary is now."""
+        with redis.Redis(host=self.host, port=self.port, socket_connect_timeout=1) as client:
+            found = client.sentinel_get_master_addr_by_name(self.name)
+        if not found:
+            return None
+        host = found[0].decode() if isinstance(found[0], bytes) else found[0]
+        return host, int(found[1])
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
 
 
 class Replica:

@@ -86,6 +86,8 @@ class Job:
         self._lock = threading.Lock()
         self._largest_message = 0
         self._acked_low = 0
+        self.state_save_failing = False
+        """The last save of its state (state_dir) failed: a full or read-only disk."""
         self.owner = ""
         """Identity (security.client_identity) of the client that opened the job."""
         self.clients: set[str] = set()
@@ -333,15 +335,30 @@ class LocalJobs:
         return None
 
 
-def _save_state(job: Job, paths: list[Path], lock: threading.Lock, _low: int) -> None:
+def _save_state(job: Job, paths: list[Path], lock: threading.Lock, low: int) -> None:
     """Writes the job's state to each of ``paths`` through a file of its own renamed over it (never
-    half written; two jobs of one lineage do not share a temporary file)."""
+    half written; two jobs of one lineage do not share a temporary file). A disk that cannot take
+    it (full, read-only) fails no acknowledgement: the state before stays whole, a restart resumes
+    there (and replans the steps after it the same), and it is said until a save succeeds again."""
     with lock:
         text = json.dumps(job.state_dict())
         for path in paths:
             tmp = path.with_name(f".{path.name}.{job.job_id}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                metrics.STATE_SAVE_ERRORS.labels(job.job_id).inc()
+                if not job.state_save_failing:
+                    log.error("job %s: cannot save its state at acknowledged step %d to %s (%s); it goes on, and a "
+                              "restart of this service resumes from the last state saved there", job.job_id, low,
+                              path, exc.strerror or exc)
+                job.state_save_failing = True
+                return
+        if job.state_save_failing:
+            log.warning("job %s: its state is saved again (acknowledged step %d)", job.job_id, low)
+            job.state_save_failing = False
 
 
 class JobRegistry:

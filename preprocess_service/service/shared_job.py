@@ -100,6 +100,9 @@ class SharedPlans:
         self._cache_steps = cache_steps
         self._num_steps: int | None = None
         self._dropped_through = 0  # plans of steps < this were dropped after acknowledgement
+        self._frontier_seen = 0
+        """The most committed steps this replica has read: Redis holding fewer lost writes."""
+        self.lost_writes = 0
         self._closed = threading.Event()
         self._planner_thread: threading.Thread | None = None
         self._planner_error: BaseException | None = None
@@ -117,6 +120,7 @@ class SharedPlans:
                     self._cache.move_to_end(step)
                     return plan
             data, frontier, done = self.stream_store.read_plan(self.job_id, step, want=True, stop=stop)
+            self._observe_frontier(frontier)
             if data is not None:
                 return self._remember(plan_record.decode(data))
             if done is not None:
@@ -136,6 +140,22 @@ class SharedPlans:
             if polls > 0 and (stop or self._closed).wait(min(self.poll_s * polls, 0.2)):
                 raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
             polls += 1
+
+    def _observe_frontier(self, frontier: int) -> None:
+        """Redis holding fewer committed steps than this replica read before lost acknowledged writes
+        (a failover to a replica that had not received them, a restart without AOF): said loudly.
+        The planner commits the missing steps again; planning is deterministic, and this replica
+        serves the steps it holds as it served them before."""
+        with self._lock:
+            seen = self._frontier_seen
+            lost = frontier < seen
+            self._frontier_seen = frontier if lost else max(seen, frontier)  # once per loss, then from there
+            self.lost_writes += lost
+        if lost:
+            metrics.REDIS_LOST_WRITES.labels(self.job_id).inc()
+            log.error("job %s: Redis at %s holds %d committed steps where this replica read %d before: it lost "
+                      "acknowledged writes (a failover to a replica behind its primary, or a restart without "
+                      "AOF); the missing steps are planned again", self.job_id, self.store.address, frontier, seen)
 
     def _remember(self, plan: StepPlan) -> StepPlan:
         with self._lock:
@@ -168,6 +188,7 @@ class SharedPlans:
             while not stop.is_set():
                 held, frontier, want, done = self.store.planner_view(self.job_id, self._token, self.lease_ttl_s,
                                                                      stop=stop)
+                self._observe_frontier(frontier)
                 if done is not None:
                     return
                 if not held:

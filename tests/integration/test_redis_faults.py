@@ -226,3 +226,29 @@ def test_scripts_still_run_after_redis_forgets_them(server, admin):
     admin.script_flush()
     assert store.read_plan("j", 0, want=True)[:2] == (b"plan", 1)
     assert store.stats()["retries"] == 0
+
+
+def test_a_sentinel_failover_is_followed_to_the_promoted_replica(tmp_path):
+    """redis+sentinel:// URLs: the store asks the Sentinel where the primary is, and asks again
+    when the primary dies and the Sentinel promotes its replica."""
+    from disttrain_tools.localcluster import LocalSentinel
+
+    with LocalRedis(tmp_path / "primary") as primary, \
+            LocalRedis(tmp_path / "replica", extra_args=("--replicaof", "127.0.0.1", str(primary.port))) as replica:
+        sentinel = LocalSentinel(tmp_path / "sentinel", primary.port).start()
+        try:
+            store = RedisStore(sentinel.url, retry_deadline_s=60)
+            assert store.address == f"redis+sentinel://127.0.0.1:{sentinel.port}/disttrain/0"
+            store.register_job("job-a", b"spec-a")
+            with redis.Redis(port=replica.port) as direct:
+                deadline = time.monotonic() + BOUND_S
+                while direct.get("disttrain:{job-a}:spec") != b"spec-a":  # replicated
+                    assert time.monotonic() < deadline, "the replica never received the write"
+                    time.sleep(0.05)
+            primary.stop(kill=True)
+            assert store.job_spec("job-a") == b"spec-a"  # retried until the Sentinel named the replica
+            assert sentinel.primary() == ("127.0.0.1", replica.port)
+            store.register_job("job-b", b"spec-b")  # and it takes writes there
+            assert store.stats()["retries"] > 0
+        finally:
+            sentinel.stop()

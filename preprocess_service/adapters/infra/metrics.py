@@ -74,6 +74,11 @@ BUBBLE = Gauge("disttrain_step_bubble_fraction", "Idle share of the pipeline in 
                "prediction or the trainer's measurement", ["job", "source"])
 STREAM_LAG = Gauge("disttrain_stream_lag_steps", "Steps a rank's stream is behind the job's furthest rank",
                    ["job", "rank"])
+STATE_SAVE_ERRORS = Counter("disttrain_state_save_errors", "Saves of a job's state to state_dir that failed (a "
+                            "full or read-only disk); the job goes on from memory", ["job"])
+REDIS_LOST_WRITES = Counter("disttrain_redis_lost_writes", "Times a replica found Redis holding fewer committed "
+                            "steps of a job than it had seen (a failover or a restart without AOF lost "
+                            "acknowledged writes)", ["job"])
 REDIS_LATENCY = Histogram("disttrain_redis_round_trip_seconds", "Redis round trips (one pipeline or script)",
                           buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 SHARD_FETCHED_BYTES = Counter("disttrain_shard_fetched_bytes", "Bytes of remote shards received over the "

@@ -163,10 +163,47 @@ def _failure(exc: redis.RedisError) -> str:
     return "was not serving"
 
 
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """(sentinels, master name, db, password) of ``redis+sentinel://[:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB]``
+    (port 26379 by default): the replicas ask the Sentinels where the primary is, and again after
+    a failover."""
+    parsed = urlparse(url)
+    netloc = parsed.netloc.rpartition("@")[2]
+    password = parsed.password if "@" in parsed.netloc else None
+    sentinels = []
+    for host in filter(None, netloc.split(",")):
+        name, _, port = host.rpartition(":") if host.rpartition(":")[2].isdigit() else (host, "", "")
+        sentinels.append(((name or host).strip("[]"), int(port) if port else 26379))
+    parts = [p for p in parsed.path.split("/") if p]
+    if not sentinels or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError(f"a Sentinel URL is {SENTINEL_SCHEMES[0]}://HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB], "
+                         f"got {describe(url)!r}")
+    return sentinels, parts[0], int(parts[1]) if len(parts) == 2 else 0, password
+
+
 def describe(url: str) -> str:
     """The Redis address of ``url`` without a password, for messages."""
     parsed = urlparse(url)
+    if parsed.scheme in SENTINEL_SCHEMES:
+        return f"{parsed.scheme}://{parsed.netloc.rpartition('@')[2]}{parsed.path or ''}"
     return f"{parsed.scheme}://{parsed.hostname or 'localhost'}:{parsed.port or 6379}{parsed.path or ''}"
+
+
+def _connect(url: str, **options) -> redis.Redis:
+    """A client of ``url``: a plain Redis (redis://, rediss://, unix://) or the primary that
+    Sentinels name (redis+sentinel://)."""
+    if urlparse(url).scheme not in SENTINEL_SCHEMES:
+        return redis.Redis.from_url(url, **options)
+    from redis.sentinel import Sentinel
+
+    sentinels, master, db, password = sentinel_target(url)
+    ssl = urlparse(url).scheme.startswith("rediss")
+    lookup = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout")}
+    return Sentinel(sentinels, sentinel_kwargs=lookup, ssl=ssl, **lookup).master_for(
+        master, db=db, password=password, **options)
 
 
 class RedisStore:
@@ -180,9 +217,8 @@ class RedisStore:
         # redis-py's own retries (10 by default, up to seconds apart) would hide faults from _call
         # and stretch its deadline: one at once replaces a pooled connection Redis closed while
         # idle, anything longer is _call's to back off from, count and bound.
-        self._redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s,
-                                           socket_timeout=socket_timeout_s, health_check_interval=30,
-                                           retry=Retry(NoBackoff(), 1))
+        self._redis = _connect(url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
+                               health_check_interval=30, retry=Retry(NoBackoff(), 1))
         try:
             self._redis.ping()
         except _RETRYABLE + (redis.ResponseError, OSError) as exc:

@@ -205,3 +205,52 @@ def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path,
     assert {k for _, k in skipped} >= {"000010001", "99999bad"}, "the cross-shard copy and the bad one reported"
     with pytest.raises(NotFoundError, match="acknowledged step 5"):  # a step nobody acknowledged: refused
         JobRegistry(state_dir=state_dir).continue_lineage(JobConfig(dp_size=3, **base), 5, client="")
+
+
+def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_saves_again_later(tmp_path, caplog):
+    """state_dir on a real 256 KiB tmpfs, filled: acknowledgements go on, the state saved before
+    stays whole, the failure is said once, and the next acknowledgement after space returns saves."""
+    import os
+    import subprocess
+
+    from preprocess_service.service.job import JobRegistry
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    state = tmp_path / "state"
+    state.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)]).returncode != 0:
+        pytest.skip("tmpfs cannot be mounted here")
+    try:
+        config = _data(tmp_path / "data", num_epochs=2)
+        registry = JobRegistry(state_dir=state)
+        job = registry.open(config)
+        num_steps = job.plan_all()
+        assert num_steps >= 4
+        for rank in range(config.dp_size):
+            job.acknowledge(rank, 1)
+        saved = state / f"{job.job_id}.json"
+        before = saved.read_text()
+        assert json.loads(before)["acked"] == {"0": 1, "1": 1}
+        filler = state / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # every byte the tmpfs has left
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        for rank in range(config.dp_size):
+            assert job.acknowledge(rank, 3) == (1 if rank == 0 else 3)  # no error reaches the trainer
+        assert saved.read_text() == before, "the state saved before is whole"
+        assert not [p for p in state.iterdir() if p.name.endswith(".tmp")], "no partial file left behind"
+        assert sum("cannot save its state" in r.getMessage() for r in caplog.records) == 1
+        filler.unlink()  # space returns
+        for rank in range(config.dp_size):
+            job.acknowledge(rank, 4)
+        assert json.loads(saved.read_text())["acked"] == {"0": 4, "1": 4}
+        assert any("saved again" in r.getMessage() for r in caplog.records)
+        registry.close()
+    finally:
+        subprocess.run(["umount", str(state)], check=False)

@@ -46,6 +46,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import benchjson  # noqa: E402
 
+from disttrain_api.config import JobConfig  # noqa: E402
+
 FAULTS = {
     "redis-cut": "replica 0 cut from Redis; its clients still reach it",
     "clients-cut": "replica 0 cut from the clients; it still reaches Redis",
@@ -54,6 +56,8 @@ FAULTS = {
     "slow-redis-link": "200 ms delay and 5% loss between replica 0 and Redis",
     "rank-kill": "rank 0 SIGKILLed mid-step, restarted from its last checkpoint",
     "slow-rank": "rank 1 ten times slower than the others",
+    "redis-failover": "the Redis primary cut from its replica, then killed: the Sentinel promotes the replica, "
+                      "which lacks the last 1-2 s of writes",
 }
 PROMISES = {
     "redis-cut": "exactly-once; the replica's streams end within stream_redis_timeout_s (3 s) and their ranks "
@@ -65,6 +69,8 @@ PROMISES = {
     "rank-kill": "exactly-once per checkpoint: steps after the last acknowledgement are sent again with the same "
                  "keys, acknowledged steps never",
     "slow-rank": "exactly-once; the other ranks' streams are not held back by the slow one",
+    "redis-failover": "exactly-once while planning is deterministic (no cost feedback): the lost steps are planned "
+                      "again the same; the lost writes are said (log, disttrain_redis_lost_writes_total)",
 }
 REDIS_PORT, SERVICE_PORT = 6379, 50051
 SHORT = ("slow-clients-link", "slow-redis-link", "rank-kill")
@@ -76,7 +82,6 @@ recovery (a stream timing out, keepalive, a lease passing) takes seconds to show
 def rank_main(args: argparse.Namespace) -> int:
     import logging
 
-    from disttrain_api.config import JobConfig
     from trainer import DataClient
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # rankN.out
@@ -119,19 +124,23 @@ def rank_main(args: argparse.Namespace) -> int:
 class Cluster:
     """Redis, replicas and relays in their namespaces; ranks are started per run."""
 
-    def __init__(self, lab, workdir: Path, *, num_replicas: int = 3, log=print):
-        from disttrain_tools.localcluster import Replica
+    def __init__(self, lab, workdir: Path, *, num_replicas: int = 3, sentinel: bool = False, log=print):
+        from disttrain_tools.localcluster import LocalSentinel, Replica
 
         self.lab, self.workdir, self.log = lab, workdir, log
         self.processes: list[subprocess.Popen] = []
+        workdir.mkdir(parents=True, exist_ok=True)
         redis_ip = lab.add("redis")
         self.clients_ip = lab.add("clients")
         replica_ips = [lab.add(f"rep{i}") for i in range(num_replicas)]
         relay_redis, relay_clients = lab.add("link-r0"), lab.add("link-c0")
-        (workdir / "redis").mkdir(parents=True, exist_ok=True)
-        self.redis = self._spawn("redis", ["redis-server", "--port", str(REDIS_PORT), "--bind", redis_ip,
-                                           "--protected-mode", "no", "--save", "", "--appendonly", "yes",
-                                           "--appendfsync", "always", "--dir", str(workdir / "redis")])
+        self.redis = self._redis_server("redis", redis_ip)
+        self.sentinel = None
+        if sentinel:  # a primary with one replica under a Sentinel; the replicas ask it where the primary is
+            self._redis_server("redis2", lab.add("redis2"), "--replicaof", redis_ip, str(REDIS_PORT))
+            sentinel_ip = lab.add("sentinel")
+            self.sentinel = LocalSentinel(workdir / "sentinel", REDIS_PORT, port=26379, master_host=redis_ip,
+                                          host=sentinel_ip, prefix=tuple(lab.exec_prefix("sentinel"))).start(30)
         python = sys.executable
         self.relays = {
             "redis": self._spawn("link-r0", [python, "-m", "disttrain_tools.impair", "--listen",
@@ -143,7 +152,8 @@ class Cluster:
         time.sleep(1.0)
         self.replicas = []
         for i, ip in enumerate(replica_ips):
-            url = f"redis://{relay_redis if i == 0 else redis_ip}:{REDIS_PORT}/0"
+            direct = f"redis://{relay_redis if i == 0 else redis_ip}:{REDIS_PORT}/0"
+            url = self.sentinel.url if self.sentinel else direct
             replica = Replica(url, port=SERVICE_PORT, host=ip, prefix=tuple(lab.exec_prefix(f"rep{i}")),
                               log_path=workdir / f"rep{i}.log", extra_args=("--lease-ttl", "2"))
             replica.start(wait=False)
@@ -152,6 +162,13 @@ class Cluster:
             replica.wait_ready(timeout_s=180)
         # the clients reach replica 0 through its relay, the others directly
         self.addresses = [f"{relay_clients}:{SERVICE_PORT}"] + [f"{ip}:{SERVICE_PORT}" for ip in replica_ips[1:]]
+
+    def _redis_server(self, node: str, ip: str, *args: str) -> subprocess.Popen:
+        data = self.workdir / node
+        data.mkdir(parents=True, exist_ok=True)
+        return self._spawn(node, ["redis-server", "--port", str(REDIS_PORT), "--bind", ip, "--protected-mode", "no",
+                                  "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", str(data),
+                                  *args])
 
     def _spawn(self, node: str, command: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{node}.out", "ab")
@@ -172,6 +189,8 @@ class Cluster:
     def close(self) -> None:
         for replica in self.replicas:
             replica.kill()
+        if self.sentinel is not None:
+            self.sentinel.stop()
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
@@ -195,6 +214,15 @@ def inject(fault: str, cluster: Cluster, ranks: dict, rng: random.Random, out: P
         relay = cluster.relays["clients" if fault == "slow-clients-link" else "redis"]
         relay.send_signal(signal.SIGUSR1)
         return lambda: relay.send_signal(signal.SIGUSR2)
+    if fault == "redis-failover":
+        lab.cut("redis", "redis2")  # replication stops; the primary goes on taking writes
+        time.sleep(rng.uniform(1.0, 2.0))
+        # then its machine is gone, with them (kept cut off: its kernel would still send what the
+        # dead process had buffered); the Sentinel promotes a replica that never got them
+        lab.isolate("redis")
+        cluster.redis.kill()
+        cluster.redis.wait(timeout=30)
+        return lambda: lab.heal("redis")
     if fault == "rank-kill":
         victim = ranks[0]
         victim["process"].kill()
@@ -311,6 +339,9 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
             log(f"  {fault}: rank {rank} did not finish within 300 s of the heal (killed)")
     result = verdict(out, num_ranks, shard_keys(shards), epochs, fault_at, healed_at)
     result["fault_s"] = round(healed_at - fault_at, 1)
+    job_id = JobConfig(**{**config, "shards": tuple(shards)}).job_id()
+    result["lost_writes_said"] = sum(1 for replica in cluster.replicas for line in replica.log_path.read_text(
+        errors="replace").splitlines() if job_id in line and "lost acknowledged writes" in line)
     return result
 
 
@@ -327,21 +358,34 @@ def faults(*, names: list[str], runs: int, shards: list[str], epochs: int, num_r
     rng = random.Random(seed)
     workdir = Path(tempfile.mkdtemp(prefix="disttrain-faults-"))
     results: dict[str, list[dict]] = {name: [] for name in names}
-    with netlab.NetLab() as lab:
-        cluster = Cluster(lab, workdir, log=log)
-        try:
-            for run in range(runs):
-                for name in rng.sample(names, len(names)):  # a random order each round
-                    seconds = slow_rank_s if name == "slow-rank" else rng.uniform(*duration_s)
-                    if name in SHORT:
-                        seconds = min(seconds, short_s)
-                    result = run_fault(cluster, name, seed=seed * 1000 + run * 100 + names.index(name),
-                                       shards=shards, epochs=epochs, num_ranks=num_ranks, pace=pace,
-                                       duration_s=seconds, workdir=workdir, log=log)
-                    log(f"  {name} run {run + 1}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
-                    results[name].append(result)
-        finally:
-            cluster.close()
+
+    def one(cluster: Cluster, name: str, run: int) -> None:
+        seconds = slow_rank_s if name == "slow-rank" else rng.uniform(*duration_s)
+        if name in SHORT:
+            seconds = min(seconds, short_s)
+        result = run_fault(cluster, name, seed=seed * 1000 + run * 100 + list(FAULTS).index(name), shards=shards,
+                           epochs=epochs, num_ranks=num_ranks, pace=pace, duration_s=seconds, workdir=workdir,
+                           log=log)
+        log(f"  {name} run {run + 1}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
+        results[name].append(result)
+
+    shared = [name for name in names if name != "redis-failover"]
+    if shared:
+        with netlab.NetLab() as lab:
+            cluster = Cluster(lab, workdir / "cluster", log=log)
+            try:
+                for run in range(runs):
+                    for name in rng.sample(shared, len(shared)):  # a random order each round
+                        one(cluster, name, run)
+            finally:
+                cluster.close()
+    for run in range(runs if "redis-failover" in names else 0):  # a fresh primary and replica each time
+        with netlab.NetLab() as lab:
+            cluster = Cluster(lab, workdir / f"sentinel-{run}", sentinel=True, log=log)
+            try:
+                one(cluster, "redis-failover", run)
+            finally:
+                cluster.close()
     return {"workdir": str(workdir), "results": results}
 
 
@@ -353,7 +397,7 @@ def summary(results: dict[str, list[dict]]) -> list[list]:
                      sum(r["conflicting_microbatches"] for r in runs),
                      sum(r["acknowledged_steps_replayed"] for r in runs),
                      round(statistics.median(stalls), 2) if stalls else None, max(stalls, default=None),
-                     PROMISES[name]])
+                     sum(r.get("lost_writes_said", 0) for r in runs), PROMISES[name]])
     return rows
 
 
@@ -393,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                      duration_s=duration, slow_rank_s=slow_rank_s, short_s=short_s, seed=args.seed)
     rows = summary(figures["results"])
     header = ["fault", "runs", "keys lost", "keys repeated", "conflicting microbatches", "acked steps replayed",
-              "stall s (median)", "stall s (worst)", "promise"]
+              "stall s (median)", "stall s (worst)", "lost writes said", "promise"]
     print("  " + " | ".join(header[:-1]))
     for row in rows:
         print("  " + " | ".join(str(v) for v in row[:-1]))

@@ -10,6 +10,7 @@ Everything it makes is named with its tag and removed by ``close()`` (or ``with`
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -17,6 +18,8 @@ import uuid
 
 SUBNET = "10.213"
 """Node i has {SUBNET}.{i}.2, its router side {SUBNET}.{i}.1; this process is node 0."""
+LOCK = "/tmp/disttrain-netlab.lock"
+"""One lab at a time on a machine (they share SUBNET): a second one waits for the first to close."""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -71,6 +74,8 @@ class NetLab:
         self.close()
 
     def open(self) -> NetLab:
+        self._lock = open(LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         _ip("netns", "add", self.router)
         self._open = True
         _ip("-n", self.router, "link", "set", "lo", "up")
@@ -163,3 +168,4 @@ class NetLab:
         self.nodes.clear()
         self._rules.clear()
         self._open = False
+        self._lock.close()  # and with it the flock

@@ -16,7 +16,8 @@ BENCH = REPO / "bench"
 SUPPORT = {"benchjson", "report"}
 """Modules of bench/ that other benches import or run, not benches of their own; so are every
 ``peers_*.py`` (bench/peers.py's parts) and ``reference_*.py`` (bench/reorder.py's reference)."""
-COVERED = {"train": "tests/integration/test_bench_train.py runs its --quick and checks each step against its plan"}
+COVERED = {"train": "tests/integration/test_bench_train.py runs its --quick and checks each step against its plan",
+           "faults": "tests/integration/test_faults.py runs its --quick (network namespaces) and checks its verdicts"}
 """Benches whose --quick run another test makes already (each a torchrun training: a minute)."""
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py")
                  if p.stem not in SUPPORT | set(COVERED) and not p.stem.startswith(("peers_", "reference_")))

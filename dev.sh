@@ -64,7 +64,8 @@ case "$cmd" in
           "$VENV/bin/mypy" >&2
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
-          exec "$VENV/bin/python" -m pytest "$@" ;;
+          # two workers, a test file each at a time (its module fixtures built once); -n 0 runs in one
+          exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
     run) exec "$VENV/bin/python" -m disttrain_tools run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
     *) exec "$VENV/bin/python" -m disttrain_tools "$cmd" "$@" ;;
 esac

@@ -51,10 +51,11 @@ def ensure_demo_dataset(out_dir: Path = DEMO_DIR) -> list[Path]:
     """The embedded default: 4 synthetic LAION-style shards plus one with corrupt samples."""
     from disttrain_tools import synth
 
-    marker = out_dir / synth.MARKER_NAME
-    before = marker.read_text() if marker.exists() else None
-    paths = synth.ensure_dataset(out_dir, synth.SynthConfig())
-    corrupt = out_dir / "corrupt.tar"
-    if not corrupt.exists() or marker.read_text() != before:  # regenerated: the corrupt shard too
-        synth.write_corrupt_shard(corrupt)
-    return [*paths, corrupt]
+    with synth.dataset_lock(out_dir):
+        marker = out_dir / synth.MARKER_NAME
+        before = marker.read_text() if marker.exists() else None
+        paths = synth._ensure_dataset(out_dir, synth.SynthConfig())
+        corrupt = out_dir / "corrupt.tar"
+        if not corrupt.exists() or marker.read_text() != before:  # regenerated: the corrupt shard too
+            synth.write_corrupt_shard(corrupt)
+        return [*paths, corrupt]

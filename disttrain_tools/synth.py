@@ -35,7 +35,9 @@ Command line: ``python -m disttrain_tools.synth --out DIR [--num-shards 4]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import io
@@ -596,9 +598,24 @@ def write_dataset(out_dir: Path, config: SynthConfig) -> list[Path]:
     return paths
 
 
+@contextlib.contextmanager
+def dataset_lock(out_dir: Path):
+    """Held while a process checks or writes ``out_dir``: two (test workers, benches) that want the
+    same dataset at once write it once, and neither reads it half written."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_dataset(out_dir: Path, config: SynthConfig) -> list[Path]:
     """Returns the tar paths, reusing ``out_dir`` when its marker matches ``config``, else (re)writing it."""
-    out_dir = Path(out_dir)
+    with dataset_lock(out_dir):
+        return _ensure_dataset(Path(out_dir), config)
+
+
+def _ensure_dataset(out_dir: Path, config: SynthConfig) -> list[Path]:
     try:
         found = json.loads((out_dir / MARKER_NAME).read_text())
     except (FileNotFoundError, json.JSONDecodeError):

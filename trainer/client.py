@@ -256,7 +256,8 @@ def _make_probe() -> tuple[str, bytes, str | None]:
     /dev/shm (StreamRequest.shm_probe); ("", b"", None) where there is none."""
     if not os.path.isdir(SHM_DIR):
         return "", b"", None
-    name, token = f"dtprobe_{secrets.token_hex(16)}", secrets.token_bytes(32)
+    # the pid first (a process's own probes are findable: tests, cleanup), then 128 random bits
+    name, token = f"dtprobe_{os.getpid():08x}{secrets.token_hex(16)}", secrets.token_bytes(32)
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -48,6 +48,7 @@ def test_the_verdict_counts_lost_repeated_conflicting_and_acknowledged_replays(t
     assert result["stall_s"] == pytest.approx(9.0 - 2.0 - 0.1)  # the restarted rank's wait for data
 
 
+@pytest.mark.timeout(900)
 def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move(tmp_path):
     reason = netlab.unavailable()
     if reason is not None:

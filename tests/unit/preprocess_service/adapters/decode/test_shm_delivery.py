@@ -40,8 +40,8 @@ def _serve(**limits):
 
 
 def _ours() -> set[str]:
-    """This process's microbatch objects (the servers here are in-process) and every probe."""
-    return {n for n in os.listdir(SHM_DIR) if n.startswith((f"dtmb_{os.getpid():08x}_", "dtprobe_"))}
+    """This process's microbatch objects and probes (the servers here are in-process)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith((f"dtmb_{os.getpid():08x}_", f"dtprobe_{os.getpid():08x}"))}
 
 
 def _consume(address, config, shared_memory):

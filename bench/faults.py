@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"faults: skipped: {reason}")
         return 0
     if args.quick:
-        runs, shards, epochs, pace, duration, slow_rank_s = 1, benchjson.quick_shards(2, 40), 6, 0.12, (8.0, 8.0), 4.0
+        runs, shards, epochs, pace, duration, slow_rank_s = 1, benchjson.quick_shards(2, 40), 6, 0.12, (10.0, 10.0), 4.0
         short_s = 4.0
     else:
         shards = benchjson.quick_shards(4, 50)

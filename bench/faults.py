@@ -125,17 +125,26 @@ class Cluster:
     """Redis, replicas and relays in their namespaces; ranks are started per run."""
 
     def __init__(self, lab, workdir: Path, *, num_replicas: int = 3, sentinel: bool = False, log=print):
-        from disttrain_tools.localcluster import LocalSentinel, Replica
-
         self.lab, self.workdir, self.log = lab, workdir, log
         self.processes: list[subprocess.Popen] = []
+        self.replicas: list = []
+        self.sentinel = None
+        try:
+            self._start(num_replicas, sentinel)
+        except BaseException:
+            self.close()  # nothing left running in namespaces about to go
+            raise
+
+    def _start(self, num_replicas: int, sentinel: bool) -> None:
+        from disttrain_tools.localcluster import LocalSentinel, Replica
+
+        lab, workdir = self.lab, self.workdir
         workdir.mkdir(parents=True, exist_ok=True)
         redis_ip = lab.add("redis")
         self.clients_ip = lab.add("clients")
         replica_ips = [lab.add(f"rep{i}") for i in range(num_replicas)]
         relay_redis, relay_clients = lab.add("link-r0"), lab.add("link-c0")
         self.redis = self._redis_server("redis", redis_ip)
-        self.sentinel = None
         if sentinel:  # a primary with one replica under a Sentinel; the replicas ask it where the primary is
             self._redis_server("redis2", lab.add("redis2"), "--replicaof", redis_ip, str(REDIS_PORT))
             sentinel_ip = lab.add("sentinel")
@@ -150,7 +159,6 @@ class Cluster:
                                                f"{replica_ips[0]}:{SERVICE_PORT}", "--seed", "1"]),
         }
         time.sleep(1.0)
-        self.replicas = []
         for i, ip in enumerate(replica_ips):
             direct = f"redis://{relay_redis if i == 0 else redis_ip}:{REDIS_PORT}/0"
             url = self.sentinel.url if self.sentinel else direct
@@ -253,9 +261,10 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
     stall = 0.0
     done = moved = 0
     reported: set[str] = set()
+    extra: collections.Counter = collections.Counter()
     replicas = collections.Counter()
     for rank in range(num_ranks):
-        acked, last_t, before, during = 0, None, None, set()
+        acked, last_t, before, during, life = 0, None, None, set(), 0
         for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
             try:
                 record = json.loads(line)
@@ -263,6 +272,7 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
                 continue
             if record.get("event") == "start":
                 last_t = record["t"]  # a restarted rank waits for its first microbatch from here
+                life += 1  # what an earlier life got may come again; the same life gets each slot once
                 continue
             if record.get("event") == "done":
                 done += 1
@@ -287,12 +297,16 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
             slot = (rank, record["step"], record["mb"])
             content = tuple(record["keys"]) + tuple(record["skipped"])
             if slot in slots:
+                first, first_life = slots[slot]
+                if first_life == life:  # twice to one client: a double delivery, not a replay
+                    extra.update(content)
+                    continue
                 replayed += 1
-                conflicting += slots[slot] != content
+                conflicting += first != content
                 continue
-            slots[slot] = content
+            slots[slot] = (content, life)
         moved += bool(during - {before})
-    counts = collections.Counter(key for content in slots.values() for key in content)
+    counts = collections.Counter(key for content, _ in slots.values() for key in content) + extra
     # a sample the service reports skipped and never put in a microbatch was left out when planning
     planning_skips = {key for key in reported if key in keys and not counts.get(key)}
     keys = keys - planning_skips
@@ -318,25 +332,30 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
         def start(rank=rank):
             return cluster.start_rank(rank, num_ranks, config, out, pace)
         ranks[rank] = {"start": start, "process": start(), "kills": 0}
-    deadline = time.monotonic() + 240
-    while not all(_delivered(out, rank) >= 2 for rank in range(num_ranks)):  # every rank streaming
-        if time.monotonic() > deadline or any(r["process"].poll() not in (None, 0) for r in ranks.values()):
-            raise RuntimeError(f"{fault}: ranks did not start streaming (see {out})")
-        time.sleep(0.1)
-    time.sleep(rng.uniform(0.2, 2.0))
-    fault_at = time.time()
-    heal = inject(fault, cluster, ranks, rng, out, pace)
-    time.sleep(duration_s)
-    heal()
-    healed_at = time.time()
-    log(f"  {fault}: injected for {healed_at - fault_at:.1f} s, healed; waiting for the job to end")
-    deadline = time.monotonic() + 300
-    for rank, entry in ranks.items():
-        try:
-            entry["process"].wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            entry["process"].kill()
-            log(f"  {fault}: rank {rank} did not finish within 300 s of the heal (killed)")
+    try:
+        deadline = time.monotonic() + 240
+        while not all(_delivered(out, rank) >= 2 for rank in range(num_ranks)):  # every rank streaming
+            if time.monotonic() > deadline or any(r["process"].poll() not in (None, 0) for r in ranks.values()):
+                raise RuntimeError(f"{fault}: ranks did not start streaming (see {out})")
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.2, 2.0))
+        fault_at = time.time()
+        heal = inject(fault, cluster, ranks, rng, out, pace)
+        time.sleep(duration_s)
+        heal()
+        healed_at = time.time()
+        log(f"  {fault}: injected for {healed_at - fault_at:.1f} s, healed; waiting for the job to end")
+        deadline = time.monotonic() + 300
+        for rank, entry in ranks.items():
+            try:
+                entry["process"].wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                log(f"  {fault}: rank {rank} did not finish within 300 s of the heal (killed)")
+    finally:
+        for entry in ranks.values():  # none outlives its run
+            if entry["process"].poll() is None:
+                entry["process"].kill()
+                entry["process"].wait(timeout=30)
     result = verdict(out, num_ranks, shard_keys(shards), epochs, fault_at, healed_at)
     result["fault_s"] = round(healed_at - fault_at, 1)
     job_id = JobConfig(**{**config, "shards": tuple(shards)}).job_id()

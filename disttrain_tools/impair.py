@@ -4,9 +4,10 @@ HOST:PORT [--delay-ms 200] [--loss 0.05]``. It relays every connection unchanged
 SIGUSR1, then impairs both directions until SIGUSR2:
 
 - **delay**: every chunk is forwarded ``delay_ms`` after it arrived (order kept);
-- **loss**: a chunk is "lost" with probability ``loss`` and forwarded only after a retransmission
-  timeout (200 ms doubling, up to 3 tries), holding back the chunks behind it: what TCP makes of
-  a lost segment, as the application on either end sees it.
+- **loss**: a chunk (what one read returns, up to 64 KiB: not a packet) is "lost" with
+  probability ``loss`` and forwarded only after a retransmission timeout (200 ms doubling, up to
+  3 tries), holding back the chunks behind it: what TCP makes of a lost segment, as the
+  application on either end sees it, at a coarser grain than packet loss.
 
 It prints ``ready`` once listening."""
 

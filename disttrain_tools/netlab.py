@@ -6,13 +6,16 @@ one node sends another (packets vanish silently, as in a real partition: no rese
 
 Needs root (CAP_NET_ADMIN) and ``ip`` (iproute2); ``unavailable()`` says why not, for a skip.
 Everything it makes is named with its tag and removed by ``close()`` (or ``with``), and
-``sweep(tag)`` removes what a killed run left behind."""
+the next lab removes what a killed run left behind (``sweep_stale``)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import re
 import shutil
+import signal
 import subprocess
 import uuid
 
@@ -48,18 +51,25 @@ def unavailable() -> str | None:
     return None
 
 
-def sweep(tag: str) -> None:
-    """Removes the namespaces and links of an earlier lab with ``tag`` (a run that was killed)."""
-    names = _ip("netns", "list", check=False).stdout.split()
-    for name in names:
-        if name.startswith(f"{tag}-"):
+def sweep_stale() -> None:
+    """Removes what labs of runs that were killed left: their processes, namespaces and links
+    (call it holding LOCK: then no lab is in use)."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if re.fullmatch(r"dt[0-9a-f]{5}-\d+|dt[0-9a-f]{5}-r", name):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", name, check=False)
-    _ip("link", "del", f"{tag}0h", check=False)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        match = re.search(r"\d+: (dt[0-9a-f]{5}0h)[@:]", line)
+        if match:
+            _ip("link", "del", match.group(1), check=False)
 
 
 class NetLab:
     def __init__(self, tag: str | None = None):
-        self.tag = tag or f"dt{uuid.uuid4().hex[:5]}"
+        self.tag = tag or f"dt{uuid.uuid4().hex[:5]}"  # sweep_stale knows this shape
         if len(self.tag) > 9:
             raise ValueError(f"tag {self.tag!r} is longer than 9 characters (interface names hold 15)")
         self.router = f"{self.tag}-r"
@@ -74,10 +84,20 @@ class NetLab:
         self.close()
 
     def open(self) -> NetLab:
-        self._lock = open(LOCK, "w")
+        fd = os.open(LOCK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self._lock = os.fdopen(fd, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
-        _ip("netns", "add", self.router)
+        sweep_stale()  # under the lock, any lab left is one a killed run left behind
         self._open = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build(self) -> None:
+        _ip("netns", "add", self.router)
         _ip("-n", self.router, "link", "set", "lo", "up")
         subprocess.run(["ip", "netns", "exec", self.router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
                        check=True, capture_output=True, timeout=30)
@@ -88,9 +108,8 @@ class NetLab:
         _ip("link", "set", host, "up")
         _ip("-n", self.router, "addr", "add", f"{SUBNET}.0.1/24", "dev", peer)
         _ip("-n", self.router, "link", "set", peer, "up")
-        _ip("route", "add", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.0.1", "dev", host)
+        _ip("route", "replace", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.0.1", "dev", host)
         self.nodes["bench"] = 0
-        return self
 
     def add(self, name: str) -> str:
         """A node in its own namespace; returns its address."""

@@ -17,7 +17,9 @@ the profiling phase ``measure`` does nothing, so the loop pays for no synchronis
     print(profiler.last_ack)  # the coefficients the service now plans with
 
 Timings are of the whole model (``report_totals``): the service fits the encoder, backbone and
-generator terms jointly. A trainer that times each module (the disaggregated trainer,
+generator terms jointly. Under DDP the last microbatch of a step also carries the gradient
+all-reduce (and the wait for the slowest rank): the fit's error (``last_ack.total_rel_error``)
+shows how much that matters for a model. A trainer that times each module (the disaggregated trainer,
 ``trainer/train.py --feedback``) sends them per module instead.
 """
 
@@ -28,9 +30,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
+import grpc
 import torch
 
 from disttrain_api import preprocess_pb2 as pb
+from disttrain_api.errors import ServiceUnavailableError
 from trainer.client import DataClient, Microbatch
 
 log = logging.getLogger(__name__)
@@ -69,8 +73,11 @@ class CostProfiler:
     @contextlib.contextmanager
     def measure(self, mb: Microbatch) -> Iterator[None]:
         """Wraps one microbatch's forward and backward."""
+        if not self.active:
+            yield
+            return
         self._seen.add(mb.step)
-        if not self.active or len(self._seen) <= self.warmup:
+        if len(self._seen) <= self.warmup:
             yield
             return
         self.synchronize()
@@ -86,8 +93,13 @@ class CostProfiler:
         """Reports the timings measured since the last report (at each step's end, or call it)."""
         if not self._pending:
             return self.last_ack
-        pending, self._pending = self._pending, []
-        self.last_ack = self.client.report_totals(pending)
+        try:
+            self.last_ack = self.client.report_totals(self._pending)
+        except (grpc.RpcError, ServiceUnavailableError) as exc:  # the loop goes on; sent with the next report
+            log.warning("cost profile of rank %d: the report failed (%s); kept for the next one", self.client.dp_rank,
+                        exc)
+            return self.last_ack
+        self._pending = []
         if not self.active or len(self._reported) + 1 == self.steps:
             log.info("cost profile of rank %d: %d observations, fit error %.1f%%", self.client.dp_rank,
                      self.last_ack.num_observations, 100 * self.last_ack.total_rel_error)

@@ -125,11 +125,14 @@ class CostRefitter:
             return
         known = np.array([sum(self._module_seconds(o.features, m, backward) for m in fitted) for o in totals])
         target = np.array([o.total for o in totals]) - known
-        keep = target > 0
+        keep = target > 0.01 * np.array([o.total for o in totals])  # what the modules fitted leave of a total
         if keep.sum() < self.min_observations:
             return
         features = np.array([[o.features[m][i] * (1 + backward[m]) for m, i in columns] for o in totals])[keep]
-        fit = fit_nonnegative(features, target[keep])
+        try:
+            fit = fit_nonnegative(features, target[keep])
+        except np.linalg.LinAlgError:  # degenerate observations: keep the coefficients
+            return
         fields = {(m, i): REFIT_FIELDS[(0, 2, 4)[m] + i] for m, i in columns}
         updates: dict[str, Any] = {fields[c]: float(v) for c, v in zip(columns, fit.coef)}
         self.cost = dataclasses.replace(self.cost, **updates)

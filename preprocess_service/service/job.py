@@ -12,6 +12,7 @@ of its messages (stream admission). Thread-safe."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -348,7 +349,8 @@ def _save_state(job: Job, paths: list[Path], lock: threading.Lock, low: int) -> 
                 tmp.write_text(text)
                 os.replace(tmp, path)
             except OSError as exc:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # a read-only disk refuses even this
+                    tmp.unlink(missing_ok=True)
                 metrics.STATE_SAVE_ERRORS.labels(job.job_id).inc()
                 if not job.state_save_failing:
                     log.error("job %s: cannot save its state at acknowledged step %d to %s (%s); it goes on, and a "

@@ -75,6 +75,8 @@ DEFAULTS = ServiceSettings()
 MAX_TIMINGS_PER_REPORT = 65_536
 MAX_TIMING_S = 86_400.0
 """A measured microbatch time above a day is not a measurement."""
+MIN_TIMING_S = 1e-6
+"""A timing above 0 but below this is no measurement (and would weigh a fit without bound)."""
 
 
 def check_timings(request) -> None:
@@ -87,6 +89,10 @@ def check_timings(request) -> None:
             if not (math.isfinite(value) and 0.0 <= value <= MAX_TIMING_S):
                 raise ConfigError(f"timings[{i}].{name} = {value!r} is not a finite number of seconds in "
                                   f"[0, {MAX_TIMING_S:g}]")
+        for name in ("encoder_s", "backbone_s", "generator_s", "total_s"):
+            if 0.0 < getattr(t, name) < MIN_TIMING_S:
+                raise ConfigError(f"timings[{i}].{name} = {getattr(t, name)!r} is below {MIN_TIMING_S:g} s: not a "
+                                  "measurement (0 means not timed)")
         if t.total_s and (t.encoder_s or t.backbone_s or t.generator_s):
             raise ConfigError(f"timings[{i}] has total_s and module seconds: give the modules' seconds, or "
                               "total_s alone for a model not timed per module")

@@ -119,8 +119,9 @@ class SharedPlans:
                 if plan is not None:
                     self._cache.move_to_end(step)
                     return plan
+            before = self._frontier_seen  # read before the round trip: a later commit is no loss
             data, frontier, done = self.stream_store.read_plan(self.job_id, step, want=True, stop=stop)
-            self._observe_frontier(frontier)
+            self._observe_frontier(frontier, before)
             if data is not None:
                 return self._remember(plan_record.decode(data))
             if done is not None:
@@ -141,21 +142,21 @@ class SharedPlans:
                 raise ServiceUnavailableError(f"stopped while waiting for the plan of step {step}")
             polls += 1
 
-    def _observe_frontier(self, frontier: int) -> None:
+    def _observe_frontier(self, frontier: int, before: int) -> None:
         """Redis holding fewer committed steps than this replica read before lost acknowledged writes
         (a failover to a replica that had not received them, a restart without AOF): said loudly.
         The planner commits the missing steps again; planning is deterministic, and this replica
         serves the steps it holds as it served them before."""
         with self._lock:
-            seen = self._frontier_seen
-            lost = frontier < seen
-            self._frontier_seen = frontier if lost else max(seen, frontier)  # once per loss, then from there
+            # against what was seen before this read left: one that overtook it is no loss
+            lost = frontier < before and self._frontier_seen == before
+            self._frontier_seen = frontier if lost else max(self._frontier_seen, frontier)  # once per loss
             self.lost_writes += lost
         if lost:
             metrics.REDIS_LOST_WRITES.labels(self.job_id).inc()
             log.error("job %s: Redis at %s holds %d committed steps where this replica read %d before: it lost "
                       "acknowledged writes (a failover to a replica behind its primary, or a restart without "
-                      "AOF); the missing steps are planned again", self.job_id, self.store.address, frontier, seen)
+                      "AOF); the missing steps are planned again", self.job_id, self.store.address, frontier, before)
 
     def _remember(self, plan: StepPlan) -> StepPlan:
         with self._lock:
@@ -186,9 +187,10 @@ class SharedPlans:
         stop = self._closed
         try:
             while not stop.is_set():
+                before = self._frontier_seen
                 held, frontier, want, done = self.store.planner_view(self.job_id, self._token, self.lease_ttl_s,
                                                                      stop=stop)
-                self._observe_frontier(frontier)
+                self._observe_frontier(frontier, before)
                 if done is not None:
                     return
                 if not held:

@@ -146,6 +146,9 @@ def test_hostile_timing_reports_are_refused(shards, server):
                 client.report_timings([(0, 0, 0.1, 0.1, 0.1)], bubble=(0, bad))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bubble" in info.value.details()
             with pytest.raises(grpc.RpcError) as info:
+                client.report_totals([(0, 0, 1e-310)])  # would weigh the fit without bound
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "below" in info.value.details()
+            with pytest.raises(grpc.RpcError) as info:
                 client.report_totals([(0, 0, bad)])
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "total_s" in info.value.details()
         channel, stub = _stub(address)

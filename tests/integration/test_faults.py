@@ -49,6 +49,17 @@ def test_the_verdict_counts_lost_repeated_conflicting_and_acknowledged_replays(t
 
 
 @pytest.mark.timeout(900)
+def test_a_slot_delivered_twice_to_one_client_life_is_a_repeat_not_a_replay(tmp_path):
+    _history(tmp_path / "rank0.jsonl", [
+        {"event": "start", "t": 0.0, "from_step": 0},
+        _mb(1.0, 0, 0, ["k1"]), _mb(1.1, 0, 0, ["k1"]),  # the same client got (0, 0) twice
+        _mb(1.2, 0, 1, ["k2"]), {"event": "done", "t": 2.0}])
+    result = faults.verdict(tmp_path, 1, {"k1", "k2"}, 1, fault_at=5.0, healed_at=6.0)
+    assert result["keys_repeated"] == 1 and result["microbatches_replayed_after_restart"] == 0
+    assert result["keys_lost"] == 0
+
+
+@pytest.mark.timeout(900)
 def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move(tmp_path):
     reason = netlab.unavailable()
     if reason is not None:

@@ -42,7 +42,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import redis
 from redis.backoff import NoBackoff
@@ -166,22 +166,28 @@ def _failure(exc: redis.RedisError) -> str:
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 
 
-def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
-    """(sentinels, master name, db, password) of ``redis+sentinel://[:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB]``
-    (port 26379 by default): the replicas ask the Sentinels where the primary is, and again after
-    a failover."""
+def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
+    """(sentinels, master name, db, username, password) of
+    ``redis+sentinel://[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB]`` (port 26379 by
+    default): the replicas ask the Sentinels where the primary is, and again after a failover."""
     parsed = urlparse(url)
-    netloc = parsed.netloc.rpartition("@")[2]
-    password = parsed.password if "@" in parsed.netloc else None
+    auth, at, netloc = parsed.netloc.rpartition("@")
+    user, _, password = auth.partition(":") if at else ("", "", "")
     sentinels = []
-    for host in filter(None, netloc.split(",")):
-        name, _, port = host.rpartition(":") if host.rpartition(":")[2].isdigit() else (host, "", "")
-        sentinels.append(((name or host).strip("[]"), int(port) if port else 26379))
+    for host in netloc.split(","):
+        name, colon, port = host.rpartition(":") if not host.endswith("]") else ("", "", "")
+        if not colon:
+            name, port = host, ""
+        if not name.strip("[]") or (colon and not (port.isdigit() and 0 < int(port) < 65536)):
+            sentinels = []
+            break
+        sentinels.append((name.strip("[]"), int(port) if port else 26379))
     parts = [p for p in parsed.path.split("/") if p]
-    if not sentinels or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+    if not sentinels or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()) or parsed.query:
         raise ValueError(f"a Sentinel URL is {SENTINEL_SCHEMES[0]}://HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB], "
                          f"got {describe(url)!r}")
-    return sentinels, parts[0], int(parts[1]) if len(parts) == 2 else 0, password
+    return (sentinels, parts[0], int(parts[1]) if len(parts) == 2 else 0, unquote(user) or None,
+            unquote(password) or None)
 
 
 def describe(url: str) -> str:
@@ -199,11 +205,13 @@ def _connect(url: str, **options) -> redis.Redis:
         return redis.Redis.from_url(url, **options)
     from redis.sentinel import Sentinel
 
-    sentinels, master, db, password = sentinel_target(url)
+    sentinels, master, db, username, password = sentinel_target(url)
     ssl = urlparse(url).scheme.startswith("rediss")
     lookup = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout")}
-    return Sentinel(sentinels, sentinel_kwargs=lookup, ssl=ssl, **lookup).master_for(
-        master, db=db, password=password, **options)
+    # one try per Sentinel per lookup (redis-py's default retries would stretch the caller's deadline)
+    sentinel_options = {**lookup, "retry": Retry(NoBackoff(), 0)}
+    return Sentinel(sentinels, sentinel_kwargs=sentinel_options, ssl=ssl, **lookup).master_for(
+        master, db=db, username=username, password=password, **options)
 
 
 class RedisStore:

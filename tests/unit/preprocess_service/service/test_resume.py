@@ -246,6 +246,11 @@ def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_sa
         assert saved.read_text() == before, "the state saved before is whole"
         assert not [p for p in state.iterdir() if p.name.endswith(".tmp")], "no partial file left behind"
         assert sum("cannot save its state" in r.getMessage() for r in caplog.records) == 1
+        subprocess.run(["mount", "-o", "remount,ro", str(state)], check=True)  # a read-only disk: the same
+        for rank in range(config.dp_size):
+            job.acknowledge(rank, 3)
+        assert saved.read_text() == before
+        subprocess.run(["mount", "-o", "remount,rw", str(state)], check=True)
         filler.unlink()  # space returns
         for rank in range(config.dp_size):
             job.acknowledge(rank, 4)

@@ -241,7 +241,7 @@ class ListJobsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class JobSummary(_message.Message):
-    __slots__ = ("job_id", "dp_size", "num_microbatches", "seq_len", "datasets", "num_planned_steps", "planning_done", "num_sent_microbatches", "acknowledged_step", "num_streams", "clients", "num_skipped", "idle_s")
+    __slots__ = ("job_id", "dp_size", "num_microbatches", "seq_len", "datasets", "num_planned_steps", "planning_done", "num_sent_microbatches", "acknowledged_step", "num_streams", "clients", "num_skipped", "idle_s", "warnings")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class JobSummary(_message.Message):
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     dp_size: int
     num_microbatches: int
@@ -268,7 +269,8 @@ class JobSummary(_message.Message):
     clients: _containers.RepeatedScalarFieldContainer[str]
     num_skipped: int
     idle_s: float
-    def __init__(self, job_id: _Optional[str] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seq_len: _Optional[int] = ..., datasets: _Optional[_Iterable[str]] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., acknowledged_step: _Optional[int] = ..., num_streams: _Optional[int] = ..., clients: _Optional[_Iterable[str]] = ..., num_skipped: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., dp_size: _Optional[int] = ..., num_microbatches: _Optional[int] = ..., seq_len: _Optional[int] = ..., datasets: _Optional[_Iterable[str]] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., acknowledged_step: _Optional[int] = ..., num_streams: _Optional[int] = ..., clients: _Optional[_Iterable[str]] = ..., num_skipped: _Optional[int] = ..., idle_s: _Optional[float] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs",)

@@ -133,6 +133,7 @@ def _jobs_text(jobs) -> str:
         lines.append(f"  {job.job_id:22} {job.dp_size:>5} {planned:>9} {job.num_sent_microbatches:>8} "
                      f"{job.acknowledged_step:>6} {job.num_streams:>7} {job.num_skipped:>7} {job.idle_s:>7.0f}  "
                      f"{','.join(job.datasets)} / {', '.join(job.clients) or '-'}")
+        lines += [f"    warning: {warning}" for warning in job.warnings]
     return "\n".join(lines)
 
 

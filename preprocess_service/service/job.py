@@ -222,7 +222,20 @@ class Job:
                 "num_planned_steps": report["num_planned_steps"], "planning_done": report["planning_done"],
                 "num_sent_microbatches": report["num_sent_microbatches"], "acknowledged_step": acked,
                 "num_streams": streams, "clients": clients, "num_skipped": len(report["skipped"]),
-                "idle_s": self.idle_s()}
+                "idle_s": self.idle_s(), "warnings": self.warnings()}
+
+    def warnings(self) -> list[str]:
+        """What is wrong with the job's durability now (JobSummary.warnings): said in the log and
+        the metrics as it happens, and here while it matters."""
+        out = []
+        lost = getattr(self.plans, "lost_writes", 0)
+        if lost:
+            out.append(f"Redis lost acknowledged writes {lost} time(s) (a failover or a restart without AOF): "
+                       "the missing steps were planned again")
+        if self.state_save_failing:
+            out.append("its state cannot be saved to state_dir (a full or read-only disk): a restart resumes "
+                       "from the last state saved there")
+        return out
 
     # --- lifecycle ------------------------------------------------------------------------------
     def touch(self) -> None:

@@ -212,6 +212,8 @@ def test_redis_killed_and_restarted_mid_stream_loses_nothing(dataset, tmp_path, 
         assert sum(s.jobs.factory.store.stats()["retries"] for s in servicers) > 0, "the replicas saw Redis go away"
         lost = sum(s.jobs.get(config.job_id()).plans.lost_writes for s in servicers)
         assert (lost > 0) == (not durable), "an empty Redis is lost writes, said; one with its AOF is not"
+        warnings = [w for s in servicers for w in pb.JobSummary(**s.jobs.get(config.job_id()).summary()).warnings]
+        assert any("lost acknowledged writes" in w for w in warnings) == (not durable), warnings  # in status
     finally:
         for server, _, _ in servers:
             server.stop(0).wait()

@@ -242,3 +242,16 @@ def test_lazy_local_names_are_looked_up_as_made_and_a_pattern_of_folders_is_expa
     assert list(folders) == [str(tmp_path / "d0" / "00000.tar"), str(tmp_path / "d0" / "00001.tar"),
                              str(tmp_path / "d1" / "00000.tar"), str(tmp_path / "d1" / "00001.tar"),
                              *(str(tmp_path / f"d{i}" / "00000.tar") for i in range(2, 6))]
+
+
+def test_status_prints_each_warning_under_its_job():
+    from disttrain_api import preprocess_pb2 as pb
+    from preprocess_service.service.cli import _jobs_text
+
+    calm = pb.JobSummary(job_id="job-a", dp_size=2, datasets=["default"])
+    worried = pb.JobSummary(job_id="job-b", dp_size=2, datasets=["default"],
+                            warnings=["Redis lost acknowledged writes 1 time(s)"])
+    lines = _jobs_text([calm, worried]).splitlines()
+    at = next(i for i, line in enumerate(lines) if "job-b" in line)
+    assert lines[at + 1].strip() == "warning: Redis lost acknowledged writes 1 time(s)"
+    assert not any("warning" in line for line in lines[:at])

@@ -246,6 +246,7 @@ def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_sa
         assert saved.read_text() == before, "the state saved before is whole"
         assert not [p for p in state.iterdir() if p.name.endswith(".tmp")], "no partial file left behind"
         assert sum("cannot save its state" in r.getMessage() for r in caplog.records) == 1
+        assert any("cannot be saved to state_dir" in w for w in job.summary()["warnings"])  # and in status
         subprocess.run(["mount", "-o", "remount,ro", str(state)], check=True)  # a read-only disk: the same
         for rank in range(config.dp_size):
             job.acknowledge(rank, 3)
@@ -256,6 +257,7 @@ def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_sa
             job.acknowledge(rank, 4)
         assert json.loads(saved.read_text())["acked"] == {"0": 4, "1": 4}
         assert any("saved again" in r.getMessage() for r in caplog.records)
+        assert job.summary()["warnings"] == []
         registry.close()
     finally:
         subprocess.run(["umount", str(state)], check=False)

@@ -64,8 +64,9 @@ case "$cmd" in
           "$VENV/bin/mypy" >&2
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
-          # two workers, a test file each at a time (its module fixtures built once); -n 0 runs in one
-          exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@" ;;
+          # one process (what CI runs); `-n 2 --dist loadfile` runs it in two, faster but with more
+          # load on the tests that watch a service recover
+          exec "$VENV/bin/python" -m pytest "$@" ;;
     run) exec "$VENV/bin/python" -m disttrain_tools run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
     *) exec "$VENV/bin/python" -m disttrain_tools "$cmd" "$@" ;;
 esac

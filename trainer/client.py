@@ -428,14 +428,24 @@ class DataClient:
         """The address the stream uses now (before iterating: the one unary calls use)."""
         return (self._stream_link or self._control).address
 
-    def _unary(self, call):
-        """A unary call, moved to the next address while the current one is unreachable."""
+    def _unary(self, call, *, reopen: bool = False):
+        """A unary call, moved to the next address while the current one is unreachable. With
+        ``reopen``, a service that does not know the job (a single node restarted, a Redis that lost
+        it) gets it opened again, once, and the call is made again (the job's own state, if the node
+        keeps one, resumes it there)."""
         with self._control_lock:
-            for attempt in range(2 * len(self.addresses)):
+            reopened = False
+            for attempt in range(2 * len(self.addresses) + 1):
                 try:
                     return call(self._control.stub)
                 except grpc.RpcError as exc:
-                    if exc.code() not in _RETRYABLE or attempt + 1 == 2 * len(self.addresses):
+                    if reopen and not reopened and exc.code() == grpc.StatusCode.NOT_FOUND \
+                            and isinstance(self._job, JobConfig):
+                        reopened = True
+                        log.info("%s does not know job %s: opening it again", self._control.address, self.job_id)
+                        self._open(self._control.stub, self._job)
+                        continue
+                    if exc.code() not in _RETRYABLE or attempt + 1 >= 2 * len(self.addresses):
                         raise
                     self._control.connect(self.connect_timeout_s)
 
@@ -539,7 +549,8 @@ class DataClient:
         """Tells the service every step before ``next_step`` (default: this client's position) is trained."""
         request = pb.AckRequest(job_id=self.job_id, dp_rank=self.dp_rank,
                                 next_step=self._next[0] if next_step is None else next_step)
-        return self._unary(lambda stub: stub.Acknowledge(request, timeout=self.call_timeout_s)).min_next_step
+        return self._unary(lambda stub: stub.Acknowledge(request, timeout=self.call_timeout_s),
+                           reopen=True).min_next_step
 
     def report_timings(self, timings: list[tuple[int, int, float, float, float]],
                        bubble: tuple[int, float] | None = None) -> pb.TimingAck:
@@ -551,7 +562,7 @@ class DataClient:
                                 backbone_s=bb, generator_s=gen) for step, index, enc, bb, gen in timings])
         if bubble is not None:
             request.bubble_step, request.bubble_fraction, request.has_bubble = bubble[0], bubble[1], True
-        return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s))
+        return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s), reopen=True)
 
     def report_totals(self, timings: list[tuple[int, int, float]]) -> pb.TimingAck:
         """Sends measured (step, microbatch_index, seconds) of this rank's microbatches: forward +
@@ -561,7 +572,7 @@ class DataClient:
         request = pb.TimingReport(job_id=self.job_id, timings=[
             pb.MicrobatchTiming(step=step, dp_rank=self.dp_rank, microbatch_index=index, total_s=seconds)
             for step, index, seconds in timings])
-        return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s))
+        return self._unary(lambda stub: stub.ReportTimings(request, timeout=self.call_timeout_s), reopen=True)
 
     def close_job(self) -> int:
         """Ends the job on the service for every rank (CloseJob); returns the streams it ended."""
@@ -570,7 +581,7 @@ class DataClient:
 
     def report(self) -> pb.JobReport:
         return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id),
-                                                       timeout=self.call_timeout_s))
+                                                       timeout=self.call_timeout_s), reopen=True)
 
     def _receive(self) -> None:
         position = self._next

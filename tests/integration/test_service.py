@@ -345,3 +345,28 @@ def test_health_and_reflection(service):
     [reply] = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
     assert "disttrain.preprocess.v1.Preprocess" in names and "grpc.health.v1.Health" in names
+
+
+def test_a_single_node_restarted_on_its_state_dir_is_given_the_job_again_by_a_client_call(dataset, service,
+                                                                                          tmp_path):
+    """The node restarts between a rank's microbatches and its acknowledgement (a checkpoint): the
+    acknowledgement finds the job unknown (NOT_FOUND), opens it again (the node resumes it from its
+    state_dir) and is made; the rank's epoch continues with every microbatch as planned."""
+    config = _config(dataset, dp_size=1, seq_len=1024)
+    [want] = _consume_all(service[0], config).values()  # the same job on another node, undisturbed
+    server, port, _ = create_server("127.0.0.1:0", state_dir=str(tmp_path / "state"))
+    address = f"127.0.0.1:{port}"
+    try:
+        with DataClient(address, config, 0, prefetch=1, reconnect_timeout_s=60) as client:
+            it = iter(client)
+            got = [next(it) for _ in range(config.num_microbatches)]  # step 0
+            assert client.acknowledge(1) == 1
+            got += [next(it) for _ in range(config.num_microbatches)]  # step 1, then the node restarts
+            server.stop(grace=0).wait()
+            server, _, _ = create_server(address, state_dir=str(tmp_path / "state"))
+            assert client.acknowledge(2) == 2  # NOT_FOUND at first: the job is opened again and it is made
+            got += list(it)
+    finally:
+        server.stop(grace=0).wait()
+    assert [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in got] == \
+        [(mb.step, mb.microbatch_index, mb.sample_keys) for mb in want]

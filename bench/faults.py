@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import errno
 import json
 import os
 import random
@@ -43,10 +45,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests"))
 
 import benchjson  # noqa: E402
 
 from disttrain_api.config import JobConfig  # noqa: E402
+from webservers import Nginx  # noqa: E402  (tests/ is on sys.path when this runs as a script)
 
 FAULTS = {
     "redis-cut": "replica 0 cut from Redis; its clients still reach it",
@@ -54,10 +58,12 @@ FAULTS = {
     "minority": "replica 0 of 3 cut from everything (a minority partition)",
     "slow-clients-link": "200 ms delay and 5% loss between the clients and replica 0",
     "slow-redis-link": "200 ms delay and 5% loss between replica 0 and Redis",
-    "rank-kill": "rank 0 SIGKILLed mid-step, restarted from its last checkpoint",
+    "rank-kill": "rank 0 SIGKILLed mid-step; torchrun's elastic agent restarts the group from their checkpoints",
     "slow-rank": "rank 1 ten times slower than the others",
     "redis-failover": "the Redis primary cut from its replica, then killed: the Sentinel promotes the replica, "
                       "which lacks the last 1-2 s of writes",
+    "cache-disk-full": "replica 0's shard cache disk (a tmpfs) filled to the last byte",
+    "state-disk-full": "a single node's state_dir disk (a tmpfs) filled; the node killed and restarted on it",
 }
 PROMISES = {
     "redis-cut": "exactly-once; the replica's streams end within stream_redis_timeout_s (3 s) and their ranks "
@@ -71,37 +77,51 @@ PROMISES = {
     "slow-rank": "exactly-once; the other ranks' streams are not held back by the slow one",
     "redis-failover": "exactly-once while planning is deterministic (no cost feedback): the lost steps are planned "
                       "again the same; the lost writes are said (log, disttrain_redis_lost_writes_total)",
+    "cache-disk-full": "exactly-once; a shard that cannot be cached is streamed uncached, said in the log, no partial "
+                       "file stays; the cache is used again once there is room",
+    "state-disk-full": "exactly-once; acknowledgements go on, the failed saves are said (log, "
+                       "disttrain_state_save_errors_total, status); a restart resumes from the last whole state and "
+                       "plans the steps after it the same; saving resumes once there is room",
 }
+SAID = {"redis-failover": "lost acknowledged writes", "cache-disk-full": "cannot cache",
+        "state-disk-full": "cannot save its state"}
+"""What the service must say of the fault, in its log (and metrics): lines with this text."""
 REDIS_PORT, SERVICE_PORT = 6379, 50051
-SHORT = ("slow-clients-link", "slow-redis-link", "rank-kill")
+SHORT = ("slow-clients-link", "slow-redis-link", "rank-kill", "cache-disk-full", "state-disk-full")
 """Faults whose effect shows at once: ``--quick`` gives them less time than the partitions, whose
 recovery (a stream timing out, keepalive, a lease passing) takes seconds to show."""
 
 
 # --- a client rank (a process in the clients' namespace) ----------------------------------------
 def rank_main(args: argparse.Namespace) -> int:
+    """One client rank: a torchrun worker (its rank from RANK), restarted by torchrun's elastic agent
+    when a worker of the group dies, resuming from the state it saved at its last step end."""
     import logging
 
     from trainer import DataClient
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # rankN.out
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # torchrun.out
+    rank = int(os.environ["RANK"])
     fields = json.loads(args.config)
     config = JobConfig(**{**fields, "shards": tuple(fields["shards"])})
     out = Path(args.out)
-    state_path, pace_path = out / f"rank{args.rank}.state.json", out / f"rank{args.rank}.pace"
+    addresses = args.addresses.split(",")
+    addresses = addresses[rank % len(addresses):] + addresses[:rank % len(addresses)]  # spread the ranks
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))  # what the rank-kill fault kills
+    state_path, pace_path = out / f"rank{rank}.state.json", out / f"rank{rank}.pace"
     state = json.loads(state_path.read_text()) if state_path.exists() else None
-    with open(out / f"rank{args.rank}.jsonl", "a") as history, \
-            DataClient(args.addresses.split(","), config, args.rank, prefetch=2, reconnect_timeout_s=180) as client:
+    with open(out / f"rank{rank}.jsonl", "a") as history, \
+            DataClient(addresses, config, rank, prefetch=2, reconnect_timeout_s=180) as client:
         if state is not None:
             client.load_state_dict(state)
-        history.write(json.dumps({"event": "start", "t": time.time(),
-                                  "from_step": state["next_step"] if state else 0}) + "\n")
+        history.write(json.dumps({"event": "start", "t": time.time(), "from_step": state["next_step"] if state else 0,
+                                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}) + "\n")
         history.flush()
         for mb in client:
             pace = float(pace_path.read_text()) if pace_path.exists() else args.pace
             time.sleep(pace)  # the trainer's compute for this microbatch
             history.write(json.dumps({
-                "t": time.time(), "rank": args.rank, "epoch": mb.epoch, "step": mb.step, "mb": mb.microbatch_index,
+                "t": time.time(), "rank": rank, "epoch": mb.epoch, "step": mb.step, "mb": mb.microbatch_index,
                 "keys": list(mb.sample_keys), "skipped": [key for key, *_ in mb.skipped], "pace": pace,
                 "replica": client.address}) + "\n")
             history.flush()
@@ -113,7 +133,7 @@ def rank_main(args: argparse.Namespace) -> int:
                 client.acknowledge(saved["next_step"])
                 history.write(json.dumps({"t": time.time(), "ack": saved["next_step"]}) + "\n")
                 history.flush()
-        if args.rank == 0:  # what the service reports skipped (at planning: never in a microbatch)
+        if rank == 0:  # what the service reports skipped (at planning: never in a microbatch)
             history.write(json.dumps({"event": "report", "t": time.time(),
                                       "skipped": sorted({s.key for s in client.report().skipped})}) + "\n")
         history.write(json.dumps({"event": "done", "t": time.time()}) + "\n")
@@ -122,30 +142,49 @@ def rank_main(args: argparse.Namespace) -> int:
 
 # --- the cluster ---------------------------------------------------------------------------------
 class Cluster:
-    """Redis, replicas and relays in their namespaces; ranks are started per run."""
+    """The service's nodes in their namespaces, and nginx serving the shards (the replicas read them
+    over HTTP, through their shard caches); the ranks (one torchrun) are started per run. ``kind``:
 
-    def __init__(self, lab, workdir: Path, *, num_replicas: int = 3, sentinel: bool = False, log=print):
-        self.lab, self.workdir, self.log = lab, workdir, log
+    - "shared": Redis, three replicas, the relays on replica 0's links; replica 0's shard cache on a
+      small tmpfs (room for about two shards, a bound of one and a half: it evicts and fetches again);
+    - "sentinel": the same with a Redis primary and its replica under a Sentinel;
+    - "solo": one node without Redis, its state_dir on a small tmpfs."""
+
+    def __init__(self, lab, workdir: Path, shards: list[str], *, kind: str = "shared", log=print):
+        self.lab, self.workdir, self.log, self.kind = lab, workdir, log, kind
         self.processes: list[subprocess.Popen] = []
         self.replicas: list = []
-        self.sentinel = None
+        self.sentinel = self.web = self.cache_dir = self.state_dir = None
+        self.mounts: list[Path] = []
+        self.relays: dict[str, subprocess.Popen] = {}
         try:
-            self._start(num_replicas, sentinel)
+            self._start(shards)
         except BaseException:
             self.close()  # nothing left running in namespaces about to go
             raise
 
-    def _start(self, num_replicas: int, sentinel: bool) -> None:
+    def _start(self, shards: list[str]) -> None:
         from disttrain_tools.localcluster import LocalSentinel, Replica
 
         lab, workdir = self.lab, self.workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        redis_ip = lab.add("redis")
         self.clients_ip = lab.add("clients")
-        replica_ips = [lab.add(f"rep{i}") for i in range(num_replicas)]
+        web_ip = lab.add("web")
+        self.web = Nginx(Path(shards[0]).parent, workdir / "web", host=web_ip, port=80,
+                         prefix=tuple(lab.exec_prefix("web")))
+        self.shard_urls = [f"{self.web.url}/{Path(shard).name}" for shard in shards]
+        if self.kind == "solo":
+            self.state_dir = self._tmpfs("state-disk", 4 << 20)
+            replica = Replica(None, port=SERVICE_PORT, host=lab.add("solo"), prefix=tuple(lab.exec_prefix("solo")),
+                              log_path=workdir / "solo.log", extra_args=("--state-dir", str(self.state_dir)))
+            self.replicas.append(replica.start(timeout_s=180))
+            self.addresses = [replica.address]
+            return
+        redis_ip = lab.add("redis")
+        replica_ips = [lab.add(f"rep{i}") for i in range(3)]
         relay_redis, relay_clients = lab.add("link-r0"), lab.add("link-c0")
         self.redis = self._redis_server("redis", redis_ip)
-        if sentinel:  # a primary with one replica under a Sentinel; the replicas ask it where the primary is
+        if self.kind == "sentinel":  # a primary with one replica under a Sentinel; the replicas ask it where it is
             self._redis_server("redis2", lab.add("redis2"), "--replicaof", redis_ip, str(REDIS_PORT))
             sentinel_ip = lab.add("sentinel")
             self.sentinel = LocalSentinel(workdir / "sentinel", REDIS_PORT, port=26379, master_host=redis_ip,
@@ -158,18 +197,37 @@ class Cluster:
                                                f"{relay_clients}:{SERVICE_PORT}", "--to",
                                                f"{replica_ips[0]}:{SERVICE_PORT}", "--seed", "1"]),
         }
+        # replica 0's cache: room for a job's share (half) to hold the largest shard, not for all of them
+        largest = max(os.path.getsize(shard) for shard in shards)
+        cache_bytes = largest * 22 // 10
+        if cache_bytes >= sum(os.path.getsize(shard) for shard in shards):
+            raise ValueError("the shards fit replica 0's shard cache: the cache-disk-full fault needs more of them")
+        self.cache_dir = self._tmpfs("cache-disk", cache_bytes * 3 // 2)
         time.sleep(1.0)
         for i, ip in enumerate(replica_ips):
             direct = f"redis://{relay_redis if i == 0 else redis_ip}:{REDIS_PORT}/0"
             url = self.sentinel.url if self.sentinel else direct
+            cache = ("--shard-cache-dir", str(self.cache_dir), "--shard-cache-bytes", str(cache_bytes)) \
+                if i == 0 else ()
             replica = Replica(url, port=SERVICE_PORT, host=ip, prefix=tuple(lab.exec_prefix(f"rep{i}")),
-                              log_path=workdir / f"rep{i}.log", extra_args=("--lease-ttl", "2"))
+                              log_path=workdir / f"rep{i}.log", extra_args=("--lease-ttl", "2", *cache))
             replica.start(wait=False)
             self.replicas.append(replica)
         for replica in self.replicas:
             replica.wait_ready(timeout_s=180)
         # the clients reach replica 0 through its relay, the others directly
         self.addresses = [f"{relay_clients}:{SERVICE_PORT}"] + [f"{ip}:{SERVICE_PORT}" for ip in replica_ips[1:]]
+
+    def _tmpfs(self, name: str, size: int) -> Path:
+        """A small disk of its own (mounted before the node starts: its namespace sees it too)."""
+        path = self.workdir / name
+        path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot mount a tmpfs on {path}: {done.stderr.strip()}")
+        self.mounts.append(path)
+        return path
 
     def _redis_server(self, node: str, ip: str, *args: str) -> subprocess.Popen:
         data = self.workdir / node
@@ -185,14 +243,30 @@ class Cluster:
         self.processes.append(process)
         return process
 
-    def start_rank(self, rank: int, num_ranks: int, config: dict, out: Path, pace: float) -> subprocess.Popen:
-        order = self.addresses[rank % len(self.addresses):] + self.addresses[:rank % len(self.addresses)]
-        command = [sys.executable, str(REPO / "bench" / "faults.py"), "rank", "--rank", str(rank),
-                   "--addresses", ",".join(order), "--config", json.dumps(config), "--out", str(out),
-                   "--pace", str(pace)]
-        log = open(out / f"rank{rank}.out", "ab")
+    def start_ranks(self, num_ranks: int, config: dict, out: Path, pace: float) -> subprocess.Popen:
+        """The ranks as one torchrun (its elastic agent restarts the group when a worker dies), in its
+        own session so that nothing of it outlives the run."""
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   "--nproc-per-node", str(num_ranks), "--max-restarts", "3", "--monitor-interval", "0.2",
+                   str(REPO / "bench" / "faults.py"), "rank", "--addresses", ",".join(self.addresses),
+                   "--config", json.dumps(config), "--out", str(out), "--pace", str(pace)]
+        log = open(out / "torchrun.out", "ab")
         return subprocess.Popen(self.lab.exec_prefix("clients") + command, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+
+    def log_sizes(self) -> dict[Path, int]:
+        """Where each node's log ends now (what a run says is read from there on)."""
+        return {r.log_path: r.log_path.stat().st_size if r.log_path.exists() else 0 for r in self.replicas}
+
+    def said(self, since: dict[Path, int], text: str, job_id: str | None = None) -> int:
+        """Lines with ``text`` (and ``job_id``) the nodes logged since ``since``."""
+        count = 0
+        for path, offset in since.items():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                lines = f.read().decode(errors="replace").splitlines()
+            count += sum(1 for line in lines if text in line and (job_id is None or job_id in line))
+        return count
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -203,10 +277,44 @@ class Cluster:
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=30)
+        if self.web is not None:
+            self.web.close()
+        for path in self.mounts:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def kill_ranks(agent: subprocess.Popen, out: Path) -> None:
+    """torchrun and every worker it started (none outlives its run)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    for pid_file in out.glob("rank*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError, OSError):
+            pid = int(pid_file.read_text())
+            if b"faults.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        agent.wait(timeout=30)
+
+
+def fill(disk: Path) -> Path:
+    """Writes a file on ``disk`` until it is full (ENOSPC); returns it."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for chunk in (bytes(1 << 20), bytes(4096), b"\0"):
+            try:
+                while True:
+                    os.write(fd, chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
+    return filler
 
 
 # --- faults --------------------------------------------------------------------------------------
-def inject(fault: str, cluster: Cluster, ranks: dict, rng: random.Random, out: Path, pace: float):
+def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Random, out: Path, pace: float):
     """Starts ``fault``; returns what heals it."""
     lab = cluster.lab
     if fault == "redis-cut":
@@ -231,17 +339,22 @@ def inject(fault: str, cluster: Cluster, ranks: dict, rng: random.Random, out: P
         cluster.redis.kill()
         cluster.redis.wait(timeout=30)
         return lambda: lab.heal("redis")
-    if fault == "rank-kill":
-        victim = ranks[0]
-        victim["process"].kill()
-        victim["process"].wait(timeout=30)
-        victim["kills"] += 1
-        time.sleep(rng.uniform(0.5, 2.0))  # torchrun's restart takes a moment
-        victim["process"] = victim["start"]()
+    if fault == "rank-kill":  # torchrun sees the worker die and restarts the group from their checkpoints
+        os.kill(int((out / "rank0.pid").read_text()), signal.SIGKILL)
         return lambda: None
     if fault == "slow-rank":
         (out / "rank1.pace").write_text(str(pace * 10))
         return lambda: (out / "rank1.pace").unlink()
+    if fault == "cache-disk-full":
+        filler = fill(cluster.cache_dir)
+        return filler.unlink
+    if fault == "state-disk-full":  # the node dies while its disk is full and restarts on it
+        filler = fill(cluster.state_dir)
+        time.sleep(rng.uniform(1.0, 3.0))
+        node = cluster.replicas[0]
+        node.kill()
+        node.start(timeout_s=180)
+        return filler.unlink
     raise ValueError(f"unknown fault {fault!r}")
 
 
@@ -263,8 +376,9 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
     reported: set[str] = set()
     extra: collections.Counter = collections.Counter()
     replicas = collections.Counter()
+    back = 0.0
     for rank in range(num_ranks):
-        acked, last_t, before, during, life = 0, None, None, set(), 0
+        acked, last_t, before, during, life, restarted = 0, None, None, set(), 0, False
         for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
             try:
                 record = json.loads(line)
@@ -273,6 +387,7 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
             if record.get("event") == "start":
                 last_t = record["t"]  # a restarted rank waits for its first microbatch from here
                 life += 1  # what an earlier life got may come again; the same life gets each slot once
+                restarted = life > 1 and record["t"] >= fault_at
                 continue
             if record.get("event") == "done":
                 done += 1
@@ -284,6 +399,8 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
                 acked = max(acked, record["ack"])
                 continue
             t = record["t"]
+            if restarted:  # the first microbatch of a life begun after the fault: the rank is back
+                back, restarted = max(back, t - fault_at), False
             if last_t is not None and t >= fault_at and last_t <= healed_at + 30:
                 stall = max(stall, t - last_t - record["pace"])
             last_t = t
@@ -316,7 +433,8 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
             "keys_delivered": sum(counts.values()), "keys_lost": lost,
             "keys_repeated": repeated, "conflicting_microbatches": conflicting,
             "acknowledged_steps_replayed": acked_replayed, "microbatches_replayed_after_restart": replayed,
-            "ranks_finished": done, "stall_s": round(max(stall, 0.0), 2), "replicas_used": len(replicas),
+            "ranks_finished": done, "stall_s": round(max(stall, 0.0), 2),
+            "ranks_back_s": round(back, 2) if back else None, "replicas_used": len(replicas),
             "ranks_moved_during_fault": moved}
 
 
@@ -325,43 +443,63 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
     rng = random.Random(seed)
     out = workdir / f"{fault}-{seed}"
     out.mkdir(parents=True)
-    config = {"shards": shards, "seq_len": 4096, "dp_size": num_ranks, "num_microbatches": 2,
+    config = {"shards": cluster.shard_urls, "seq_len": 4096, "dp_size": num_ranks, "num_microbatches": 2,
               "seqs_per_microbatch": 1, "seed": seed, "num_epochs": epochs}
-    ranks = {}
-    for rank in range(num_ranks):
-        def start(rank=rank):
-            return cluster.start_rank(rank, num_ranks, config, out, pace)
-        ranks[rank] = {"start": start, "process": start(), "kills": 0}
+    since = cluster.log_sizes()
+    agent = cluster.start_ranks(num_ranks, config, out, pace)
     try:
         deadline = time.monotonic() + 240
         while not all(_delivered(out, rank) >= 2 for rank in range(num_ranks)):  # every rank streaming
-            if time.monotonic() > deadline or any(r["process"].poll() not in (None, 0) for r in ranks.values()):
+            if time.monotonic() > deadline or agent.poll() not in (None, 0):
                 raise RuntimeError(f"{fault}: ranks did not start streaming (see {out})")
             time.sleep(0.1)
         time.sleep(rng.uniform(0.2, 2.0))
         fault_at = time.time()
-        heal = inject(fault, cluster, ranks, rng, out, pace)
+        heal = inject(fault, cluster, agent, rng, out, pace)
         time.sleep(duration_s)
         heal()
         healed_at = time.time()
         log(f"  {fault}: injected for {healed_at - fault_at:.1f} s, healed; waiting for the job to end")
-        deadline = time.monotonic() + 300
-        for rank, entry in ranks.items():
-            try:
-                entry["process"].wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                log(f"  {fault}: rank {rank} did not finish within 300 s of the heal (killed)")
+        try:
+            agent.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            log(f"  {fault}: the ranks did not finish within 300 s of the heal (killed)")
     finally:
-        for entry in ranks.values():  # none outlives its run
-            if entry["process"].poll() is None:
-                entry["process"].kill()
-                entry["process"].wait(timeout=30)
+        kill_ranks(agent, out)
     result = verdict(out, num_ranks, shard_keys(shards), epochs, fault_at, healed_at)
     result["fault_s"] = round(healed_at - fault_at, 1)
-    job_id = JobConfig(**{**config, "shards": tuple(shards)}).job_id()
-    result["lost_writes_said"] = sum(1 for replica in cluster.replicas for line in replica.log_path.read_text(
-        errors="replace").splitlines() if job_id in line and "lost acknowledged writes" in line)
+    result["torchrun_exit"] = agent.returncode
+    job_id = JobConfig(**{**config, "shards": tuple(config["shards"])}).job_id()
+    result["said"] = cluster.said(since, SAID[fault], job_id if fault == "redis-failover" else None) \
+        if fault in SAID else None
+    if fault == "state-disk-full":
+        result["state_saved_again"] = cluster.said(since, "its state is saved again", job_id)
+        result["acked_after_heal"] = _acks_after(out, num_ranks, healed_at)
+        result["resumed_from_saved_state"] = cluster.said(since, "resumed from", job_id)
+    if fault == "cache-disk-full":  # shards cached since the heal: the cache is used again
+        result["cached_after_heal"] = sum(1 for f in cluster.cache_dir.rglob("*.tar") if f.stat().st_mtime >= healed_at)
+    disk = {"cache-disk-full": cluster.cache_dir, "state-disk-full": cluster.state_dir}.get(fault)
+    if disk is not None:  # a write the full disk cut short is not left (one under way may be, for a moment)
+        deadline = time.monotonic() + 30
+        while (partial := _partial_files(disk)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        result["partial_files_left"] = len(partial)
     return result
+
+
+def _partial_files(disk: Path) -> list[Path]:
+    return [f for f in disk.rglob("*") if f.name.endswith((".part", ".tmp"))]
+
+
+def _acks_after(out: Path, num_ranks: int, t: float) -> int:
+    """Acknowledgements the ranks made after ``t``."""
+    count = 0
+    for rank in range(num_ranks):
+        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                count += "ack" in record and record["t"] > t
+    return count
 
 
 def _delivered(out: Path, rank: int) -> int:
@@ -388,23 +526,25 @@ def faults(*, names: list[str], runs: int, shards: list[str], epochs: int, num_r
         log(f"  {name} run {run + 1}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
         results[name].append(result)
 
-    shared = [name for name in names if name != "redis-failover"]
+    own = {"redis-failover": "sentinel", "state-disk-full": "solo"}  # a fresh cluster of their own each run
+    shared = [name for name in names if name not in own]
     if shared:
         with netlab.NetLab() as lab:
-            cluster = Cluster(lab, workdir / "cluster", log=log)
+            cluster = Cluster(lab, workdir / "cluster", shards, log=log)
             try:
                 for run in range(runs):
                     for name in rng.sample(shared, len(shared)):  # a random order each round
                         one(cluster, name, run)
             finally:
                 cluster.close()
-    for run in range(runs if "redis-failover" in names else 0):  # a fresh primary and replica each time
-        with netlab.NetLab() as lab:
-            cluster = Cluster(lab, workdir / f"sentinel-{run}", sentinel=True, log=log)
-            try:
-                one(cluster, "redis-failover", run)
-            finally:
-                cluster.close()
+    for name in [name for name in own if name in names]:
+        for run in range(runs):
+            with netlab.NetLab() as lab:
+                cluster = Cluster(lab, workdir / f"{own[name]}-{run}", shards, kind=own[name], log=log)
+                try:
+                    one(cluster, name, run)
+                finally:
+                    cluster.close()
     return {"workdir": str(workdir), "results": results}
 
 
@@ -412,19 +552,21 @@ def summary(results: dict[str, list[dict]]) -> list[list]:
     rows = []
     for name, runs in results.items():
         stalls = [r["stall_s"] for r in runs]
+        backs = [r["ranks_back_s"] for r in runs if r.get("ranks_back_s") is not None]
+        said = [r["said"] for r in runs if r.get("said") is not None]
         rows.append([name, len(runs), sum(r["keys_lost"] for r in runs), sum(r["keys_repeated"] for r in runs),
                      sum(r["conflicting_microbatches"] for r in runs),
                      sum(r["acknowledged_steps_replayed"] for r in runs),
                      round(statistics.median(stalls), 2) if stalls else None, max(stalls, default=None),
-                     sum(r.get("lost_writes_said", 0) for r in runs), PROMISES[name]])
+                     round(statistics.median(backs), 2) if backs else None,
+                     f"{sum(1 for n in said if n)}/{len(said)}" if said else None, PROMISES[name]])
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
-    rank = sub.add_parser("rank", help="(internal) one client rank")
-    rank.add_argument("--rank", type=int, required=True)
+    rank = sub.add_parser("rank", help="(internal) one client rank, a torchrun worker")
     rank.add_argument("--addresses", required=True)
     rank.add_argument("--config", required=True)
     rank.add_argument("--out", required=True)
@@ -445,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"faults: skipped: {reason}")
         return 0
     if args.quick:
-        runs, shards, epochs, pace, duration, slow_rank_s = 1, benchjson.quick_shards(2, 40), 6, 0.12, (10.0, 10.0), 4.0
+        runs, shards, epochs, pace, duration, slow_rank_s = 1, benchjson.quick_shards(4, 20), 6, 0.12, (10.0, 10.0), 4.0
         short_s = 4.0
     else:
         shards = benchjson.quick_shards(4, 50)
@@ -456,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                      duration_s=duration, slow_rank_s=slow_rank_s, short_s=short_s, seed=args.seed)
     rows = summary(figures["results"])
     header = ["fault", "runs", "keys lost", "keys repeated", "conflicting microbatches", "acked steps replayed",
-              "stall s (median)", "stall s (worst)", "lost writes said", "promise"]
+              "stall s (median)", "stall s (worst)", "restarted ranks back s (median)", "runs that said it",
+              "promise"]
     print("  " + " | ".join(header[:-1]))
     for row in rows:
         print("  " + " | ".join(str(v) for v in row[:-1]))
@@ -465,13 +608,24 @@ def main(argv: list[str] | None = None) -> int:
         "faults: 3 replicas on one Redis, 2 ranks, each fault injected at a random time and healed",
         header, rows, notes=[f"{name}: {text}" for name, text in FAULTS.items() if name in args.faults]
         + ["stall: the longest wait of any rank for a microbatch beyond its own pace, from the fault until 30 s "
-           "after the heal", "verdict from the ranks' histories and the shards read with tarfile"]))
+           "after the heal (a restarted rank's from its start)",
+           "restarted ranks back: from the kill to the first microbatch of every restarted rank (torchrun's "
+           "restart, the imports, the resume)",
+           "runs that said it: runs whose service logged the fault (lost writes, a shard not cached, a state not "
+           "saved)", "verdict from the ranks' histories and the shards read with tarfile"]))
     benchjson.write(args.json, doc)
     bad = any(row[2] or row[3] or row[4] or row[5] for row in rows)
     unfinished = [name for name, runs_ in figures["results"].items() for r in runs_ if r["ranks_finished"] < 2]
     if unfinished:
         print(f"faults: ranks did not finish in {unfinished}")
-    return 1 if bad or unfinished else 0
+    partial = [name for name, runs_ in figures["results"].items() for r in runs_ if r.get("partial_files_left")]
+    if partial:
+        print(f"faults: a full disk left partial files in {partial}")
+    unsaved = [r for r in figures["results"].get("state-disk-full", []) if r["acked_after_heal"]
+               and not r["state_saved_again"]]
+    if unsaved:
+        print("faults: the state was not saved again once its disk had room")
+    return 1 if bad or unfinished or partial or unsaved else 0
 
 
 if __name__ == "__main__":

@@ -140,9 +140,10 @@ class LocalSentinel:
 
 class Replica:
     """One service replica as its own process (``python -m preprocess_service serve --redis``), so
-    it can be SIGKILLed like a crashed node and restarted on the same port."""
+    it can be SIGKILLed like a crashed node and restarted on the same port. With ``redis_url``
+    None it is a single node (its state in ``--state-dir``, if ``extra_args`` gives one)."""
 
-    def __init__(self, redis_url: str, *, port: int | None = None, decode_workers: int = 1,
+    def __init__(self, redis_url: str | None, *, port: int | None = None, decode_workers: int = 1,
                  log_path: Path | None = None, extra_args: tuple[str, ...] = (), host: str = "127.0.0.1",
                  prefix: tuple[str, ...] = ()):
         self.redis_url = redis_url
@@ -165,7 +166,7 @@ class Replica:
 
         args = [*self.prefix, sys.executable, "-m", "preprocess_service", "serve", "--host", self.host,
                 "--port", str(self.port),
-                "--redis", self.redis_url, "--decode-workers", str(self.decode_workers),
+                *(("--redis", self.redis_url) if self.redis_url else ()), "--decode-workers", str(self.decode_workers),
                 "--replica-id", f"replica-{self.host}:{self.port}", "--metrics-port", "0", *self.extra_args]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)

@@ -41,14 +41,18 @@ class LogLine:
 
 
 class Nginx:
-    """nginx serving ``root`` on 127.0.0.1 (``url``); ``/slow/...`` serves the same files at
-    ``slow_rate`` bytes/s. Use as a context manager; ``log()`` parses the access log."""
+    """nginx serving ``root`` on ``host`` (127.0.0.1; ``url``); ``/slow/...`` serves the same files
+    at ``slow_rate`` bytes/s. ``prefix`` is prepended to its command (``ip netns exec NS``: in a
+    network namespace, whose address ``host`` is). Use as a context manager; ``log()`` parses the
+    access log."""
 
-    def __init__(self, root: Path, work: Path, *, slow_rate: str = "200k"):
+    def __init__(self, root: Path, work: Path, *, slow_rate: str = "200k", host: str = "127.0.0.1",
+                 port: int | None = None, prefix: tuple[str, ...] = ()):
         binary = nginx_binary()
         if binary is None:
             raise FileNotFoundError("nginx is not installed (apt-get install nginx-light; ./dev.sh test does)")
-        self.root, self.work, self.port = Path(root), Path(work), free_port()
+        self.root, self.work, self.host = Path(root), Path(work), host
+        self.port = port or free_port()
         self.work.mkdir(parents=True, exist_ok=True)
         user = "user root;" if os.geteuid() == 0 else ""  # workers would run as nobody, who cannot read tmp dirs
         temp = "\n".join(f"    {kind}_temp_path {self.work}/{kind};" for kind in
@@ -67,20 +71,20 @@ http {{
     default_type application/octet-stream;
     sendfile on;
     server {{
-        listen 127.0.0.1:{self.port};
+        listen {self.host}:{self.port};
         root {self.root};
         location /slow/ {{ alias {self.root}/; limit_rate {slow_rate}; sendfile off; output_buffers 1 8k; }}
     }}
 }}
 """)
-        self.process = subprocess.Popen([binary, "-c", str(self.work / "nginx.conf"), "-p", str(self.work),
+        self.process = subprocess.Popen([*prefix, binary, "-c", str(self.work / "nginx.conf"), "-p", str(self.work),
                                          "-e", str(self.work / "error.log")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def _wait_ready(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -89,7 +93,7 @@ http {{
                 raise RuntimeError(f"nginx exited with {self.process.returncode}: "
                                    f"{self.process.stderr.read().decode(errors='replace')}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.05)

@@ -1,7 +1,7 @@
 """Cluster faults (bench/faults.py): the history verdict catches what it must, and the short
 version of the bench (one run of each fault, in network namespaces) loses, repeats and conflicts
-nothing, with the ranks of a replica cut from Redis moving before the cut heals, and a Sentinel
-failover that lost writes saying so."""
+nothing; a Sentinel failover that lost writes and full disks are said; torchrun restarts a killed
+rank's group."""
 
 from __future__ import annotations
 
@@ -59,6 +59,17 @@ def test_a_slot_delivered_twice_to_one_client_life_is_a_repeat_not_a_replay(tmp_
     assert result["keys_lost"] == 0
 
 
+def test_a_rank_restarted_after_the_fault_is_back_at_its_first_microbatch(tmp_path):
+    _history(tmp_path / "rank0.jsonl", [
+        {"event": "start", "t": 0.0, "from_step": 0},
+        _mb(1.0, 0, 0, ["k1"]), _mb(1.1, 0, 1, ["k2"]), {"t": 1.2, "ack": 1},
+        {"event": "start", "t": 7.0, "from_step": 1, "restart": 1},  # killed at 5.0, restarted by torchrun
+        _mb(8.5, 1, 0, ["k3"]), _mb(8.6, 1, 1, ["k4"]), {"event": "done", "t": 9.0}])
+    result = faults.verdict(tmp_path, 1, {"k1", "k2", "k3", "k4"}, 1, fault_at=5.0, healed_at=5.0)
+    assert result["ranks_back_s"] == pytest.approx(3.5) and result["keys_lost"] == 0
+    assert result["stall_s"] == pytest.approx(8.5 - 7.0 - 0.1)  # the wait of its new life, not its restart
+
+
 @pytest.mark.timeout(900)
 def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move(tmp_path):
     reason = netlab.unavailable()
@@ -79,4 +90,12 @@ def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move
     # how soon ranks move (ranks_moved_during_fault, stall_s) is measured, not asserted: on a loaded
     # machine a hand-over (stream timeout, planning lease, replay) can outlast a 10 s cut
     # a failover to a replica behind its primary lost committed steps: said, and planned again the same
-    assert results["redis-failover"][0]["lost_writes_said"] >= 1, results["redis-failover"]
+    assert results["redis-failover"][0]["said"] >= 1, results["redis-failover"]
+    # torchrun restarted the killed rank's group, which resumed from its checkpoints
+    assert results["rank-kill"][0]["ranks_back_s"] is not None, results["rank-kill"]
+    # full disks: said, no partial file left; a node restarted on a full state_dir resumed from the
+    # state saved before, and saved again once there was room
+    cache, state = results["cache-disk-full"][0], results["state-disk-full"][0]
+    assert cache["said"] >= 1 and cache["partial_files_left"] == 0, cache
+    assert state["said"] >= 1 and state["resumed_from_saved_state"] >= 1 and state["partial_files_left"] == 0, state
+    assert state["state_saved_again"] >= 1 or not state["acked_after_heal"], state

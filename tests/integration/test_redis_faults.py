@@ -252,3 +252,35 @@ def test_a_sentinel_failover_is_followed_to_the_promoted_replica(tmp_path):
             assert store.stats()["retries"] > 0
         finally:
             sentinel.stop()
+
+
+def test_a_call_waiting_on_a_primary_that_went_silent_moves_to_the_promoted_replica(tmp_path):
+    """The primary stops answering (SIGSTOP: its connections stay open, a call on one would wait
+    out the socket timeout) and the Sentinel promotes its replica: the store sees the new primary
+    and cuts the call short, which is made again there, long before the socket timeout."""
+    import signal
+
+    from disttrain_tools.localcluster import LocalSentinel
+
+    socket_timeout_s = 60.0
+    with LocalRedis(tmp_path / "primary") as primary, \
+            LocalRedis(tmp_path / "replica", extra_args=("--replicaof", "127.0.0.1", str(primary.port))) as replica:
+        sentinel = LocalSentinel(tmp_path / "sentinel", primary.port).start()
+        store = RedisStore(sentinel.url, socket_timeout_s=socket_timeout_s, retry_deadline_s=120)
+        try:
+            store.register_job("job-a", b"spec-a")
+            with redis.Redis(port=replica.port) as direct:
+                deadline = time.monotonic() + BOUND_S
+                while direct.get("disttrain:{job-a}:spec") != b"spec-a":  # replicated
+                    assert time.monotonic() < deadline, "the replica never received the write"
+                    time.sleep(0.05)
+            primary.process.send_signal(signal.SIGSTOP)
+            began = time.monotonic()
+            assert store.job_spec("job-a") == b"spec-a"  # sent to the silent primary, then cut and sent again
+            waited = time.monotonic() - began
+            assert sentinel.primary() == ("127.0.0.1", replica.port)
+            assert waited < socket_timeout_s / 2, f"the call waited {waited:.1f} s on the silent primary"
+        finally:
+            store.close()
+            sentinel.stop()
+            primary.process.send_signal(signal.SIGCONT)

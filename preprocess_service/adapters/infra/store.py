@@ -36,9 +36,11 @@ syntax error) is a bug: it is raised at once, not retried.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -164,6 +166,8 @@ def _failure(exc: redis.RedisError) -> str:
 
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_WATCH_S = 0.5
+"""How often a replica on Sentinels asks them where the primary is (RedisStore._watch_primary)."""
 
 
 def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
@@ -203,7 +207,27 @@ def _connect(url: str, **options) -> redis.Redis:
     Sentinels name (redis+sentinel://)."""
     if urlparse(url).scheme not in SENTINEL_SCHEMES:
         return redis.Redis.from_url(url, **options)
-    from redis.sentinel import Sentinel
+    from redis.connection import SSLConnection
+    from redis.sentinel import Sentinel, SentinelManagedConnection
+
+    class PrimaryConnection(SentinelManagedConnection):
+        """redis-py's Sentinel connection asks where the primary is in connect(), but a connection
+        dropped mid-call is connected again by send_command without asking, to the address it had:
+        the old primary after a failover. Here every connect asks."""
+
+        def _connect_retry(self):
+            if self._sock:
+                return
+            self.connect_check_health(check_health=self.connection_pool.check_connection,
+                                      retry_socket_connect=False)
+
+        def connect_check_health(self, *args, **kwargs):
+            if self._sock is None:
+                self.host, self.port = self.connection_pool.get_master_address()
+            return super().connect_check_health(*args, **kwargs)
+
+    class PrimarySSLConnection(PrimaryConnection, SSLConnection):
+        pass
 
     sentinels, master, db, username, password = sentinel_target(url)
     ssl = urlparse(url).scheme.startswith("rediss")
@@ -211,7 +235,23 @@ def _connect(url: str, **options) -> redis.Redis:
     # one try per Sentinel per lookup (redis-py's default retries would stretch the caller's deadline)
     sentinel_options = {**lookup, "retry": Retry(NoBackoff(), 0)}
     return Sentinel(sentinels, sentinel_kwargs=sentinel_options, ssl=ssl, **lookup).master_for(
-        master, db=db, username=username, password=password, **options)
+        master, db=db, username=username, password=password,
+        connection_class=PrimarySSLConnection if ssl else PrimaryConnection, **options)
+
+
+def _cut_connections(pool, primary: tuple[str, int]) -> int:
+    """Shuts down the sockets of ``pool``'s connections in use that are not to ``primary`` (the
+    thread using each gets a connection error and its retry reconnects); how many."""
+    with pool._get_pool_lock():
+        in_use = list(pool._get_in_use_connections())
+    cut = 0
+    for connection in in_use:
+        sock = getattr(connection, "_sock", None)
+        if sock is not None and (connection.host, connection.port) != tuple(primary):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+    return cut
 
 
 class RedisStore:
@@ -240,6 +280,9 @@ class RedisStore:
         self._lock = threading.Lock()
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
+        self._closing = threading.Event()
+        if urlparse(url).scheme in SENTINEL_SCHEMES:
+            threading.Thread(target=self._watch_primary, name="redis-primary-watch", daemon=True).start()
 
     def impatient(self, timeout_s: float) -> RedisStore:
         """The same Redis with every call bounded by about ``timeout_s`` (the connect, each reply and
@@ -314,7 +357,26 @@ class RedisStore:
             return dict(self._stats)
 
     def close(self) -> None:
+        self._closing.set()
         self._redis.close()
+
+    def _watch_primary(self) -> None:
+        """Asks the Sentinels where the primary is every SENTINEL_WATCH_S. When they name another
+        one (a failover), the connections still waiting on the old one are cut (redis-py drops the
+        idle ones itself), so no call waits out its socket timeout on a primary that is gone: it
+        fails at once, and its retry connects to the new one."""
+        pool = self._redis.connection_pool
+        known = None
+        while not self._closing.wait(SENTINEL_WATCH_S):
+            try:
+                primary = pool.get_master_address()
+            except (redis.RedisError, OSError):
+                continue  # none named (a failover under way) or no Sentinel answered: asked again
+            if known is not None and primary != known:
+                cut = _cut_connections(pool, primary)
+                log.warning("Redis at %s: the Sentinels name a new primary, %s:%s (was %s:%s); %d call(s) waiting "
+                            "on the old one cut short", self.address, *primary, *known, cut)
+            known = primary
 
     @staticmethod
     def _key(job_id: str, *parts) -> str:

@@ -15,6 +15,11 @@ class NotFoundError(DisttrainError, LookupError):
     """A job, step or rank that does not exist (gRPC NOT_FOUND / OUT_OF_RANGE)."""
 
 
+class JobClosedError(NotFoundError):
+    """A job a client closed (CloseJob) here (gRPC FAILED_PRECONDITION): unlike a job this node
+    never knew or forgot (a restart), a client must not open it again by itself."""
+
+
 class SampleError(DisttrainError):
     """One sample cannot be used; it is skipped and reported, the stream goes on."""
 

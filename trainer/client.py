@@ -430,20 +430,23 @@ class DataClient:
 
     def _unary(self, call, *, reopen: bool = False):
         """A unary call, moved to the next address while the current one is unreachable. With
-        ``reopen``, a service that does not know the job (a single node restarted, a Redis that lost
-        it) gets it opened again, once, and the call is made again (the job's own state, if the node
-        keeps one, resumes it there)."""
+        ``reopen`` and a client made with the job's JobConfig (not its id), a service that does not
+        know the job (NOT_FOUND: a single node restarted, a Redis that lost it) gets it opened
+        again, once, and the call is made again (a node that keeps the job's state in state_dir
+        resumes it there). A job a client closed is FAILED_PRECONDITION, never opened again."""
         with self._control_lock:
             reopened = False
             for attempt in range(2 * len(self.addresses) + 1):
                 try:
+                    if reopened is None:  # the job is opened again first (retried like any call)
+                        self._open(self._control.stub, self._job)
+                        reopened = True
                     return call(self._control.stub)
                 except grpc.RpcError as exc:
-                    if reopen and not reopened and exc.code() == grpc.StatusCode.NOT_FOUND \
+                    if reopen and reopened is False and exc.code() == grpc.StatusCode.NOT_FOUND \
                             and isinstance(self._job, JobConfig):
-                        reopened = True
                         log.info("%s does not know job %s: opening it again", self._control.address, self.job_id)
-                        self._open(self._control.stub, self._job)
+                        reopened = None
                         continue
                     if exc.code() not in _RETRYABLE or attempt + 1 >= 2 * len(self.addresses):
                         raise
@@ -581,7 +584,7 @@ class DataClient:
 
     def report(self) -> pb.JobReport:
         return self._unary(lambda stub: stub.GetReport(pb.ReportRequest(job_id=self.job_id),
-                                                       timeout=self.call_timeout_s), reopen=True)
+                                                       timeout=self.call_timeout_s))
 
     def _receive(self) -> None:
         position = self._next

@@ -12,6 +12,7 @@ of its messages (stream admission). Thread-safe."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from disttrain_api.config import JobConfig
-from disttrain_api.errors import ConfigError, NotFoundError, ServiceUnavailableError
+from disttrain_api.errors import ConfigError, JobClosedError, NotFoundError, ServiceUnavailableError
 from preprocess_service.adapters.decode import Decoder
 from preprocess_service.adapters.infra import metrics
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget
@@ -51,6 +52,8 @@ from preprocess_service.service.report import SkipLog
 from preprocess_service.service.retention import MediaRetention
 
 log = logging.getLogger(__name__)
+CLOSED_REMEMBERED = 4096
+"""Jobs closed by a client that a JobRegistry remembers as closed."""
 
 
 class Job:
@@ -384,6 +387,8 @@ class JobRegistry:
                  factory: JobFactory | None = None, plugin_limits: HookLimits = DEFAULT_LIMITS):
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Ids of the last CLOSED_REMEMBERED jobs a client closed (JobClosedError, not NotFoundError)."""
         self._continuing = threading.Lock()
         self.factory: JobFactory = factory or LocalJobs(budget, state_dir, plugin_limits)
         self.budget = self.factory.budget
@@ -405,6 +410,7 @@ class JobRegistry:
         with self._lock:
             job = self._jobs.setdefault(job_id, job)
             job.clients.add(client)
+            self._closed.pop(job_id, None)
         job.owner = self.factory.owner(job, client)
         if job is created and self.plan_ahead:
             job.plan_ahead()
@@ -468,10 +474,15 @@ class JobRegistry:
         raise NotFoundError(f"no job of this lineage acknowledged step {step} here (acknowledged: {found or 'none'}); "
                             "elastic resume continues from the step every rank acknowledged")
 
-    def close_job(self, job_id: str) -> int:
-        """Closes and forgets a job; returns the number of streams that were ended."""
+    def close_job(self, job_id: str, *, by_client: bool = True) -> int:
+        """Closes and forgets a job; returns the number of streams that were ended. A job a client
+        closed is remembered as closed (its calls get JobClosedError) until it is opened again."""
         with self._lock:
             job = self._jobs.pop(job_id, None)
+            if job is not None and by_client:
+                self._closed[job_id] = None
+                while len(self._closed) > CLOSED_REMEMBERED:
+                    self._closed.popitem(last=False)
         if job is None:
             raise NotFoundError(f"no open job with id {job_id!r}")
         return job.close()
@@ -483,7 +494,7 @@ class JobRegistry:
         closed = []
         for job_id in idle:
             try:
-                self.close_job(job_id)
+                self.close_job(job_id, by_client=False)  # a client may open it again by itself
                 closed.append(job_id)
             except NotFoundError:
                 pass  # closed meanwhile
@@ -513,6 +524,10 @@ class JobRegistry:
         if job is not None:
             job.touch()
             return job
+        with self._lock:
+            closed = job_id in self._closed
+        if closed:
+            raise JobClosedError(f"job {job_id!r} was closed (CloseJob); open it again to start it anew")
         found = self.factory.find(job_id)
         if found is None:
             raise NotFoundError(f"no open job with id {job_id!r}; call OpenJob first")

@@ -26,6 +26,7 @@ from disttrain_api.errors import (
     ConfigError,
     DataQualityError,
     FeedbackDisabled,
+    JobClosedError,
     NotFoundError,
     PermissionDenied,
     ResourceExhausted,
@@ -126,6 +127,8 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
         """The job, if this caller may use it: with token auth, only its owner's token may."""
         try:
             job = self.jobs.get(job_id)
+        except JobClosedError as exc:  # closed on purpose: a client must not open it again by itself
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except NotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ServiceUnavailableError as exc:

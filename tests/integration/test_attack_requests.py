@@ -232,9 +232,19 @@ def test_close_job_ends_its_streams_and_frees_it(shards, server):
     assert not servicer.jobs.is_open(client.job_id)
     with pytest.raises(grpc.RpcError) as info:
         other.report()
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "closed" in info.value.details()
+    # a rank made with the job's config, which opens a job a restarted node forgot, does not
+    # open a closed one again
+    with pytest.raises(grpc.RpcError) as info:
+        client.acknowledge(1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not servicer.jobs.is_open(client.job_id)
     client.close()
     other.close()
+    with DataClient(address, _config(shards, num_epochs=1000, seed=14), 0, prefetch=1) as again:
+        next(again)  # opening its config again starts it anew
+        assert servicer.jobs.is_open(again.job_id) and again.acknowledge(1) == 1
+        again.close_job()
 
 
 def test_abandoned_jobs_expire_and_limits_name_the_way_out(shards, server):

@@ -348,7 +348,7 @@ def test_health_and_reflection(service):
 
 
 def test_a_single_node_restarted_on_its_state_dir_is_given_the_job_again_by_a_client_call(dataset, service,
-                                                                                          tmp_path):
+                                                                                          tmp_path, caplog):
     """The node restarts between a rank's microbatches and its acknowledgement (a checkpoint): the
     acknowledgement finds the job unknown (NOT_FOUND), opens it again (the node resumes it from its
     state_dir) and is made; the rank's epoch continues with every microbatch as planned."""
@@ -364,7 +364,9 @@ def test_a_single_node_restarted_on_its_state_dir_is_given_the_job_again_by_a_cl
             got += [next(it) for _ in range(config.num_microbatches)]  # step 1, then the node restarts
             server.stop(grace=0).wait()
             server, _, _ = create_server(address, state_dir=str(tmp_path / "state"))
-            assert client.acknowledge(2) == 2  # NOT_FOUND at first: the job is opened again and it is made
+            with caplog.at_level("INFO", logger="preprocess_service.service.job"):
+                assert client.acknowledge(2) == 2  # NOT_FOUND at first: the job is opened again and it is made
+            assert "resumed from" in caplog.text and "at step 1" in caplog.text  # its state saved at the ack of 1
             got += list(it)
     finally:
         server.stop(grace=0).wait()

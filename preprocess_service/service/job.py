@@ -535,8 +535,11 @@ class JobRegistry:
         return self.open(config, reader=reader)
 
     def close(self) -> None:
-        """Closes every job (server shutdown)."""
+        """Closes every job, then the factory's connections, if it has any (server shutdown)."""
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
             job.close()
+        close = getattr(self.factory, "close", None)
+        if close is not None:
+            close()

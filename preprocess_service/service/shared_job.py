@@ -431,6 +431,12 @@ class SharedJobs:
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
         self.plan_options = plan_options
 
+    def close(self) -> None:
+        """Closes the connections to Redis (server shutdown, after its jobs)."""
+        if self.stream_store is not self.store:
+            self.stream_store.close()
+        self.store.close()
+
     def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
         def plans(job: Job) -> SharedPlans:
             return SharedPlans(job, self.store, self.replica_id, stream_store=self.stream_store, **self.plan_options)

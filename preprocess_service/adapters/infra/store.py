@@ -43,6 +43,7 @@ import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
@@ -239,11 +240,42 @@ def _connect(url: str, **options) -> redis.Redis:
         connection_class=PrimarySSLConnection if ssl else PrimaryConnection, **options)
 
 
+def _watch_primary(ref: weakref.ref, closing: threading.Event) -> None:
+    """Asks the Sentinels where the primary is every SENTINEL_WATCH_S and cuts the store's calls
+    waiting on any other address (a failover, even one before the first look): each fails at once,
+    and its retry connects to the new primary, rather than wait out its socket timeout on one that
+    is gone (redis-py drops the idle connections itself). Ends with the store (``ref``) or
+    ``closing``; an unexpected error is logged once and the watch goes on."""
+    known, failing = None, False
+    while not closing.wait(SENTINEL_WATCH_S):
+        store = ref()
+        if store is None:
+            return
+        try:
+            pool = store._redis.connection_pool
+            try:
+                primary = pool.get_master_address()
+            except (redis.RedisError, OSError):
+                continue  # none named (a failover under way) or no Sentinel answered: asked again
+            cut = _cut_connections(pool, primary)
+            if known is not None and primary != known:
+                log.warning("Redis at %s: the Sentinels name a new primary, %s:%s (was %s:%s); %d call(s) waiting "
+                            "on the old one cut short", store.address, *primary, *known, cut)
+            known, failing = primary, False
+        except Exception:
+            if not failing:
+                log.exception("Redis at %s: watching the Sentinels for a new primary failed; trying again",
+                              store.address)
+            failing = True
+        finally:
+            del store
+
+
 def _cut_connections(pool, primary: tuple[str, int]) -> int:
     """Shuts down the sockets of ``pool``'s connections in use that are not to ``primary`` (the
-    thread using each gets a connection error and its retry reconnects); how many."""
-    with pool._get_pool_lock():
-        in_use = list(pool._get_in_use_connections())
+    thread using each gets a connection error and its retry reconnects); how many. Uses redis-py's
+    pool internals (tests/unit/preprocess_service/adapters/test_store_internals.py checks them)."""
+    in_use = list(pool._get_in_use_connections())  # a copy, taken under the pool's lock
     cut = 0
     for connection in in_use:
         sock = getattr(connection, "_sock", None)
@@ -281,8 +313,9 @@ class RedisStore:
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
         self._closing = threading.Event()
-        if urlparse(url).scheme in SENTINEL_SCHEMES:
-            threading.Thread(target=self._watch_primary, name="redis-primary-watch", daemon=True).start()
+        if urlparse(url).scheme in SENTINEL_SCHEMES:  # holds no reference: it ends with the store
+            threading.Thread(target=_watch_primary, args=(weakref.ref(self), self._closing),
+                             name="redis-primary-watch", daemon=True).start()
 
     def impatient(self, timeout_s: float) -> RedisStore:
         """The same Redis with every call bounded by about ``timeout_s`` (the connect, each reply and
@@ -359,24 +392,10 @@ class RedisStore:
     def close(self) -> None:
         self._closing.set()
         self._redis.close()
-
-    def _watch_primary(self) -> None:
-        """Asks the Sentinels where the primary is every SENTINEL_WATCH_S. When they name another
-        one (a failover), the connections still waiting on the old one are cut (redis-py drops the
-        idle ones itself), so no call waits out its socket timeout on a primary that is gone: it
-        fails at once, and its retry connects to the new one."""
-        pool = self._redis.connection_pool
-        known = None
-        while not self._closing.wait(SENTINEL_WATCH_S):
-            try:
-                primary = pool.get_master_address()
-            except (redis.RedisError, OSError):
-                continue  # none named (a failover under way) or no Sentinel answered: asked again
-            if known is not None and primary != known:
-                cut = _cut_connections(pool, primary)
-                log.warning("Redis at %s: the Sentinels name a new primary, %s:%s (was %s:%s); %d call(s) waiting "
-                            "on the old one cut short", self.address, *primary, *known, cut)
-            known = primary
+        self._redis.connection_pool.disconnect()
+        manager = getattr(self._redis.connection_pool, "sentinel_manager", None)
+        for sentinel in manager.sentinels if manager is not None else ():
+            sentinel.close()
 
     @staticmethod
     def _key(job_id: str, *parts) -> str:

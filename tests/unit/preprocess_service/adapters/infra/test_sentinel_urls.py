@@ -21,3 +21,30 @@ def test_sentinels_master_db_and_credentials_are_read_and_the_password_kept_out_
 def test_a_url_that_does_not_name_sentinels_and_a_master_is_refused(url):
     with pytest.raises(ValueError, match="a Sentinel URL is"):
         sentinel_target(url)
+
+
+def test_the_redis_py_internals_the_primary_watch_uses_are_there():
+    """_cut_connections and PrimaryConnection lean on redis-py internals: an upgrade that renames
+    them fails here, not in a failover."""
+    import socket
+
+    import redis
+    from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
+
+    from preprocess_service.adapters.infra.store import _cut_connections
+
+    pool = redis.ConnectionPool()
+    connection = pool.make_connection()
+    pool._in_use_connections.add(connection)  # as get_connection does, without a server to connect to
+    assert hasattr(connection, "_sock") and hasattr(SentinelManagedConnection, "_connect_retry")
+    assert hasattr(SentinelConnectionPool, "get_master_address")
+    left, right = socket.socketpair()
+    try:
+        connection._sock, connection.host, connection.port = left, "old", 6379
+        assert _cut_connections(pool, ("new", 6379)) == 1
+        assert left.recv(1) == b""  # shut down: a read waiting on it returns at once
+        assert _cut_connections(pool, ("old", 6379)) == 0  # the primary's own connections stay
+    finally:
+        connection._sock = None
+        left.close()
+        right.close()

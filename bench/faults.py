@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -145,8 +146,9 @@ class Cluster:
     """The service's nodes in their namespaces, and nginx serving the shards (the replicas read them
     over HTTP, through their shard caches); the ranks (one torchrun) are started per run. ``kind``:
 
-    - "shared": Redis, three replicas, the relays on replica 0's links; replica 0's shard cache on a
-      small tmpfs (room for about two shards, a bound of one and a half: it evicts and fetches again);
+    - "shared": Redis, three replicas, the relays on replica 0's links; replica 0's shard cache
+      bounded at 2.2 times the largest shard (a job may hold half: one shard at a time), less than
+      the shards, so it evicts and fetches again, on a tmpfs of 1.5 times that bound;
     - "sentinel": the same with a Redis primary and its replica under a Sentinel;
     - "solo": one node without Redis, its state_dir on a small tmpfs."""
 
@@ -237,9 +239,9 @@ class Cluster:
                                   *args])
 
     def _spawn(self, node: str, command: list[str]) -> subprocess.Popen:
-        log = open(self.workdir / f"{node}.out", "ab")
-        process = subprocess.Popen(self.lab.exec_prefix(node) + command, stdout=log, stderr=subprocess.STDOUT,
-                                   cwd=REPO)
+        with open(self.workdir / f"{node}.out", "ab") as log:
+            process = subprocess.Popen(self.lab.exec_prefix(node) + command, stdout=log, stderr=subprocess.STDOUT,
+                                       cwd=REPO)
         self.processes.append(process)
         return process
 
@@ -250,9 +252,9 @@ class Cluster:
                    "--nproc-per-node", str(num_ranks), "--max-restarts", "3", "--monitor-interval", "0.2",
                    str(REPO / "bench" / "faults.py"), "rank", "--addresses", ",".join(self.addresses),
                    "--config", json.dumps(config), "--out", str(out), "--pace", str(pace)]
-        log = open(out / "torchrun.out", "ab")
-        return subprocess.Popen(self.lab.exec_prefix("clients") + command, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        with open(out / "torchrun.out", "ab") as log:  # the child has its own copy
+            return subprocess.Popen(self.lab.exec_prefix("clients") + command, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
 
     def log_sizes(self) -> dict[Path, int]:
         """Where each node's log ends now (what a run says is read from there on)."""
@@ -269,48 +271,71 @@ class Cluster:
         return count
 
     def close(self) -> None:
-        for replica in self.replicas:
-            replica.kill()
-        if self.sentinel is not None:
-            self.sentinel.stop()
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
-        if self.web is not None:
-            self.web.close()
-        for path in self.mounts:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        try:
+            for replica in self.replicas:
+                replica.kill()
+            if self.sentinel is not None:
+                self.sentinel.stop()
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=30)
+            if self.web is not None:
+                self.web.close()
+        finally:  # whatever failed above, no disk of ours stays mounted
+            for path in self.mounts:
+                done = subprocess.run(["umount", "-l", str(path)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    self.log(f"  cannot unmount {path}: {done.stderr.strip()}")
 
 
 def kill_ranks(agent: subprocess.Popen, out: Path) -> None:
-    """torchrun and every worker it started (none outlives its run)."""
+    """torchrun and every worker it started (none outlives its run): SIGTERM to torchrun, which
+    stops its workers (each in a session of its own), then SIGKILL to anything of the run left."""
+    if agent.poll() is None:
+        agent.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=15)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(agent.pid, signal.SIGKILL)
-    for pid_file in out.glob("rank*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError, OSError):
-            pid = int(pid_file.read_text())
-            if b"faults.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
+    for proc in Path("/proc").iterdir():  # a worker of this run (its --out) that is still there
+        with contextlib.suppress(ValueError, OSError):
+            if str(out).encode() in (proc / "cmdline").read_bytes() and int(proc.name) != os.getpid():
+                os.kill(int(proc.name), signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         agent.wait(timeout=30)
 
 
-def fill(disk: Path) -> Path:
-    """Writes a file on ``disk`` until it is full (ENOSPC); returns it."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
+class Filler:
+    """Keeps ``disk`` full, as another tenant of the disk would: writes a file until ENOSPC, and
+    again whenever room appears (a file removed, a shard evicted) until ``stop()``, which removes it."""
+
+    def __init__(self, disk: Path):
+        self.path = disk / "filler"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._stop = threading.Event()
+        self._top_up()
+        self._thread = threading.Thread(target=self._keep_full, daemon=True)
+        self._thread.start()
+
+    def _top_up(self) -> None:
         for chunk in (bytes(1 << 20), bytes(4096), b"\0"):
             try:
                 while True:
-                    os.write(fd, chunk)
+                    os.write(self._fd, chunk)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-    finally:
-        os.close(fd)
-    return filler
+
+    def _keep_full(self) -> None:
+        while not self._stop.wait(0.02):
+            self._top_up()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        os.close(self._fd)
+        self.path.unlink()
 
 
 # --- faults --------------------------------------------------------------------------------------
@@ -346,15 +371,14 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Ra
         (out / "rank1.pace").write_text(str(pace * 10))
         return lambda: (out / "rank1.pace").unlink()
     if fault == "cache-disk-full":
-        filler = fill(cluster.cache_dir)
-        return filler.unlink
+        return Filler(cluster.cache_dir).stop
     if fault == "state-disk-full":  # the node dies while its disk is full and restarts on it
-        filler = fill(cluster.state_dir)
+        filler = Filler(cluster.state_dir)
         time.sleep(rng.uniform(1.0, 3.0))
         node = cluster.replicas[0]
         node.kill()
         node.start(timeout_s=180)
-        return filler.unlink
+        return filler.stop
     raise ValueError(f"unknown fault {fault!r}")
 
 
@@ -376,7 +400,7 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
     reported: set[str] = set()
     extra: collections.Counter = collections.Counter()
     replicas = collections.Counter()
-    back = 0.0
+    back, restarts = 0.0, 0
     for rank in range(num_ranks):
         acked, last_t, before, during, life, restarted = 0, None, None, set(), 0, False
         for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
@@ -423,6 +447,7 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
                 continue
             slots[slot] = (content, life)
         moved += bool(during - {before})
+        restarts += max(life - 1, 0)
     counts = collections.Counter(key for content, _ in slots.values() for key in content) + extra
     # a sample the service reports skipped and never put in a microbatch was left out when planning
     planning_skips = {key for key in reported if key in keys and not counts.get(key)}
@@ -434,7 +459,8 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
             "keys_repeated": repeated, "conflicting_microbatches": conflicting,
             "acknowledged_steps_replayed": acked_replayed, "microbatches_replayed_after_restart": replayed,
             "ranks_finished": done, "stall_s": round(max(stall, 0.0), 2),
-            "ranks_back_s": round(back, 2) if back else None, "replicas_used": len(replicas),
+            "ranks_back_s": round(back, 2) if back else None, "rank_restarts": restarts,
+            "replicas_used": len(replicas),
             "ranks_moved_during_fault": moved}
 
 
@@ -473,7 +499,10 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
     result["said"] = cluster.said(since, SAID[fault], job_id if fault == "redis-failover" else None) \
         if fault in SAID else None
     if fault == "state-disk-full":
-        result["state_saved_again"] = cluster.said(since, "its state is saved again", job_id)
+        # the state on the disk stands at the step every rank acknowledged last: saved again
+        saved = json.loads((cluster.state_dir / f"{job_id}.json").read_text())
+        result["state_saved_at"], result["last_acked"] = saved.get("acked_step"), _last_acked(out, num_ranks)
+        result["state_saved_again"] = result["state_saved_at"] == result["last_acked"]
         result["acked_after_heal"] = _acks_after(out, num_ranks, healed_at)
         result["resumed_from_saved_state"] = cluster.said(since, "resumed from", job_id)
     if fault == "cache-disk-full":  # shards cached since the heal: the cache is used again
@@ -489,6 +518,20 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
 
 def _partial_files(disk: Path) -> list[Path]:
     return [f for f in disk.rglob("*") if f.name.endswith((".part", ".tmp"))]
+
+
+def _last_acked(out: Path, num_ranks: int) -> int:
+    """The step every rank acknowledged last (the lowest of their last acknowledgements)."""
+    last = []
+    for rank in range(num_ranks):
+        acks = [0]
+        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if "ack" in record:
+                    acks.append(record["ack"])
+        last.append(max(acks))
+    return min(last)
 
 
 def _acks_after(out: Path, num_ranks: int, t: float) -> int:
@@ -621,11 +664,14 @@ def main(argv: list[str] | None = None) -> int:
     partial = [name for name, runs_ in figures["results"].items() for r in runs_ if r.get("partial_files_left")]
     if partial:
         print(f"faults: a full disk left partial files in {partial}")
-    unsaved = [r for r in figures["results"].get("state-disk-full", []) if r["acked_after_heal"]
-               and not r["state_saved_again"]]
+    unsaved = [r for r in figures["results"].get("state-disk-full", []) if not r["state_saved_again"]]
     if unsaved:
         print("faults: the state was not saved again once its disk had room")
-    return 1 if bad or unfinished or partial or unsaved else 0
+    crashed = [name for name, runs_ in figures["results"].items() for r in runs_
+               if r["rank_restarts"] and name != "rank-kill"]
+    if crashed:
+        print(f"faults: a rank crashed (torchrun restarted it) in {crashed}")
+    return 1 if bad or unfinished or partial or unsaved or crashed else 0
 
 
 if __name__ == "__main__":

@@ -169,7 +169,11 @@ class Replica:
                 *(("--redis", self.redis_url) if self.redis_url else ()), "--decode-workers", str(self.decode_workers),
                 "--replica-id", f"replica-{self.host}:{self.port}", "--metrics-port", "0", *self.extra_args]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        finally:  # the child has its own copy
+            if self.log_path:
+                log.close()
         self.starts += 1
         if wait:
             self.wait_ready(timeout_s)

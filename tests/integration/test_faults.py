@@ -67,6 +67,7 @@ def test_a_rank_restarted_after_the_fault_is_back_at_its_first_microbatch(tmp_pa
         _mb(8.5, 1, 0, ["k3"]), _mb(8.6, 1, 1, ["k4"]), {"event": "done", "t": 9.0}])
     result = faults.verdict(tmp_path, 1, {"k1", "k2", "k3", "k4"}, 1, fault_at=5.0, healed_at=5.0)
     assert result["ranks_back_s"] == pytest.approx(3.5) and result["keys_lost"] == 0
+    assert result["rank_restarts"] == 1
     assert result["stall_s"] == pytest.approx(8.5 - 7.0 - 0.1)  # the wait of its new life, not its restart
 
 
@@ -87,6 +88,7 @@ def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move
             assert run["keys_lost"] == run["keys_repeated"] == run["conflicting_microbatches"] == 0, (name, run)
             assert run["acknowledged_steps_replayed"] == 0 and run["ranks_finished"] == 2, (name, run)
             assert run["keys_delivered"] == run["keys_expected"], (name, run)
+            assert run["rank_restarts"] == 0 or name == "rank-kill", (name, run)  # torchrun hides no crash
     # how soon ranks move (ranks_moved_during_fault, stall_s) is measured, not asserted: on a loaded
     # machine a hand-over (stream timeout, planning lease, replay) can outlast a 10 s cut
     # a failover to a replica behind its primary lost committed steps: said, and planned again the same
@@ -98,4 +100,4 @@ def test_short_fault_runs_lose_and_repeat_nothing_and_a_cut_replica_s_ranks_move
     cache, state = results["cache-disk-full"][0], results["state-disk-full"][0]
     assert cache["said"] >= 1 and cache["partial_files_left"] == 0, cache
     assert state["said"] >= 1 and state["resumed_from_saved_state"] >= 1 and state["partial_files_left"] == 0, state
-    assert state["state_saved_again"] >= 1 or not state["acked_after_heal"], state
+    assert state["state_saved_again"] and state["state_saved_at"] == state["last_acked"] > 0, state

@@ -465,7 +465,7 @@ def test_the_settings_reach_the_reader(tmp_path):
         settings.load(environ={"DISTTRAIN_SHARD_CACHE_BYTES": "-1"})
 
 
-def test_a_full_disk_under_the_cache_loses_no_sample_and_leaves_no_partial_file(data, nginx, tmp_path):
+def test_a_full_disk_under_the_cache_loses_no_sample_and_leaves_no_partial_file(data, nginx, tmp_path, caplog):
     """The cache's directory on a real tmpfs smaller than the shards, while the cache's own bound
     says there is room: downloads fail mid-write (ENOSPC), every sample still arrives (those shards
     are streamed uncached), no partial file stays, and what fit is served from the cache."""
@@ -482,10 +482,13 @@ def test_a_full_disk_under_the_cache_loses_no_sample_and_leaves_no_partial_file(
     try:
         urls = [f"{nginx.url}/{p.name}" for p in data]
         reader = ShardReader(cache=ShardCache(64 << 20, str(disk)), fetch=FAST)
-        got = _epoch(Job(_config(urls), retain_steps=1, reader=reader))
+        with caplog.at_level("WARNING", logger="preprocess_service.adapters.io.remote"):
+            got = _epoch(Job(_config(urls), retain_steps=1, reader=reader))
         _same(got, _epoch(Job(_config(map(str, data)), retain_steps=1)))
         events = reader.cache.stats().events
         assert events["bypass"] > 0 and events["hit"] > 0, events  # the disk filled; what fit was cached
+        said = [r.getMessage() for r in caplog.records if "cannot cache" in r.getMessage()]
+        assert len(said) == 1, said  # said once for the outage, not once per download
         assert not [f for f in disk.rglob("*.part")], "a partial download left behind"
         on_disk = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
         assert on_disk <= size

@@ -153,6 +153,8 @@ class ShardCache:
         self._events = dict.fromkeys(EVENTS, 0)
         self._fetched: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._fetched_total = 0
+        self._disk_failures = 0
+        """Downloads the local disk refused since the last one it took (ShardCache.disk_outage)."""
 
     # --- reading ------------------------------------------------------------------------------
     def acquire(self, url: str, touch: Callable[[], None] = lambda: None, wait_timeout_s: float = 60.0, *,
@@ -218,6 +220,17 @@ class ShardCache:
         """One ``event`` (EVENTS) happened."""
         with self._lock:
             self._event(event)
+
+    def disk_outage(self, failed: bool) -> int | None:
+        """Notes whether a download could be written to the local disk (``failed``: full,
+        read-only, removed). Returns what to say of it, once per outage: 0 at the first failure,
+        the number of failed downloads at the first success after them, None otherwise."""
+        with self._lock:
+            if failed:
+                self._disk_failures += 1
+                return 0 if self._disk_failures == 1 else None
+            failures, self._disk_failures = self._disk_failures, 0
+            return failures or None
 
     def _event(self, event: str) -> None:
         self._events[event] += 1

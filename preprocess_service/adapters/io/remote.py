@@ -484,17 +484,24 @@ def _download(claim: Claim, remote: RemoteFile, cache: ShardCache) -> str | None
                 out.write(chunk)
                 claim.touch()
                 _keep_up(remote, began, cache)
-        return claim.commit()
+        path = claim.commit()
     except FetchError as exc:
         claim.abandon(exc)
         raise
     except OSError as exc:  # the local disk: full, read-only, removed (also by the cache's close)
-        log.warning("cannot cache %s in %s (%s); it is streamed uncached", claim.url, claim.temp_path, exc)
+        if cache.disk_outage(True) == 0:  # said once per outage, not once per download
+            log.warning("cannot cache %s in %s (%s); it is streamed uncached, as is every later download the disk "
+                        "refuses (counted as bypass, not logged) until one is cached again", claim.url,
+                        claim.temp_path, exc)
         claim.abandon(None)
         return None
     except BaseException as exc:
         claim.abandon(exc)
         raise
+    failed = cache.disk_outage(False)
+    if failed:
+        log.warning("the shard cache's disk takes downloads again, after %d it could not", failed)
+    return path
 
 
 def _keep_up(remote: RemoteFile, began: float, cache: ShardCache) -> None:

@@ -228,6 +228,14 @@ def test_scripts_still_run_after_redis_forgets_them(server, admin):
     assert store.stats()["retries"] == 0
 
 
+def _wait_replicated(port: int, key: str, value: bytes) -> None:
+    with redis.Redis(port=port) as direct:
+        deadline = time.monotonic() + BOUND_S
+        while direct.get(key) != value:
+            assert time.monotonic() < deadline, "the replica never received the write"
+            time.sleep(0.05)
+
+
 def test_a_sentinel_failover_is_followed_to_the_promoted_replica(tmp_path):
     """redis+sentinel:// URLs: the store asks the Sentinel where the primary is, and asks again
     when the primary dies and the Sentinel promotes its replica."""
@@ -240,11 +248,7 @@ def test_a_sentinel_failover_is_followed_to_the_promoted_replica(tmp_path):
             store = RedisStore(sentinel.url, retry_deadline_s=60)
             assert store.address == f"redis+sentinel://127.0.0.1:{sentinel.port}/disttrain/0"
             store.register_job("job-a", b"spec-a")
-            with redis.Redis(port=replica.port) as direct:
-                deadline = time.monotonic() + BOUND_S
-                while direct.get("disttrain:{job-a}:spec") != b"spec-a":  # replicated
-                    assert time.monotonic() < deadline, "the replica never received the write"
-                    time.sleep(0.05)
+            _wait_replicated(replica.port, "disttrain:{job-a}:spec", b"spec-a")
             primary.stop(kill=True)
             assert store.job_spec("job-a") == b"spec-a"  # retried until the Sentinel named the replica
             assert sentinel.primary() == ("127.0.0.1", replica.port)
@@ -269,11 +273,7 @@ def test_a_call_waiting_on_a_primary_that_went_silent_moves_to_the_promoted_repl
         store = RedisStore(sentinel.url, socket_timeout_s=socket_timeout_s, retry_deadline_s=120)
         try:
             store.register_job("job-a", b"spec-a")
-            with redis.Redis(port=replica.port) as direct:
-                deadline = time.monotonic() + BOUND_S
-                while direct.get("disttrain:{job-a}:spec") != b"spec-a":  # replicated
-                    assert time.monotonic() < deadline, "the replica never received the write"
-                    time.sleep(0.05)
+            _wait_replicated(replica.port, "disttrain:{job-a}:spec", b"spec-a")
             primary.process.send_signal(signal.SIGSTOP)
             began = time.monotonic()
             assert store.job_spec("job-a") == b"spec-a"  # sent to the silent primary, then cut and sent again

@@ -499,9 +499,16 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
     result["said"] = cluster.said(since, SAID[fault], job_id if fault == "redis-failover" else None) \
         if fault in SAID else None
     if fault == "state-disk-full":
-        # the state on the disk stands at the step every rank acknowledged last: saved again
-        saved = json.loads((cluster.state_dir / f"{job_id}.json").read_text())
-        result["state_saved_at"], result["last_acked"] = saved.get("acked_step"), _last_acked(out, num_ranks)
+        # the state on the disk comes to stand at the step every rank acknowledged last: saved again
+        # (by itself, within its retry back-off, when the job ended while the disk was full)
+        result["last_acked"] = _last_acked(out, num_ranks)
+        deadline = time.monotonic() + 30
+        while True:
+            saved = json.loads((cluster.state_dir / f"{job_id}.json").read_text())
+            if saved.get("acked_step") == result["last_acked"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        result["state_saved_at"] = saved.get("acked_step")
         result["state_saved_again"] = result["state_saved_at"] == result["last_acked"]
         result["acked_after_heal"] = _acks_after(out, num_ranks, healed_at)
         result["resumed_from_saved_state"] = cluster.said(since, "resumed from", job_id)

@@ -13,12 +13,9 @@ of its messages (stream admission). Thread-safe."""
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +47,7 @@ from preprocess_service.service.documents import (
 from preprocess_service.service.plans import Lease, LocalPlans, PlanSource
 from preprocess_service.service.report import SkipLog
 from preprocess_service.service.retention import MediaRetention
+from preprocess_service.service.state_files import StateFiles
 
 log = logging.getLogger(__name__)
 CLOSED_REMEMBERED = 4096
@@ -307,16 +305,16 @@ class LocalJobs:
         self.budget = budget
         self.plugin_limits = plugin_limits
         self.state_dir = Path(state_dir) if state_dir else None
+        self.state_files: StateFiles | None = None
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.state_files = StateFiles(self.state_dir)
 
     def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
-        job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget,
-                  plugin_limits=self.plugin_limits)
+        job = self._job(config, reader, shard_urls)
         if self.state_dir is None:
             return job
         own = self.state_dir / f"{job.job_id}.json"
-        job.on_acknowledged = functools.partial(_save_state, job, [own, self.lineage_path(config)], threading.Lock())
         state = self.saved(own)
         if state is None:
             return job
@@ -326,9 +324,17 @@ class LocalJobs:
             return job
         except (ValueError, KeyError, TypeError) as exc:  # e.g. planned with another tokenizer file
             log.warning("job %s: cannot resume from %s (%s); planning from step 0", job.job_id, own, exc)
+        return self._job(config, reader, shard_urls)
+
+    def _job(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget,
                   plugin_limits=self.plugin_limits)
-        job.on_acknowledged = functools.partial(_save_state, job, [own, self.lineage_path(config)], threading.Lock())
+        if self.state_files is not None:
+            def failing(now: bool, job: Job = job) -> None:
+                job.state_save_failing = now
+            job.on_acknowledged = self.state_files.saver(
+                job.job_id, [self.state_files.state_dir / f"{job.job_id}.json", self.lineage_path(config)],
+                job.state_dict, failing)
         return job
 
     def lineage_path(self, config: JobConfig) -> Path:
@@ -351,32 +357,10 @@ class LocalJobs:
     def find(self, job_id: str) -> tuple[JobConfig, shards.ShardReader] | None:
         return None
 
-
-def _save_state(job: Job, paths: list[Path], lock: threading.Lock, low: int) -> None:
-    """Writes the job's state to each of ``paths`` through a file of its own renamed over it (never
-    half written; two jobs of one lineage do not share a temporary file). A disk that cannot take
-    it (full, read-only) fails no acknowledgement: the state before stays whole, a restart resumes
-    there (and replans the steps after it the same), and it is said until a save succeeds again."""
-    with lock:
-        text = json.dumps(job.state_dict())
-        for path in paths:
-            tmp = path.with_name(f".{path.name}.{job.job_id}.tmp")
-            try:
-                tmp.write_text(text)
-                os.replace(tmp, path)
-            except OSError as exc:
-                with contextlib.suppress(OSError):  # a read-only disk refuses even this
-                    tmp.unlink(missing_ok=True)
-                metrics.STATE_SAVE_ERRORS.labels(job.job_id).inc()
-                if not job.state_save_failing:
-                    log.error("job %s: cannot save its state at acknowledged step %d to %s (%s); it goes on, and a "
-                              "restart of this service resumes from the last state saved there", job.job_id, low,
-                              path, exc.strerror or exc)
-                job.state_save_failing = True
-                return
-        if job.state_save_failing:
-            log.warning("job %s: its state is saved again (acknowledged step %d)", job.job_id, low)
-            job.state_save_failing = False
+    def close(self) -> None:
+        """Stops writing refused states again (the service stops)."""
+        if self.state_files is not None:
+            self.state_files.close()
 
 
 class JobRegistry:

@@ -209,9 +209,11 @@ def test_elastic_resume_8_6_12_delivers_every_sample_of_the_epoch_once(tmp_path,
 
 def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_saves_again_later(tmp_path, caplog):
     """state_dir on a real 256 KiB tmpfs, filled: acknowledgements go on, the state saved before
-    stays whole, the failure is said once, and the next acknowledgement after space returns saves."""
+    stays whole, the failure is said once, and the state refused is written by itself once space
+    returns (a job may acknowledge its last step on the full disk)."""
     import os
     import subprocess
+    import time
 
     from preprocess_service.service.job import JobRegistry
 
@@ -252,12 +254,17 @@ def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_sa
             job.acknowledge(rank, 3)
         assert saved.read_text() == before
         subprocess.run(["mount", "-o", "remount,rw", str(state)], check=True)
-        filler.unlink()  # space returns
+        filler.unlink()  # space returns: the refused state lands by itself, with no acknowledgement after it
+        deadline = time.monotonic() + 30
+        while json.loads(saved.read_text())["acked"] != {"0": 3, "1": 3}:
+            assert time.monotonic() < deadline, "the state refused by the full disk was not written again"
+            time.sleep(0.1)
+        assert any("saved again" in r.getMessage() for r in caplog.records)
+        assert job.summary()["warnings"] == []
+        assert registry.factory.state_files.num_unsaved() == 0
         for rank in range(config.dp_size):
             job.acknowledge(rank, 4)
         assert json.loads(saved.read_text())["acked"] == {"0": 4, "1": 4}
-        assert any("saved again" in r.getMessage() for r in caplog.records)
-        assert job.summary()["warnings"] == []
         registry.close()
     finally:
         subprocess.run(["umount", str(state)], check=False)

@@ -483,8 +483,12 @@ def test_a_full_disk_under_the_cache_loses_no_sample_and_leaves_no_partial_file(
         urls = [f"{nginx.url}/{p.name}" for p in data]
         reader = ShardReader(cache=ShardCache(64 << 20, str(disk)), fetch=FAST)
         with caplog.at_level("WARNING", logger="preprocess_service.adapters.io.remote"):
-            got = _epoch(Job(_config(urls), retain_steps=1, reader=reader))
-        _same(got, _epoch(Job(_config(map(str, data)), retain_steps=1)))
+            job = Job(_config(urls), retain_steps=1, reader=reader)
+            got = _epoch(job)
+            job.close()  # nothing of it holds the disk when it is unmounted
+        local = Job(_config(map(str, data)), retain_steps=1)
+        _same(got, _epoch(local))
+        local.close()
         events = reader.cache.stats().events
         assert events["bypass"] > 0 and events["hit"] > 0, events  # the disk filled; what fit was cached
         said = [r.getMessage() for r in caplog.records if "cannot cache" in r.getMessage()]
@@ -493,4 +497,5 @@ def test_a_full_disk_under_the_cache_loses_no_sample_and_leaves_no_partial_file(
         on_disk = sum(f.stat().st_size for f in disk.rglob("*") if f.is_file())
         assert on_disk <= size
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        if subprocess.run(["umount", str(disk)], check=False).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(disk)], check=False)  # busy: detached now, freed when let go

@@ -15,9 +15,11 @@ import pytest
 from disttrain_tools import netlab
 
 REPO = Path(__file__).resolve().parents[2]
+_PATH = list(sys.path)
 sys.path.insert(0, str(REPO / "bench"))
-
 import faults  # noqa: E402
+
+sys.path[:] = _PATH  # the bench puts the repository, bench/ and tests/ first on the path: not for the tests after
 
 
 def _history(path: Path, rows: list) -> None:

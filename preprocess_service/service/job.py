@@ -13,6 +13,7 @@ of its messages (stream admission). Thread-safe."""
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import logging
@@ -330,11 +331,9 @@ class LocalJobs:
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget,
                   plugin_limits=self.plugin_limits)
         if self.state_files is not None:
-            def failing(now: bool, job: Job = job) -> None:
-                job.state_save_failing = now
             job.on_acknowledged = self.state_files.saver(
                 job.job_id, [self.state_files.state_dir / f"{job.job_id}.json", self.lineage_path(config)],
-                job.state_dict, failing)
+                job.state_dict, functools.partial(setattr, job, "state_save_failing"))
         return job
 
     def lineage_path(self, config: JobConfig) -> Path:

@@ -51,6 +51,9 @@ class ImageRef:
     tokens: int
     orientation: int = 1
     """EXIF orientation of the stored pixels (1 = none), read with the header."""
+    declared_size: tuple[int, int] | None = None
+    """(width, height) a manifest declared for the stored pixels where the header disagreed (the
+    header's size was used); None where they agree or there was no manifest."""
 
 
 @dataclass(slots=True)

@@ -6,11 +6,12 @@ their encoded bytes until they are decoded (a MediaRetention: the memory budget'
 shard's img2dataset side files (its failed downloads, reported when a pass starts the shard).
 
 Plans from manifests: a local shard whose img2dataset parquet is plain (every successful row one
-image and a caption with its stored size: ``Manifest.plannable``) is planned from the parquet
-alone. Its samples are the parquet's successful rows, in order, their images sized from the
-``width``/``height`` columns and their text the ``caption`` column; the tar is not read until a
-planned sample is decoded, by its members' offsets (ShardReader.read_samples). Other shards are
-read as tars.
+image and a caption with its stored size: ``Manifest.plannable``) is planned from the parquet.
+Its samples are the parquet's successful rows, in order, their text the ``caption`` column; each
+image is sized and oriented by its header, read by offset (ShardReader.iter_heads: a manifest
+cannot know an EXIF orientation, and its size may be wrong; parse.KnownImage). The rest of the
+tar is read when a planned sample is decoded, by its members' offsets (ShardReader.read_samples).
+Other shards are read as tars.
 Skipped samples go to the sink it was made with (the job's report, or a replica's batch for Redis)."""
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import numpy as np
 from disttrain_api.config import MODALITIES, DatasetConfig, JobConfig
 from disttrain_api.errors import ConfigError, DataQualityError, SampleError
 from preprocess_service.adapters.io import img2dataset, shards, sources
+from preprocess_service.adapters.media import image_heads
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
-from preprocess_service.adapters.media.parse import KnownImage, parse_document
+from preprocess_service.adapters.media.parse import KnownImage, classify_members, parse_document
 from preprocess_service.adapters.plugins.hooks import HookLimits, HookSpec
 from preprocess_service.adapters.plugins.host import SampleHooks
 from preprocess_service.adapters.plugins.registry import plugin_class
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 SkipSink = Callable[[SampleError], None]
 FROM_MANIFEST = "__manifest__"
 """Marks a raw sample made from a shard's manifest row: no encoded bytes (read at decode)."""
+MANIFEST_PROBLEM = "__manifest_problem__"
+"""Why a raw sample made from a manifest row cannot be planned (it is skipped with this reason)."""
 REPORT_WAIT_S = 30.0
 """How long a report waits for side files being read."""
 DATASET_MEMO = 1 << 16
@@ -166,12 +170,24 @@ def sample_hooks(config: JobConfig, limits: HookLimits) -> SampleHooks | None:
     return SampleHooks(HookSpec(plugins, config.seed, 0, limits)) if plugins else None
 
 
-def _manifest_samples(url: str, manifest: img2dataset.Manifest, first: int) -> Iterator[dict]:
-    """Raw samples of a shard's manifest rows from ``first`` on: key, caption, the image's size."""
-    for i in range(first, manifest.num_samples):
+def _manifest_samples(reader: shards.ShardReader, url: str, manifest: img2dataset.Manifest, first: int,
+                      on_problem: SkipSink) -> Iterator[dict]:
+    """Raw samples of a shard's manifest rows from ``first`` on: key, caption, and each image member
+    as the manifest declares its size beside its first and last bytes, read by offset (the header
+    decides its size and orientation: KnownImage). A row the tar does not hold is a sample that
+    fails (MANIFEST_PROBLEM), so every row counts as one sample, as when resuming."""
+    heads = reader.iter_heads(url, manifest.keys[first:], on_problem, head_bytes=image_heads.HEAD_BYTES,
+                              wanted=lambda suffix: classify_members({suffix: b""}).get(suffix) == "image",
+                              enough=image_heads.header_fits)
+    for i, (key, members) in enumerate(heads, first):
         caption = manifest.captions[i] or ""
-        yield {"__key__": manifest.keys[i], "__url__": url, "txt": caption.encode("utf-8", "replace"),
-               "jpg": KnownImage(int(manifest.width[i]), int(manifest.height[i])), FROM_MANIFEST: True}
+        sample: dict = {"__key__": key, "__url__": url, "txt": caption.encode("utf-8", "replace"), FROM_MANIFEST: True}
+        if members is None:
+            sample[MANIFEST_PROBLEM] = "its manifest row says it was downloaded, but the tar does not hold it"
+        for suffix, head in (members or {}).items():
+            declared_w, declared_h = int(manifest.width[i]), int(manifest.height[i])
+            sample[suffix] = KnownImage(declared_w, declared_h, head.size, head.head, head.tail)
+        yield sample
 
 
 @dataclass
@@ -216,7 +232,7 @@ class JobDocuments:
             self._shard_started(url)
         manifest = self.manifest(url)
         if manifest is not None:
-            return _manifest_samples(url, manifest, int((start or {}).get("samples", 0)))
+            return _manifest_samples(self.reader, url, manifest, int((start or {}).get("samples", 0)), on_problem)
         return self.reader.iter_shard(url, on_problem, start)
 
     def manifest(self, url: str) -> img2dataset.Manifest | None:
@@ -251,6 +267,8 @@ class JobDocuments:
         dataset = self._dataset(url)
         if dataset is None:  # a plan or a record naming a shard the job does not have: data too
             raise SampleError(sample.get("__key__", ""), f"shard {url!r} is not one of this job's", url, "shard_error")
+        if MANIFEST_PROBLEM in sample:
+            raise SampleError(sample["__key__"], sample[MANIFEST_PROBLEM], url, "shard_error")
         modalities, image, generation = self._options[dataset]
         if self.hooks is not None:
             sample = self.hooks.apply(sample, int(sample.get(EPOCH, 0)))

@@ -47,8 +47,8 @@ from preprocess_service.adapters.io.sources import ShardPolicy
 from preprocess_service.adapters.io.tarstream import TarLimits
 from preprocess_service.core.shardnames import ShardNames
 
-__all__ = ["DEFAULT_READER", "ProblemSink", "ShardReadError", "ShardReader", "expand_shards", "iter_shard",
-           "open_regular"]
+__all__ = ["DEFAULT_READER", "MemberHead", "ProblemSink", "ShardReadError", "ShardReader", "expand_shards",
+           "iter_shard", "open_regular"]
 
 ProblemSink = Callable[[SampleError], None]
 """Called with a SampleError for every sample or shard problem (key empty when none is known)."""
@@ -70,6 +70,26 @@ def _without_problems(items: list, on_problem: ProblemSink) -> Iterator:
         else:
             yield item
 
+
+@dataclass(frozen=True, slots=True)
+class MemberHead:
+    """What planning reads of one tar member by its offset (``ShardReader.iter_heads``): all of it
+    when it is small or when ``head`` must be whole, else its first and last bytes."""
+
+    size: int
+    """The member's bytes in all."""
+    head: bytes
+    """Its first bytes (all of them when ``whole``)."""
+    tail: bytes
+    """Its last bytes (at most TAIL_BYTES; all of them when ``whole``)."""
+
+    @property
+    def whole(self) -> bool:
+        return len(self.head) == self.size
+
+
+TAIL_BYTES = 4096
+"""Last bytes of a member read beside its head (an end marker, after trailing padding)."""
 
 READ_BATCH = 16
 """Samples (and problems) a shard's reader thread hands over at once: a hand-over costs a thread
@@ -282,6 +302,35 @@ class ShardReader:
             result = found
         return result
 
+    def iter_heads(self, url: str, keys: Iterable[str], on_problem: ProblemSink, *, head_bytes: int,
+                   wanted: Callable[[str], bool], enough: Callable[[bytes], bool]) -> Iterator[tuple[str, dict | None]]:
+        """(key, {suffix: MemberHead} of the members ``wanted(suffix)`` accepts) for each of ``keys``
+        in order, None for a key the tar does not hold: a local uncompressed tar (or a remote one's
+        cached copy) read at its members' offsets (the index of its headers, cached per file version),
+        on a reader thread within read_timeout_s like any read. A member's head is its first
+        ``head_bytes`` unless ``enough(head)`` says they do not hold what the caller needs (then the
+        whole member, within max_member_bytes). A shard that cannot be read so ends the keys with
+        one ``shard_error``."""
+        def produce(report: ProblemSink, progress: Progress):
+            with self._opened(url, progress) as opened:
+                if opened.path is None:
+                    raise ShardReadError(f"{url} could only be streamed; its members cannot be read by offset")
+                st = os.fstat(opened.file.fileno())
+                index = _tar_index(opened.path, st.st_mtime_ns, st.st_size, self.limits)
+                if not index and st.st_size:
+                    raise ShardReadError(f"{url} is not an uncompressed tar; its members cannot be read by offset")
+                fd = opened.file.fileno()
+                for key in keys:
+                    members = index.get(key)
+                    if members is None:
+                        yield key, None
+                        continue
+                    yield key, {suffix: _head(fd, offset, size, head_bytes, enough)
+                                for suffix, (offset, size) in members.items() if wanted(suffix)}
+                    progress()
+
+        return self._watched(produce, url, on_problem)
+
     @contextmanager
     def _format_file(self, url: str, fmt: formats.Format, progress: Progress):
         """(file, local path) of a shard of another format: the file itself or a remote shard's
@@ -320,6 +369,16 @@ def _read_indexed(f, path: str, url: str, keys: set[str], limits: TarLimits) -> 
                 sample[suffix] = os.pread(f.fileno(), size, offset)
             found[key] = sample
     return found
+
+
+def _head(fd: int, offset: int, size: int, head_bytes: int, enough: Callable[[bytes], bool]) -> MemberHead:
+    head = os.pread(fd, min(size, head_bytes), offset)
+    if len(head) < size and not enough(head):
+        head = os.pread(fd, size, offset)  # the index left out members over max_member_bytes
+    if len(head) == size:
+        return MemberHead(size, head, head[-TAIL_BYTES:])
+    tail_start = max(offset + len(head), offset + size - TAIL_BYTES)
+    return MemberHead(size, head, os.pread(fd, offset + size - tail_start, tail_start))
 
 
 def _scan_file(f, url: str, keys: set[str], limits: TarLimits) -> Iterator[dict]:

@@ -82,11 +82,21 @@ def register_member_kind(kind: MemberKind) -> MemberKind:
 
 @dataclass(frozen=True, slots=True)
 class KnownImage:
-    """An image member planned from a manifest (an img2dataset parquet): its stored size instead
-    of its bytes, which are read by offset when it is decoded. Checked like a header's size."""
+    """An image member planned from a manifest (an img2dataset parquet), whose pixels are read by
+    offset when it is decoded: the size the manifest declares, and the member's first and last
+    bytes (image_heads.py: the head holds the whole header). The bytes win: a manifest cannot know
+    an EXIF orientation (img2dataset may keep the original bytes, and its sizes are the stored
+    ones), nor be trusted to agree with the file."""
 
     width: int
+    """Stored width the manifest declares, pixels."""
     height: int
+    size: int
+    """The member's bytes."""
+    head: bytes
+    """Its first bytes, holding its header (all of them for a small member)."""
+    tail: bytes
+    """Its last bytes (its end marker)."""
 
 
 def classify_members(sample: dict) -> dict[str, str]:
@@ -300,15 +310,9 @@ def _parse_json(raw: bytes | None) -> dict:
 
 
 def _image_ref(ext: str, data: bytes | KnownImage, config: ImageConfig) -> ImageRef:
-    if isinstance(data, KnownImage):  # stored by img2dataset, which re-encodes without EXIF orientation
-        if not (0 < data.width and 0 < data.height) or data.width * data.height > config.max_source_pixels:
-            raise SampleError("", f"image {ext}: the manifest's size {data.width}x{data.height} is out of bounds "
-                                  f"(max_source_pixels {config.max_source_pixels})", kind="decompression_bomb")
-        height, width = imaging.target_size(data.width, data.height, config)
-        return ImageRef(member=ext, height=height, width=width, orientation=1,
-                        tokens=imaging.num_image_tokens(height, width, config))
+    head, tail, size = (data.head, data.tail, data.size) if isinstance(data, KnownImage) else (data, data, len(data))
     try:
-        header = imaging.read_header(data)
+        header = imaging.read_header(head)
     except imaging.DecompressionBomb as exc:
         raise SampleError("", f"image {ext}: decompression bomb: {exc}", kind="decompression_bomb") from None
     except ValueError as exc:
@@ -318,12 +322,22 @@ def _image_ref(ext: str, data: bytes | KnownImage, config: ImageConfig) -> Image
         raise SampleError("", f"image {ext}: decompression bomb: {header.width}x{header.height} = "
                               f"{pixels} pixels exceeds max_source_pixels {config.max_source_pixels}",
                           kind="decompression_bomb")
-    if imaging.looks_truncated(data, header.format):
-        raise SampleError("", f"image {ext}: truncated {header.format} file ({len(data)} bytes, no end marker)",
+    if imaging.looks_truncated(tail, header.format):
+        raise SampleError("", f"image {ext}: truncated {header.format} file ({size} bytes, no end marker)",
                           kind="truncated_image")
     height, width = imaging.target_size(header.width, header.height, config)
     return ImageRef(member=ext, height=height, width=width, orientation=header.orientation,
-                    tokens=imaging.num_image_tokens(height, width, config))
+                    tokens=imaging.num_image_tokens(height, width, config),
+                    declared_size=_disagreeing_size(data, header))
+
+
+def _disagreeing_size(data: bytes | KnownImage, header: imaging.ImageHeader) -> tuple[int, int] | None:
+    """The (width, height) a manifest declared for the stored pixels, when the bytes say otherwise."""
+    if not isinstance(data, KnownImage):
+        return None
+    swapped = header.orientation >= 5  # EXIF orientations 5-8 turn the stored pixels by a quarter
+    stored = (header.height, header.width) if swapped else (header.width, header.height)
+    return None if stored == (data.width, data.height) else (data.width, data.height)
 
 
 def _gen_ref(ext: str, data: bytes, config: ImageConfig, generation: GenerationConfig) -> GenImageRef:

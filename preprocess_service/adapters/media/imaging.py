@@ -183,11 +183,29 @@ def _orient(pixels: np.ndarray, orientation: int) -> np.ndarray:
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """RGB with transparency composited on white (LAION has many RGBA/P logos)."""
-    if img.mode == "RGB":
-        return img
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+    """RGB by one rule: 16-bit grey reduced to its high byte (as Pillow itself reduces 16-bit RGB,
+    RGBA and grey+alpha PNGs; Pillow's convert would clip it at 255, turning most of the picture
+    white); any transparency, an alpha band or a tRNS entry (palette alpha or a grey or RGB colour
+    key), composited on white (LAION has many RGBA/P logos); everything else, CMYK and YCCK JPEGs
+    included, by Pillow's convert."""
+    if img.mode in _SIXTEEN_BIT_GREY:
+        img = _high_byte(img)
+    if "A" in img.getbands() or "transparency" in img.info:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+_SIXTEEN_BIT_GREY = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+"""Pillow's modes of 16-bit grey ("I": 32-bit integers, taken as 16-bit: clipped to 0-65535)."""
+
+
+def _high_byte(img: Image.Image) -> Image.Image:
+    """L (LA with a tRNS key: alpha 0 where the 16-bit value is the key) of 16-bit grey."""
+    values = np.asarray(img)
+    grey = Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
+    key = img.info.get("transparency")
+    if key is None:
+        return grey
+    return Image.merge("LA", (grey, Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), "L")))

@@ -12,7 +12,9 @@ Generation targets (``generation.select="all"``: every image is one): the centre
 the displayed image, resized to generation.image_size. Nothing of the service's imaging code is
 imported. Every class must be delivered once, and nothing skipped.
 
-Run for ``manifests="off"`` (every shard read as a tar).
+Run for ``manifests="off"`` (every shard read as a tar) and ``"auto"`` (the default: each shard
+planned from its img2dataset parquet, whose sizes are as stored, EXIF orientation not applied; the
+tar is read only to decode).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from image_corpus import CLASSES, write_corpus
 from PIL import Image, ImageOps
 
 from disttrain_api.config import GenerationConfig, ImageConfig, JobConfig
+from preprocess_service.adapters.io.img2dataset import read_manifest
 from preprocess_service.service.server import create_server
 from trainer import DataClient
 
@@ -232,9 +235,11 @@ def _print_table(name: str, stats: dict) -> None:
         print(f"  {key:22s} {mean:7.3f} {peak:4d}   ({allowed.name}: < {allowed.mean}, <= {allowed.peak})")
 
 
-@pytest.mark.parametrize("manifests", ["off"])
+@pytest.mark.parametrize("manifests", ["off", "auto"])
 def test_every_delivered_image_matches_pillow(corpus, service, manifests):
     root, written = corpus
+    tars = sorted(root.glob("*.tar"))
+    assert len(tars) == 3 and all(read_manifest(tar).plannable for tar in tars), "auto would not plan from them"
     address, servicer = service
     common = dict(shards=(str(root),), manifests=manifests, dp_size=2, num_microbatches=2, seed=3)
     images = _delivered(address, servicer, JobConfig(seq_len=2048, **common), gen=False)

@@ -22,6 +22,7 @@ delivered.
 
 from __future__ import annotations
 
+import os
 import re
 import tarfile
 from collections.abc import Callable, Iterator
@@ -203,26 +204,129 @@ def _finish(current: _Sample, url: str, on_problem) -> dict | None:
 def index_members(fileobj, limits: TarLimits) -> dict[str, dict[str, tuple[int, int]]]:
     """key -> {suffix: (data offset, size)} of a seekable local tar, grouped as iter_samples groups
     them, first occurrence kept; members over the limits are left out (the planner reported their
-    samples). A broken tail leaves the samples before it indexed."""
+    samples). A broken tail leaves the samples before it indexed.
+
+    Plain ustar headers (what webdataset's and img2dataset's writers make for ASCII names) are read
+    by ``pread``, one per member; a tar with any other header (pax, GNU long names, sparse files,
+    base-256 numbers, a checksum only tarfile accepts) is indexed by tarfile, which reads them all.
+    The two give the same index (tests/unit/preprocess_service/adapters/io/test_tarstream.py)."""
+    try:
+        return _index(_plain_headers(fileobj.fileno()), limits)
+    except _NotPlain:
+        fileobj.seek(0)
+        return _index(_tarfile_headers(fileobj), limits)
+
+
+def _index(headers: Iterator[tuple[str, int, int]], limits: TarLimits) -> dict[str, dict[str, tuple[int, int]]]:
     index: dict[str, dict[str, tuple[int, int]]] = {}
     previous = None
+    for name, offset_data, size in headers:
+        key, suffix = split_name(name)
+        if key is None:
+            continue
+        if key != previous and key in index:
+            previous = key  # a later sample with a key already seen: not the one planned
+            continue
+        if previous != key:
+            index[key] = {}
+        previous = key
+        if size <= limits.max_member_bytes:
+            index[key].setdefault(suffix, (offset_data, size))
+    return index
+
+
+def _tarfile_headers(fileobj) -> Iterator[tuple[str, int, int]]:
+    """(name, data offset, size) of every regular member, as tarfile reads them."""
     try:
         tar = tarfile.open(fileobj=fileobj, mode="r:", tarinfo=_BoundedTarInfo)
         while (info := tar.next()) is not None:
             tar.members = []
-            if not info.isreg():
-                continue
-            key, suffix = split_name(info.name)
-            if key is None:
-                continue
-            if key != previous and key in index:
-                previous = key  # a later sample with a key already seen: not the one planned
-                continue
-            if previous != key:
-                index[key] = {}
-            previous = key
-            if info.size <= limits.max_member_bytes:
-                index[key].setdefault(suffix, (info.offset_data, info.size))
+            if info.isreg():
+                yield info.name, info.offset_data, info.size
     except (tarfile.TarError, EOFError):
         pass
-    return index
+
+
+class _NotPlain(Exception):
+    """A header only tarfile reads (the whole tar is indexed by tarfile instead)."""
+
+
+_BLOCK = tarfile.BLOCKSIZE
+_REGULAR = (b"0", b"\0", b"7")
+_SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6")
+"""Links, devices, directories, FIFOs: not samples' members (no data, or data skipped)."""
+
+
+def _plain_headers(fd: int) -> Iterator[tuple[str, int, int]]:
+    """(name, data offset, size) of every regular member of a ustar file by ``pread`` (pax
+    headers giving a path, a size or what an index ignores, like tarfile's own fractional mtime);
+    raises _NotPlain at any header tarfile must read (checked before anything is yielded)."""
+    members, offset, pax = [], 0, {}
+    while True:
+        buf = os.pread(fd, _BLOCK, offset)
+        if len(buf) < _BLOCK or not buf.strip(b"\0"):
+            break  # the end, or a cut header: tarfile stops there too
+        kind, size = buf[156:157], _octal(buf[124:136])
+        if kind not in _REGULAR + _SKIPPED + (b"x",) or _octal(buf[148:156]) != sum(buf) - sum(buf[148:156]) + 256:
+            raise _NotPlain
+        data_offset, offset = offset + _BLOCK, offset + _BLOCK + -(-size // _BLOCK) * _BLOCK
+        if kind == b"x":
+            if size > MAX_HEADER_BLOCK_BYTES:
+                raise _NotPlain
+            pax = _pax_records(os.pread(fd, size, data_offset))
+            continue
+        name = _text(buf[0:100])
+        if kind == b"\0" and name.endswith("/"):
+            kind = b"5"  # an old-style directory
+        if kind == b"5":
+            name = name.rstrip("/")
+        if prefix := _text(buf[345:500]):
+            name = prefix + "/" + name
+        if b"path" in pax:
+            name = pax[b"path"].decode("utf-8", "surrogateescape")
+        if b"size" in pax:
+            size = _octal_or_decimal(pax[b"size"])
+            offset = data_offset + -(-size // _BLOCK) * _BLOCK
+        pax = {}
+        if kind in _REGULAR:
+            members.append((name, data_offset, size))
+    yield from members
+
+
+_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+
+
+def _pax_records(data: bytes) -> dict[bytes, bytes]:
+    """The records of a pax extended header (``LENGTH KEY=VALUE\\n``), as tarfile parses them."""
+    records, pos = {}, 0
+    while match := _PAX_RECORD.match(data, pos):
+        length, key = int(match.group(1)), match.group(2)
+        if length < len(match.group(0)) + 1 or pos + length > len(data) or data[pos + length - 1:pos + length] != b"\n":
+            raise _NotPlain
+        if key.startswith(b"GNU.sparse") or key == b"hdrcharset":
+            raise _NotPlain  # sparse members and names in another charset: tarfile's to read
+        records[key] = data[match.end(0):pos + length - 1]
+        pos += length
+    if data[pos:].strip(b"\0"):
+        raise _NotPlain
+    return records
+
+
+def _octal_or_decimal(value: bytes) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise _NotPlain from None
+
+
+def _octal(field: bytes) -> int:
+    if field[:1] in (b"\x80", b"\xff"):
+        raise _NotPlain  # a base-256 number
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        raise _NotPlain from None
+
+
+def _text(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")

@@ -130,17 +130,26 @@ def install_plugins(root: Path, module: str, source: str, entry_points: dict[str
 
 
 def video_bytes(num_frames: int = 48, width: int = 160, height: int = 120, fps: int = 24, *,
-                codec: str = "libx264", container: str = "mp4") -> bytes:
+                codec: str = "libx264", container: str = "mp4", marked: bool = False,
+                display_matrix: list[int] | None = None, tags: dict[str, str] | None = None) -> bytes:
     """A video encoded at test time (PyAV): frame i is a flat grey of level (i * 5) % 250, so a
-    decoded frame tells which source frame it came from."""
+    decoded frame tells which source frame it came from. ``marked``: the top-left (height / 4) x
+    (width / 4) block of every frame is 128 levels off that grey, so a turned or mirrored frame
+    shows it. ``display_matrix`` (FFmpeg's 9 int32, 16.16 fixed point; MP4 writes it as the tkhd
+    matrix) and ``tags`` (stream metadata, e.g. a legacy ``rotate``) say how a viewer shows it."""
     import av
 
     out = io.BytesIO()
     with av.open(out, "w", format=container) as muxer:
         stream = muxer.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if display_matrix is not None:
+            stream.set_display_matrix(display_matrix)
+        stream.metadata.update(tags or {})
         for i in range(num_frames):
             frame = np.full((height, width, 3), (i * 5) % 250, dtype=np.uint8)
+            if marked:
+                frame[:height // 4, :width // 4] = ((i * 5) % 250 + 128) % 256
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 muxer.mux(packet)
         for packet in stream.encode():

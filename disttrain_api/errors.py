@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class DisttrainError(Exception):
     """Base class of every error this project raises on purpose."""
@@ -18,6 +20,16 @@ class NotFoundError(DisttrainError, LookupError):
 class JobClosedError(NotFoundError):
     """A job a client closed (CloseJob) here (gRPC FAILED_PRECONDITION): unlike a job this node
     never knew or forgot (a restart), a client must not open it again by itself."""
+
+
+_OBJECT_ADDRESS = re.compile(r"<([\w.]+ object) at 0x[0-9a-fA-F]+>")
+"""A default repr in a library's error text (Pillow and libsndfile name the buffer they read): left
+out of a reason, so a sample's reason is the same in every process and every decode."""
+
+
+def repeatable(text: str) -> str:
+    """``text`` without the object addresses a library's error text may hold."""
+    return _OBJECT_ADDRESS.sub(r"<\1>", text)
 
 
 class SampleError(DisttrainError):
@@ -38,6 +50,7 @@ class SampleError(DisttrainError):
 
     def __init__(self, key: str, reason: str, shard: str = "", kind: str = "decode_failed"):
         assert kind in self.KINDS, kind
+        reason = repeatable(reason)
         super().__init__(f"sample {key!r}: {reason}")
         self.key = key
         self.reason = reason

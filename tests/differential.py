@@ -9,7 +9,6 @@ plus each of its media items with the item's token span counted from the sample'
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,13 +24,6 @@ TOKEN_FIELDS = ("tokens", "position_ids", "modality", "loss_mask", "labels")
 MEDIA = {"image": ("image_spans", "images"), "audio": ("audio_spans", "mels"),
          "gen": ("gen_spans", "gen_images"), "video": ("video_spans", "videos")}
 """Media kind -> (its spans field, its arrays field) in trainer.Microbatch."""
-OBJECT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-f]+>")
-"""An object's default repr in a skip reason (``<_io.BytesIO object at 0x7f...>``): a defect, not
-data. Pillow's and libsndfile's errors name the buffer they read, so the same sample's reason differs
-from process to process, and from one decode of the sample to the next. Reasons that differ only
-there are counted (ADDRESS_ONLY), not failed, so the defect is shown on every run without hiding
-any other difference."""
-ADDRESS_ONLY = "skip reasons differing only in an object address"
 
 
 @dataclass(eq=False)
@@ -68,8 +60,8 @@ def per_sample(microbatches: Iterable, skipped: Iterable = (), *, key: Callable[
     for record in skipped:
         reasons.setdefault(key(record.key), set()).add((record.kind, record.reason))
     run.skipped = {name: tuple(sorted(pairs)) for name, pairs in reasons.items()}
-    reported = {(name, _unaddressed(reason)) for name, pairs in reasons.items() for _, reason in pairs}
-    missing = {(name, reason) for name, reason in in_microbatches if (name, _unaddressed(reason)) not in reported}
+    reported = {(name, reason) for name, pairs in reasons.items() for _, reason in pairs}
+    missing = in_microbatches - reported
     assert not missing, f"skipped in a microbatch, not in the report: {missing}"
     return run
 
@@ -107,12 +99,8 @@ def assert_same(a: RunRecord, b: RunRecord, tol: dict[str, float] | None = None)
     _same_keys("delivered", a.samples, b.samples)
     _same_keys("skipped", a.skipped, b.skipped)
     worst = dict.fromkeys(MEDIA, 0.0)
-    worst[ADDRESS_ONLY] = 0.0
     for key in sorted(a.skipped):
-        if a.skipped[key] != b.skipped[key]:
-            assert _without_addresses(a.skipped[key]) == _without_addresses(b.skipped[key]), \
-                f"skipped {key!r}: (kind, reason) {a.skipped[key]} != {b.skipped[key]}"
-            worst[ADDRESS_ONLY] += 1
+        assert a.skipped[key] == b.skipped[key], f"skipped {key!r}: (kind, reason) {a.skipped[key]} != {b.skipped[key]}"
     for key in sorted(a.samples):
         x, y = a.samples[key], b.samples[key]
         for name in TOKEN_FIELDS:
@@ -130,14 +118,6 @@ def assert_same(a: RunRecord, b: RunRecord, tol: dict[str, float] | None = None)
                     f"sample {key!r}: {kind} {i} differs by up to {deviation} (tolerance {tol.get(kind, 0.0)}) "
                     f"at {tuple(int(i) for i in np.unravel_index(np.argmax(_abs_diff(p, q)), p.shape))}")
     return worst
-
-
-def _unaddressed(reason: str) -> str:
-    return OBJECT_REPR.sub(r"<\1 object>", reason)
-
-
-def _without_addresses(reasons: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted({(kind, _unaddressed(reason)) for kind, reason in reasons}))
 
 
 def _same_keys(what: str, a: dict, b: dict) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from disttrain_api.config import JobConfig
+from disttrain_api.errors import repeatable
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded, Decoder
 from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits, HookSpec
 from preprocess_service.adapters.plugins.registry import plugin_class
@@ -84,7 +85,7 @@ class Assembly:
         self.first_out.set()
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
         arrays.skipped.extend(pending.skipped)
-        failed = [SkippedRecord(key, shards_of[key], f"decode failed: {reason}",
+        failed = [SkippedRecord(key, shards_of[key], f"decode failed: {repeatable(reason)}",
                                 "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed")
                   for key, reason in decoded.errors.items()]
         arrays.skipped.extend(failed)

@@ -6,9 +6,7 @@ into {key: what the trainer got for it} by one helper (tests/differential.py) an
 ``assert_same``, which names the first differing key and field. One test per pair; ``pytest -s``
 prints a line per pair (identical, or the largest deviation per media kind). Every pair is exact:
 each route decodes the same bytes to the same planned size with the same code, so no tolerance is
-owed anywhere. One known defect is counted and printed, not failed: some skip reasons hold a Python
-object's address (``<_io.BytesIO object at 0x...>``), which differs between processes and jobs
-(differential.OBJECT_REPR); the rest of every reason must match.
+owed anywhere, skip reasons included (SampleError leaves a library's object addresses out of them).
 
 1. img2dataset manifests (``manifests="auto"``: planned from the NNNNN.parquet) vs the tars read
    (``"off"``), on original camera JPEGs with EXIF orientations 1-8 and the parquet's stored sizes.

@@ -359,7 +359,7 @@ def _audio_ref(ext: str, data: bytes, seconds: float | None, config: AudioConfig
 
 def _video_ref(ext: str, data: bytes, image: ImageConfig, config: VideoConfig) -> VideoRef:
     try:
-        header = video.read_header(data)
+        header = video.read_header(data, max_pixels=config.max_source_pixels)
     except ValueError as exc:
         raise SampleError("", f"video {ext}: {exc}", kind="unreadable_video") from None
     if header.width * header.height > config.max_source_pixels:

@@ -43,6 +43,12 @@ class DocumentFacts:
     text_chars: int
     """Characters of its texts as the sample holds them; UNKNOWN when not measured."""
     num_tokens: int
+    num_oriented_images: int = 0
+    """Its images (generation targets included) whose EXIF orientation turns or mirrors them."""
+    num_oriented_videos: int = 0
+    """Its videos whose display matrix (or rotate tag) turns or mirrors them."""
+    num_declared_size_mismatches: int = 0
+    """Its images whose manifest size disagreed with their header (the header's was used)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,10 @@ def document_facts(doc: Document, text_chars: int = UNKNOWN) -> DocumentFacts:
                          image_sizes=tuple((i.height, i.width) for i in doc.images),
                          image_tokens=tuple(i.tokens for i in doc.images),
                          audio_seconds=tuple(a.seconds for a in doc.audio), num_generated=len(doc.generated),
-                         text_tokens=doc.text_tokens, text_chars=text_chars, num_tokens=doc.num_tokens)
+                         text_tokens=doc.text_tokens, text_chars=text_chars, num_tokens=doc.num_tokens,
+                         num_oriented_images=sum(s.orientation != 1 for s in (*doc.images, *doc.generated)),
+                         num_oriented_videos=sum(s.orientation != 1 for s in doc.segments if isinstance(s, VideoRef)),
+                         num_declared_size_mismatches=sum(i.declared_size is not None for i in doc.images))
 
 
 def step_facts(plan: StepPlan) -> StepFacts:
@@ -185,6 +194,7 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
         mine = [m for d, m in manifests if d == i]
         per_dataset.append({"name": name, "planned": sum(1 for d in documents if d.dataset == i),
                             "modalities": _modalities(d for d in documents if d.dataset == i),
+                            **_orientations(d for d in documents if d.dataset == i),
                             "manifest_shards": len(mine), "manifest_samples": sum(m.num_samples for m in mine),
                             "manifest_failed_rows": sum(m.num_failed for m in mine)})
     totals = {name: float(values[f"step_{name}"].sum()) for name in ("iteration_s", "arrival_iteration_s",
@@ -194,6 +204,7 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
                     "skipped": skipped_read, "skipped_by_kind": dict(sorted(skipped.items(), key=lambda kv: -kv[1]))},
         "modalities": _modalities(documents),
         "num_generation_targets": sum(d.num_generated for d in documents),
+        "orientations": _orientations(documents),
         "datasets": per_dataset,
         "sequences": {"count": int(len(values["padding_share"])),
                       "padding_sequences": sum(s.num_padding_sequences for s in steps)},
@@ -203,6 +214,17 @@ def compute_stats(documents: Sequence[DocumentFacts], steps: Sequence[StepFacts]
                       "failed_rows": sum(m.num_failed for _, m in manifests)},
         "distributions": {name: distribution(v) for name, v in values.items()},
     }
+
+
+def _orientations(documents: Iterable[DocumentFacts]) -> dict[str, int]:
+    """Samples with an image, a video, turned or mirrored for display; images whose manifest size
+    disagreed with their bytes."""
+    counts = {"samples_oriented_images": 0, "samples_oriented_videos": 0, "declared_size_mismatches": 0}
+    for d in documents:
+        counts["samples_oriented_images"] += d.num_oriented_images > 0
+        counts["samples_oriented_videos"] += d.num_oriented_videos > 0
+        counts["declared_size_mismatches"] += d.num_declared_size_mismatches
+    return counts
 
 
 def _modalities(documents: Iterable[DocumentFacts]) -> dict[str, int]:

@@ -168,11 +168,12 @@ def render_text(stats: dict) -> str:
                  + (" (first epoch, up to --max-samples)" if samples["planned"] < samples["accepted"] else ""))
     lines.append("modality  " + _modalities(stats["modalities"], samples["planned"])
                  + f"; {stats['num_generation_targets']} images to generate")
+    lines.append("display   " + _orientations(stats["orientations"]))
     if len(stats["datasets"]) > 1:
         for d in stats["datasets"]:
             lines.append(f"  {d['name']:<12} {d['planned']:>6} planned: {_modalities(d['modalities'], d['planned'])}"
                          + (f"; parquet: {d['manifest_samples']} samples, {d['manifest_failed_rows']} failed rows"
-                            if d["manifest_shards"] else ""))
+                            if d["manifest_shards"] else "") + f"; {_orientations(d, short=True)}")
     m = stats["manifests"]
     lines.append(f"parquet   * img2dataset manifests of {m['shards']} of {m['of_shards']} shards: {m['samples']} "
                  f"samples, {m['failed_rows']} failed-download rows (all rows, tars not read)" if m["shards"] else
@@ -188,6 +189,18 @@ def render_text(stats: dict) -> str:
             lines.append(f"  {label.format(planner=planner):<34}" + "".join(f"{_fmt(dist[c]):>10}" for c in COLUMNS))
     lines.append(_totals(stats["steps"], planner))
     return "\n".join(lines)
+
+
+def _orientations(counts: dict, short: bool = False) -> str:
+    """Samples shown turned or mirrored (EXIF orientation, a video's display matrix) and manifest
+    sizes the bytes overruled: what a viewer shows differs from the stored pixels there."""
+    images, videos, mismatches = (counts["samples_oriented_images"], counts["samples_oriented_videos"],
+                                  counts["declared_size_mismatches"])
+    if short:
+        return f"turned or mirrored: {images} with images, {videos} with videos; manifest sizes overruled: {mismatches}"
+    return (f"{images} samples with images turned or mirrored by their EXIF orientation, {videos} with videos "
+            f"rotated or mirrored by their display matrix (delivered as a viewer shows them); {mismatches} "
+            "manifest sizes disagree with their images' bytes (the bytes' used)")
 
 
 def _modalities(counts: dict, total: int) -> str:

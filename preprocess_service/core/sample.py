@@ -93,6 +93,9 @@ class VideoRef:
     """Duration from its header: the frames are taken at the middles of ``frames`` equal parts."""
     bounds: tuple[int, int] = (0, 0)
     """(frames, pixels) decoding it may produce at most (VideoConfig.max_decoded_frames, _pixels)."""
+    orientation: int = 1
+    """Its display rotation as an EXIF orientation (1 = as stored), read with the header (its
+    decode reads it again from the same bytes)."""
 
 
 Segment = TextSegment | ImageRef | AudioRef | GenImageRef | VideoRef

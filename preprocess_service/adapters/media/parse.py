@@ -371,7 +371,7 @@ def _video_ref(ext: str, data: bytes, image: ImageConfig, config: VideoConfig) -
         raise SampleError("", f"video {ext}: {exc}", kind="unreadable_video") from None
     return VideoRef(member=ext, frames=planned.frames, height=planned.height, width=planned.width,
                     tokens=planned.tokens, seconds=header.seconds,
-                    bounds=(config.max_decoded_frames, config.max_decoded_pixels))
+                    bounds=(config.max_decoded_frames, config.max_decoded_pixels), orientation=header.orientation)
 
 
 register_member_kind(MemberKind("image", IMAGE_EXTENSIONS, 0,

@@ -230,3 +230,35 @@ def test_compute_stats_is_pure_and_exact():
     assert (dist["text_chars"]["min"], dist["text_chars"]["max"]) == (2, 20)
     assert dist["image_width"]["max"] == 28 * 40 and dist["step_imbalance"] == {"count": 0}
     assert stats["modalities"]["image-text"] == 10 and stats["steps"]["count"] == 0
+
+
+def test_it_counts_turned_images_and_videos_and_manifest_sizes_the_bytes_overrule(tmp_path, capsys):
+    """Camera originals planned from their manifest (EXIF orientations 1-8, a PNG's eXIf 6, one
+    row declaring a wrong size) and a tar of videos (one turned by its display matrix, one not)."""
+    import webdataset as wds
+
+    import image_corpus
+    from helpers import video_bytes
+
+    classes = {k: c for k, c in image_corpus.CLASSES.items() if "orient" in k or k == "jpeg_grey"}
+    image_corpus.write_corpus(tmp_path / "photos", classes)
+    table = pq.read_table(tmp_path / "photos" / "00000.parquet").to_pylist()
+    for row in table:
+        if row["key"] == "jpeg_orient1":
+            row["width"] += 100  # the bytes overrule it
+    pq.write_table(pa.Table.from_pylist(table, schema=image_corpus.PARQUET_SCHEMA),
+                   tmp_path / "photos" / "00000.parquet")
+    quarter_turn = [0, 65536, 0, -65536, 0, 0, 0, 0, 1 << 30]
+    with wds.TarWriter(str(tmp_path / "videos.tar")) as writer:
+        for key, matrix in (("upright", None), ("turned", quarter_turn)):
+            writer.write({"__key__": key, "mp4": video_bytes(12, 160, 96, display_matrix=matrix),
+                          "txt": b"a clip"})
+    code, out, _ = run([str(tmp_path / "photos"), str(tmp_path / "videos.tar"), "--no-plot",
+                        "--json", str(tmp_path / "s.json")], capsys)
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert code == 0, out
+    assert stats["manifests"]["shards"] == 2  # the photos' jpg and png shards are planned from their parquet
+    assert stats["orientations"] == {"samples_oriented_images": 8, "samples_oriented_videos": 1,
+                                     "declared_size_mismatches": 1}  # JPEG 2-8, the PNG; the turned clip
+    assert "8 samples with images turned or mirrored" in out and "1 with videos" in out
+    assert "1 manifest sizes disagree" in out

@@ -197,7 +197,8 @@ def main() -> None:
         f"planning from manifests: {photos} camera photos, best of {rounds} rounds",
         ["arm", "CPU us/sample", "x decode"], rows,
         notes=["headers read: the default; sizes only: the same without reading any byte (the manifest's "
-               "stored sizes: every photo with an EXIF orientation other than 1 delivered turned or mirrored), the baseline of the cost",
+               "stored sizes: every photo with an EXIF orientation other than 1 delivered turned or mirrored), "
+               "the baseline of the cost",
                "a restore re-plans one block of shuffle_buffer samples: the header reads add that many "
                "times their per-sample cost"]))
     if args.json:

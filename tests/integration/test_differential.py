@@ -124,8 +124,9 @@ def _conversation(i: int, images: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def formats(tmp_path_factory) -> dict[str, Path]:
-    """24 LLaVA-style rows (0-2 images, JPEG and PNG, one or two rounds; a truncated JPEG and an
-    unknown role among them) written three times: a WebDataset tar, a Hugging Face Parquet file and
+    """24 LLaVA-style rows (0-2 images, camera JPEG with EXIF orientation 1-8 and PNG, one or two
+    rounds; a truncated JPEG and an unknown role among them) written three times: a WebDataset tar,
+    a Hugging Face Parquet file and
     a LLaVA JSON Lines file with its image folder. Row i's key is f"{i:09d}" in the tar and the
     LLaVA file, FOLDER/STEM/{i:09d} in the Parquet file."""
     root = tmp_path_factory.mktemp("formats")
@@ -137,7 +138,8 @@ def formats(tmp_path_factory) -> dict[str, Path]:
     with wds.TarWriter(str(root / "tar" / "00000.tar")) as writer:
         for i in range(24):
             key = f"{i:09d}"
-            images = [jpeg_bytes(50 + 7 * i, 40 + 5 * (i % 4), seed=i, fmt="PNG" if j else "JPEG")
+            images = [jpeg_bytes(50 + 7 * i, 40 + 5 * (i % 4), seed=i, fmt="PNG" if j else "JPEG",
+                                 exif_orientation=None if j else i % 8 + 1)  # the JPEGs: camera EXIF 1-8
                       for j in range(i % 3)]
             if i == 7:
                 images[0] = images[0][: len(images[0]) // 2]  # truncated: no end marker
@@ -238,6 +240,10 @@ def test_the_same_rows_as_tars_parquet_and_llava_json(formats, node):
         config = JobConfig(shards=(str(path),), seq_len=1024, dp_size=2, num_microbatches=2, seed=5)
         runs[name] = _run(address, config, key=lambda key: key.rsplit("/", 1)[-1])  # Parquet: FOLDER/STEM/ROW
     assert len(runs["tar"].samples) == 22 and set(runs["tar"].skipped) == {f"{7:09d}", f"{13:09d}"}
+    for key, record in runs["tar"].samples.items():  # stored landscape; EXIF 5-8 show the JPEG (first image) upright
+        if record.media.get("image"):
+            height, width = record.media["image"][0][1].shape[:2]
+            assert (height > width) == (int(key) % 8 + 1 >= 5), (key, height, width)
     for other in ("parquet", "llava"):
         deviations = assert_same(runs["tar"], runs[other])
         _report(f"2 formats tar vs {other}", deviations, runs["tar"])

@@ -451,9 +451,13 @@ class JobRegistry:
             if saved is not None:
                 states.append(saved)
         for state in states:
-            if state.get("acked_step") == step and state.get("planner") is not None:
+            if state.get("acked_step") == step and state.get("planner") is not None \
+                    and state.get("snapshot_step") == step:
                 return state
         found = sorted({state.get("acked_step") for state in states if state.get("acked_step") is not None})
+        if step in found:  # e.g. acknowledged at the end of its data, where the planner keeps no state
+            raise NotFoundError(f"the job of this lineage that acknowledged step {step} holds no planner state at "
+                                "that step, so another layout cannot continue it there")
         raise NotFoundError(f"no job of this lineage acknowledged step {step} here (acknowledged: {found or 'none'}); "
                             "elastic resume continues from the step every rank acknowledged")
 

@@ -268,3 +268,20 @@ def test_a_full_state_disk_fails_no_acknowledgement_keeps_the_saved_state_and_sa
         registry.close()
     finally:
         subprocess.run(["umount", str(state)], check=False)
+
+
+def test_elastic_resume_after_the_end_of_the_data_is_refused_with_the_reason(tmp_path):
+    """Every step acknowledged at the end of the data: the planner keeps no state there, so another
+    layout cannot continue at that step; NotFoundError says so (it was a raw ValueError, which the
+    client got as UNKNOWN)."""
+    from preprocess_service.service.job import JobRegistry
+
+    write_tiny_shards(tmp_path / "data", num_shards=2, samples_per_shard=12)
+    base = dict(shards=(str(tmp_path / "data"),), seq_len=1024, num_microbatches=1, seed=1)
+    registry = JobRegistry()
+    job = registry.open(JobConfig(dp_size=2, **base))
+    num_steps = job.plan_all()
+    for rank in range(2):
+        job.acknowledge(rank, num_steps)
+    with pytest.raises(NotFoundError, match=f"acknowledged step {num_steps} holds no planner state"):
+        registry.continue_lineage(JobConfig(dp_size=1, **base), num_steps, client="")

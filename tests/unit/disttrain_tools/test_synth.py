@@ -1,8 +1,11 @@
 """Tests for disttrain_tools.synth: layout, metadata consistency, determinism, skew, corrupt shard,
-audio / interleaved / generation / conversation samples."""
+audio / interleaved / generation / conversation / video samples, images stored as the web stores them
+(every class read back from the written bytes), camera shards in img2dataset's keep-original-bytes
+layout."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import io
@@ -12,6 +15,7 @@ import statistics
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import soundfile
@@ -19,11 +23,12 @@ from PIL import Image
 
 from disttrain_api.config import ImageConfig
 from disttrain_tools import synth
+from preprocess_service.adapters.io.img2dataset import read_manifest
 from preprocess_service.adapters.media.parse import parse_document
 from preprocess_service.core.sample import TextSegment
 from preprocess_service.core.tokenizer import ByteTokenizer
 
-MEMBER = re.compile(r"^(\d{5})(\d{4})\.(?:(\d+)\.)?(jpg|png|webp|flac|wav|mp3|ogg|txt|json)$")
+MEMBER = re.compile(r"^(\d{5})(\d{4})\.(?:(\d+)\.)?(jpg|png|webp|flac|wav|mp3|ogg|mp4|txt|json)$")
 IMAGE_EXTS = ("jpg", "png", "webp")
 AUDIO_EXTS = ("flac", "wav", "mp3", "ogg")
 SKEW_CONFIG = synth.SynthConfig(num_shards=2, samples_per_shard=200, seed=0)
@@ -82,6 +87,8 @@ def test_member_names_encode_shard_and_index(dataset):
 def sample_kind(meta: dict) -> str:
     if meta.get("kind") == "text":
         return "text"
+    if "num_video" in meta:
+        return "video"
     if "conversations" in meta:
         return "conversation"
     if "generate" in meta:
@@ -96,8 +103,33 @@ def check_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
         check_plain_sample(key, members, meta)
     elif sample_kind(meta) == "conversation":
         check_conversation_sample(key, members, meta)
+    elif sample_kind(meta) == "video":
+        check_video_sample(key, members, meta)
     else:
         check_mixed_sample(key, members, meta)
+    first_image = next((members[name] for name in members if name in IMAGE_EXTS), None)
+    if first_image is not None:  # img2dataset's exif column: exifread's name of the first image's orientation
+        orientation = Image.open(io.BytesIO(first_image)).getexif().get(0x0112)
+        assert json.loads(meta["exif"]).get("Image Orientation") == synth.ORIENTATION_NAMES.get(orientation)
+
+
+def check_video_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
+    """An mp4 and a caption; json: the stored frame size, the frames' duration, the rotation the
+    display matrix (read back with PyAV) applies."""
+    import av
+
+    assert sorted(members) == ["json", "mp4", "txt"] and members["txt"].decode("utf-8") == meta["caption"]
+    assert meta["key"] == key and meta["num_images"] == 0 and meta["num_video"] == 1
+    assert meta["sha256"] == hashlib.sha256(members["mp4"]).hexdigest() and meta["url"].endswith(f"{key}.mp4")
+    with av.open(io.BytesIO(members["mp4"])) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+        assert stream.codec_context.name == "h264" and (stream.width, stream.height) == (meta["width"], meta["height"])
+    assert meta["width"] > meta["height"]  # stored landscape, as a phone's sensor records it
+    assert abs(len(frames) / float(stream.average_rate) - meta["video_seconds"]) < 1e-6
+    side = frames[0].side_data.get("DISPLAYMATRIX")
+    matrix = np.frombuffer(bytes(side), dtype=np.int32).tolist() if side is not None else None
+    assert matrix == (synth.display_matrix(meta["rotation"]) if meta["rotation"] else None)
 
 
 def check_plain_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
@@ -183,7 +215,7 @@ def check_mixed_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
         assert named == "html" and meta["sha256"] == hashlib.sha256(members[images[0]]).hexdigest()
     else:
         assert named == (clips or images)[0] and meta["sha256"] == hashlib.sha256(members[named]).hexdigest()
-    sizes = [Image.open(io.BytesIO(members[name])).size for name in images]
+    sizes = [Image.open(io.BytesIO(members[name])).size for name in images]  # stored, as img2dataset's
     if sizes:
         assert sizes[0] == (meta["width"], meta["height"])
         assert meta["original_width"] >= meta["width"] and meta["original_height"] >= meta["height"]
@@ -212,15 +244,11 @@ def check_mixed_sample(key: str, members: dict[str, bytes], meta: dict) -> None:
 
 def test_json_matches_images_and_parquet(dataset):
     out, tars = dataset
-    rotated = 0
     for shard, tar_path in enumerate(tars):
         samples = read_samples(tar_path)
         metas = {key: json.loads(members["json"]) for key, members in samples.items()}
         for key, members in samples.items():
             check_sample(key, members, metas[key])
-        rotated += sum(
-            Image.open(io.BytesIO(m["jpg"])).getexif().get(0x0112) == 6 for m in samples.values() if "jpg" in m
-        )
         table = pq.read_table(out / f"{shard:05d}.parquet")
         assert table.num_rows == len(samples)
         assert set(table.column_names) >= {"duration", "durations", "sample_rate", "order", "generate"}
@@ -228,7 +256,7 @@ def test_json_matches_images_and_parquet(dataset):
             meta = metas[row["key"]]
             assert set(meta) - {"images"} <= set(row)
             assert row == {column: meta.get(column) for column in table.column_names}
-    assert rotated > 0  # some JPEGs carry EXIF orientation 6
+        assert not read_manifest(tar_path).plannable  # rows of several images, audio, video: read as tars
 
 
 def test_formats_and_utf8(all_metas, dataset):
@@ -240,10 +268,13 @@ def test_formats_and_utf8(all_metas, dataset):
 
 def test_skew(all_metas):
     assert len(all_metas) == 400
-    short_sides = [min(d["width"], d["height"]) for m in all_metas for d in m.get("images", [m]) if d["width"]]
+    short_sides = [min(d["width"], d["height"]) for m in all_metas if "num_video" not in m
+                   for d in m.get("images", [m]) if d["width"]]
     assert 300 <= statistics.median(short_sides) <= 650
     assert max(short_sides) > 1500
-    assert min(short_sides) >= 150 and max(short_sides) <= 3000
+    odd = [side for side in short_sides if side < 150]  # 1x1, 3x2, one pixel wide, strips: ODD_SIZE_SHARE
+    assert 0 < len(odd) <= 0.03 * len(short_sides) and max(odd) <= 80
+    assert max(short_sides) <= 3000
     words = [len(m["caption"].split()) for m in all_metas]
     assert 8 <= statistics.median(words) <= 18
     assert max(words) > 60
@@ -261,7 +292,7 @@ def test_sample_kinds(dataset, all_metas):
     shares = {kind: kinds.count(kind) / len(kinds) for kind in synth.SAMPLE_KINDS}
     assert 0.05 <= shares["audio"] <= 0.16
     assert 0.02 <= shares["interleaved"] <= 0.10 and 0.02 <= shares["generate"] <= 0.10
-    assert 0.005 <= shares["conversation"] <= 0.07
+    assert 0.005 <= shares["conversation"] <= 0.07 and shares["video"] == 0.0  # videos: off by default
     audio = [m for m in all_metas if sample_kind(m) == "audio"]
     assert {m["num_images"] for m in audio} == {0, 1} and {m["num_audio"] for m in audio} == {1, 2}
     assert {len(m["generate"]) == m["num_images"] for m in all_metas if "generate" in m} == {True, False}
@@ -270,6 +301,163 @@ def test_sample_kinds(dataset, all_metas):
              for name, data in members.items() if name.rsplit(".", 1)[-1] in AUDIO_EXTS]
     assert {"PCM_16", "PCM_24"} <= {i.subtype for i in infos if i.format == "WAV"}
     assert {i.channels for i in infos} == {1, 2} and len({i.samplerate for i in infos}) >= 4
+
+
+def image_class(ext: str, data: bytes) -> str:
+    """The class of synth.ENCODINGS[ext] an image is stored in, told from its bytes alone."""
+    image = Image.open(io.BytesIO(data))
+    if ext == "jpg":
+        if image.mode == "CMYK":
+            return "ycck" if image.info.get("adobe_transform") == 2 else "cmyk"
+        return "grey" if image.mode == "L" else "progressive" if image.info.get("progressive") else "baseline"
+    if ext == "webp":  # the first chunk: VP8L is lossless, VP8X lossy with an alpha chunk, "VP8 " plain lossy
+        return "lossless_alpha" if data[12:16] == b"VP8L" else "lossy_alpha" if image.mode == "RGBA" else "lossy"
+    if data[24] == 16:  # the IHDR's bit depth
+        return "rgb16" if image.mode == "RGB" else "grey16"
+    if image.mode == "P":
+        transparency = image.info.get("transparency")
+        return ("palette" if transparency is None else "palette_key" if isinstance(transparency, int)
+                else "palette_alpha")
+    return {"RGB": "rgb", "RGBA": "rgba", "L": "grey"}[image.mode]
+
+
+def image_members(members: dict[str, bytes]):
+    """(format, bytes) of every image member of a sample."""
+    return [(name.rsplit(".", 1)[-1], data) for name, data in members.items() if name.rsplit(".", 1)[-1] in IMAGE_EXTS]
+
+
+def decode_through_the_service(key: str, members: dict[str, bytes]) -> int:
+    """Parses the sample as the service does and decodes each of its images, images to generate and
+    videos (to the planned shape); returns how many."""
+    from preprocess_service.adapters.decode.items import decode_item
+    from preprocess_service.core.modalities import MODALITIES
+    from preprocess_service.core.sample import GenImageRef, ImageRef, VideoRef
+
+    doc = parse_document({"__key__": key, **members}, image_config=ImageConfig(), tokenizer=ByteTokenizer(),
+                         seq_len=8192)
+    kinds = {ImageRef: "image", GenImageRef: "gen", VideoRef: "video"}
+    media = [s for s in doc.segments if type(s) in kinds]
+    for ref in media:
+        kind = kinds[type(ref)]
+        shape, params = MODALITIES[kind].slot(ref, None)
+        assert decode_item(kind, members[ref.member], params, np.empty(shape, dtype=np.uint8)).shape == shape
+    return len(media)
+
+
+def test_default_shares_store_images_as_the_web_does(dataset):
+    """At the default shares: EXIF orientations (2-8 on about exif_rotated_share of the JPEGs, 1 on
+    others), progressive, grey and CMYK JPEGs; PNGs with alpha, palettes and 16 bits; WebP with
+    alpha; a few odd sizes (test_skew)."""
+    classes: collections.Counter = collections.Counter()
+    orientations: collections.Counter = collections.Counter()
+    for tar in dataset[1]:
+        for members in read_samples(tar).values():
+            for ext, data in image_members(members):
+                classes[ext, image_class(ext, data)] += 1
+                if ext == "jpg":
+                    orientations[Image.open(io.BytesIO(data)).getexif().get(0x0112)] += 1
+    jpegs = sum(n for (ext, _), n in classes.items() if ext == "jpg")
+    assert 0.08 <= classes["jpg", "progressive"] / jpegs <= 0.25
+    assert {("jpg", "grey"), ("jpg", "cmyk"), ("png", "rgba"), ("png", "rgb16"), ("webp", "lossy_alpha"),
+            ("webp", "lossless_alpha")} <= set(classes)
+    assert len({(ext, c) for ext, c in classes if ext == "png"}) >= 5
+    rotated = {o: n for o, n in orientations.items() if o and o > 1}
+    assert 0.02 <= sum(rotated.values()) / jpegs <= 0.10 and len(rotated) >= 3 and max(rotated, key=rotated.get) == 6
+    assert 0.03 <= orientations[1] / jpegs <= 0.20
+
+
+def test_every_image_class_is_written_as_that_class_and_the_service_decodes_it(tmp_path, monkeypatch):
+    """Every class of synth.ENCODINGS, every EXIF orientation and the odd sizes turn up when drawn
+    evenly, read back from the bytes as what they claim to be, and the service parses and decodes
+    every image (and video) of the corpus."""
+    monkeypatch.setattr(synth, "ENCODINGS", {ext: dict.fromkeys(c, 1.0) for ext, c in synth.ENCODINGS.items()})
+    monkeypatch.setattr(synth, "WEB_ROTATIONS", dict.fromkeys(synth.WEB_ROTATIONS, 1.0))
+    monkeypatch.setattr(synth, "ODD_SIZE_SHARE", 0.25)
+    monkeypatch.setattr(synth, "UPRIGHT_TAG_SHARE", 0.3)
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=100, seed=2, png_share=0.45, webp_share=0.3,
+                               exif_rotated_share=0.5, multi_image_share=0.3, max_images=4, video_share=0.03)
+    classes, orientations, small = set(), set(), set()
+    decoded = media = 0
+    for key, members in read_samples(synth.write_dataset(tmp_path, config)[0]).items():
+        check_sample(key, members, json.loads(members["json"]))
+        media += len(image_members(members)) + ("mp4" in members)
+        for ext, data in image_members(members):
+            classes.add((ext, image_class(ext, data)))
+            with Image.open(io.BytesIO(data)) as image:
+                orientations.add(image.getexif().get(0x0112))
+                small.add(image.size if max(image.size) <= 3 else (min(image.size), "strip") if min(image.size) < 100
+                          else None)
+        decoded += decode_through_the_service(key, members)
+    assert classes == {(ext, c) for ext, weights in synth.ENCODINGS.items() for c in weights}
+    assert orientations == {None, *range(1, 9)}
+    assert {(1, 1), (3, 2), (1, "strip"), (20, "strip")} <= small
+    assert decoded == media > 100
+
+
+def test_camera_shards_are_img2dataset_keeping_the_original_bytes(tmp_path):
+    """A camera shard: phone JPEGs with their EXIF (orientation 1-8, make, model, maker note), stored
+    landscape; the json and parquet hold img2dataset's own columns with the stored size, so the
+    service plans the shard from the parquet (Manifest.plannable)."""
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=160, seed=4, camera_every=1)
+    tar = synth.write_dataset(tmp_path, config)[0]
+    table = pq.read_table(tmp_path / "00000.parquet")
+    assert table.schema.equals(synth.IMG2DATASET_SCHEMA)
+    rows = {row["key"]: row for row in table.to_pylist()}
+    samples = read_samples(tar)
+    orientations: collections.Counter = collections.Counter()
+    for key, members in samples.items():
+        meta = json.loads(members["json"])
+        assert sorted(members) == ["jpg", "json", "txt"] and meta == rows[key] and meta["status"] == "success"
+        assert members["txt"].decode("utf-8") == meta["caption"]
+        assert meta["sha256"] == hashlib.sha256(members["jpg"]).hexdigest()
+        image = Image.open(io.BytesIO(members["jpg"]))
+        assert image.format == "JPEG" and image.mode == "RGB" and image.width > image.height
+        assert (meta["width"], meta["height"]) == image.size == (meta["original_width"], meta["original_height"])
+        exif = image.getexif()
+        orientations[exif[0x0112]] += 1
+        assert json.loads(meta["exif"]) == {"Image Make": exif[0x010F], "Image Model": exif[0x0110],
+                                            "Image Orientation": synth.ORIENTATION_NAMES[exif[0x0112]]}
+        assert len(exif.get_ifd(0x8769)[0x927C]) >= 2048  # the maker note
+    assert set(orientations) == set(range(1, 9)) and [o for o, _ in orientations.most_common(2)] == [1, 6]
+    manifest = read_manifest(tar)
+    assert manifest.plannable and manifest.keys == tuple(samples)
+    assert manifest.width.tolist() == [rows[key]["width"] for key in samples]
+
+
+def test_the_default_demo_has_a_camera_shard(tmp_path):
+    """What ``./dev.sh run`` writes (SynthConfig()): its last shard of four holds camera originals
+    with a plannable parquet, the others mixed samples (not plannable)."""
+    default = synth.SynthConfig()
+    assert [default.is_camera_shard(s) for s in range(default.num_shards)] == [False, False, False, True]
+    assert default.image_variety and default.exif_rotated_share > 0
+    tars = synth.write_dataset(tmp_path, dataclasses.replace(default, samples_per_shard=24))
+    assert [read_manifest(tar).plannable for tar in tars] == [False, False, False, True]
+    assert [s for s in range(8) if default.is_camera_shard(s)] == [3, 7]  # one shard in four
+    assert not any(synth.SynthConfig(camera_every=0).is_camera_shard(s) for s in range(8))
+
+
+def test_videos_are_phone_videos_with_a_display_rotation(tmp_path):
+    """Videos: H.264 mp4s stored landscape, most turned by a display matrix; the service shows them
+    turned (a quarter turn swaps the planned frame's sides)."""
+    from preprocess_service.core.sample import VideoRef
+
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=24, seed=6, video_share=0.6)
+    samples = read_samples(synth.write_dataset(tmp_path, config)[0])
+    rows = {row["key"]: row for row in pq.read_table(tmp_path / "00000.parquet").to_pylist()}
+    rotations: collections.Counter = collections.Counter()
+    for key, members in samples.items():
+        meta = json.loads(members["json"])
+        assert rows[key] == {column: meta.get(column) for column in rows[key]}
+        if sample_kind(meta) != "video":
+            continue
+        check_sample(key, members, meta)
+        rotations[meta["rotation"]] += 1
+        doc = parse_document({"__key__": key, **members}, image_config=ImageConfig(), tokenizer=ByteTokenizer(),
+                             seq_len=8192)
+        (ref,) = [s for s in doc.segments if isinstance(s, VideoRef)]
+        assert ref.orientation == {0: 1, 90: 6, 180: 3, 270: 8}[meta["rotation"]]
+        assert (ref.width > ref.height) == (meta["rotation"] in (0, 180))
+    assert sum(rotations.values()) >= 8 and len(rotations) >= 3 and rotations.most_common(1)[0][0] == 90
 
 
 def test_plain_samples_do_not_depend_on_the_new_shares(tmp_path):
@@ -308,12 +496,13 @@ def test_text_only_documents(tmp_path):
 
 def test_same_seed_gives_identical_tars(tmp_path):
     # Many audio samples, so that MP3 and OGG (whose stream serial libsndfile seeds from the clock) occur.
-    config = synth.SynthConfig(num_shards=1, samples_per_shard=16, seed=7, audio_share=0.7,
-                               interleaved_share=0.1, generate_share=0.1)
+    # Videos too: x264's output must not depend on the machine (one encoder thread).
+    config = synth.SynthConfig(num_shards=1, samples_per_shard=16, seed=7, audio_share=0.55,
+                               interleaved_share=0.1, generate_share=0.1, video_share=0.22)
     first_path = synth.write_dataset(tmp_path / "a", config)[0]
     first = first_path.read_bytes()
     exts = {name.rsplit(".", 1)[-1] for members in read_samples(first_path).values() for name in members}
-    assert {"mp3", "ogg", "flac", "wav"} <= exts
+    assert {"mp3", "ogg", "flac", "wav", "mp4"} <= exts
     second = synth.write_dataset(tmp_path / "b", config)[0].read_bytes()
     assert first == second
     other = synth.write_dataset(tmp_path / "c", dataclasses.replace(config, seed=8))
@@ -337,7 +526,9 @@ def test_ensure_dataset_reuses_only_a_matching_dataset(tmp_path):
     [{"num_shards": 0}, {"samples_per_shard": 10001}, {"seed": -1}, {"max_images": 1},
      {"multi_image_share": 1.5}, {"png_share": 0.6, "webp_share": 0.6}, {"num_shards": 2.0},
      {"webp_share": "0.1"}, {"audio_share": -0.1}, {"generate_share": True},
-     {"audio_share": 0.5, "interleaved_share": 0.3, "generate_share": 0.3}],
+     {"audio_share": 0.5, "interleaved_share": 0.3, "generate_share": 0.3}, {"video_share": 1.1},
+     {"audio_share": 0.6, "video_share": 0.5}, {"camera_every": -1}, {"camera_every": 1.0},
+     {"image_variety": 1}],
 )
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):

@@ -235,9 +235,9 @@ def test_compute_stats_is_pure_and_exact():
 def test_it_counts_turned_images_and_videos_and_manifest_sizes_the_bytes_overrule(tmp_path, capsys):
     """Camera originals planned from their manifest (EXIF orientations 1-8, a PNG's eXIf 6, one
     row declaring a wrong size) and a tar of videos (one turned by its display matrix, one not)."""
+    import image_corpus
     import webdataset as wds
 
-    import image_corpus
     from helpers import video_bytes
 
     classes = {k: c for k, c in image_corpus.CLASSES.items() if "orient" in k or k == "jpeg_grey"}

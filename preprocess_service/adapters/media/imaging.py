@@ -179,7 +179,9 @@ def _orient(pixels: np.ndarray, orientation: int) -> np.ndarray:
     if orientation in (2, 4, 5, 7):  # mirrored variants: flip left-right first
         pixels = pixels[:, ::-1]
     turns = {3: 2, 4: 2, 5: 1, 6: 3, 7: 3, 8: 1}.get(orientation, 0)  # counter-clockwise quarter turns
-    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns or orientation == 2 else pixels
+    # a copy, not ascontiguousarray: a view one pixel wide counts as contiguous with its negative
+    # stride kept, which torch refuses
+    return np.rot90(pixels, turns).copy() if turns or orientation == 2 else pixels
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:

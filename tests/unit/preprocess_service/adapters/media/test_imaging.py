@@ -86,3 +86,15 @@ def test_decoding_into_a_slot_writes_exactly_what_decoding_returns(width, height
     out = np.zeros_like(square)
     assert imaging.decode_square(data, 112, out=out) is out
     np.testing.assert_array_equal(out, square)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("width, height", [(1, 1), (1, 40), (40, 1)])
+def test_one_pixel_wide_or_high_images_decode_in_every_orientation(width, height, orientation):
+    """A one-pixel-wide view keeps its negative stride through np.ascontiguousarray (torch refused it)."""
+    data = jpeg_bytes(width, height, seed=3, exif_orientation=orientation)
+    header = imaging.read_header(data)
+    size_hw = imaging.target_size(header.width, header.height, ImageConfig())
+    out = imaging.decode_image(data, size_hw, header.orientation)
+    assert out.shape == (*size_hw, 3) and out.dtype == np.uint8
+    assert imaging.decode_square(data, 64, header.orientation).shape == (64, 64, 3)

@@ -16,9 +16,9 @@ def fold_videos(mb, factor: int):
     videos = getattr(mb, "videos", None)
     if not videos:
         return mb
-    spans = [tuple(s) for s in mb.image_spans.tolist()]
+    spans = [tuple(s) for s in mb.image_spans.numpy().tolist()]  # host tensors: .numpy() never waits on a device
     images = list(mb.images)
-    for video, (start, end) in zip(videos, mb.video_spans.tolist()):
+    for video, (start, end) in zip(videos, mb.video_spans.numpy().tolist()):
         frames, height, width, _ = video.shape
         per_image = (height // factor) * (width // factor)
         groups = (end - start) // per_image

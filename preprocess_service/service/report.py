@@ -38,7 +38,7 @@ class SkippedRecord:
 
 
 class SkipLog:
-    """This process's skipped samples, each counted once in the metrics (stage "plan" or "serve")."""
+    """This process's skipped samples, each counted once in the metrics (stage "plan" or "decode")."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -53,9 +53,12 @@ class SkipLog:
             self._records.setdefault(record.record_id, record)
 
     def add(self, records: list[SkippedRecord]) -> None:
-        """Documents lost while serving (re-read or decoding failed)."""
+        """Documents lost while serving (re-read or decoding failed), counted as they are lost
+        (whether or not their microbatch is ever sent: a cancelled stream's is not)."""
         with self._lock:
             for record in records:
+                if record.record_id not in self._records:
+                    metrics.DECODE_ERRORS.labels(record.kind, "decode").inc()
                 self._records.setdefault(record.record_id, record)
 
     def records(self) -> list[SkippedRecord]:

@@ -313,6 +313,8 @@ class SharedPlans:
 
     def lost(self, records: list[SkippedRecord]) -> None:
         """Documents lost while serving go to Redis, so every replica's report has them."""
+        for record in records:  # counted where lost (a replay after a takeover counts again)
+            metrics.DECODE_ERRORS.labels(record.kind, "decode").inc()
         self.stream_store.record_skipped(self.job_id, {r.record_id: r.to_json() for r in records}, stop=self._closed)
 
     def _rebuild(self, ref: plan_record.DocRef, sample: dict | None, epoch: int):

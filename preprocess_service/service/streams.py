@@ -3,7 +3,8 @@
 queue; the gRPC handler's thread takes them from it. A slow client holds at most ``prefetch``
 prepared microbatches of server memory; a cancelled or disconnected client stops the producer at
 once. Messages are serialized by wire.encode_microbatch straight from the decode buffer (one copy),
-charged to the memory budget before they exist and released when gRPC has taken them. A client on
+charged to the memory budget before they exist and released when gRPC has taken them (or when
+the stream has nothing to send while other charges wait for room: budget.py). A client on
 this host that proves it shares /dev/shm is lent the decode buffer itself instead (decode/shm.py,
 decode.Lent): no copy at all, a gRPC message of a few kilobytes, and no copy on its side (a
 microbatch whose buffer cannot be lent, e.g. one with a failed document, is copied into a
@@ -137,6 +138,11 @@ class MicrobatchStream:
                 except queue.Empty:
                     if stop.is_set():  # cancelled or disconnected: the producer has stopped too
                         return
+                    if previous is not None and self.budget.waiting:
+                        # nothing to send while charges wait for room (this stream's next among them,
+                        # maybe): the last message's charge goes back, else it would wait for itself.
+                        # What gRPC still holds of it is resident, counted at the next memory sample.
+                        previous.release()
                     continue
                 if item is _END:
                     if self.ledger is not None:  # its last objects are still on their way to the client

@@ -15,7 +15,16 @@ rest. Kept media, a cache, may use at most CACHE_SHARE and is the first to go. T
 themselves are a hard ceiling: a buffer that does not fit waits up to ``wait_s`` (less once its
 stream is cancelled), then its stream fails RESOURCE_EXHAUSTED and its client resumes it later at
 the same position. A message stays charged until gRPC has taken the next one (gRPC
-keeps its own copy while it sends).
+keeps its own copy while it sends), or until its stream has nothing else to send.
+
+Fair: charges that wait are served in arrival order. While one waits, nothing behind it and no new
+charge takes room first, so a large charge (a decode arena) is not starved by a stream of small
+ones that each fit in the room it waits for. A charge whose holder waits for the next one to free
+its last (a stream's decode-ahead, a copy into shared memory) would deadlock a strict queue; so when
+no charge has been returned for STALL_S while the first waits, the first waiting charge behind it
+that fits goes ahead (``bypassed`` counts them), and any room returned after that goes to the
+first again. A charge larger than the data room can ever be fails at once with a clear error;
+one that waits longer than ``wait_s`` fails RESOURCE_EXHAUSTED and leaves the queue.
 
 Measured on top (``observe``): the budget bounds the service's whole resident memory, not only
 what it charges. The server samples the resident memory of its whole process tree (itself, the
@@ -34,7 +43,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from disttrain_api.errors import ConfigError, ResourceExhausted
 from preprocess_service.adapters.infra.config import BUDGET_DEFAULTS, BudgetConfig
@@ -67,6 +78,15 @@ fraction of it. The budget sees the memory only at samples (memory_sample_s apar
 calibrated against PSS now and then), and memory nobody charges can grow between two of them before
 charges wait: HEADROOM absorbs that below the budget, this bounds what it does not.
 tests/integration/test_memory_e2e.py holds a server under 16 streams to it, measured from outside."""
+STALL_S = 1.0
+"""Seconds without a charge returned while the first waiting charge does not fit, after which one
+that waits behind it and fits goes ahead (its holder may be what would free the room)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    nbytes: int
+    granted: bool = False
 
 
 class MemoryBudget:
@@ -99,6 +119,10 @@ class MemoryBudget:
         """Called (at most once a second, outside the lock) when a charge must wait while memory
         nobody charged is resident: the server trims its heap."""
         self._last_pressure = 0.0
+        self._waiting: deque[_Waiter] = deque()
+        self._progress = time.monotonic()  # when room was last returned or given
+        self.bypassed = 0
+        """Charges that went ahead of the first waiting one because nothing had been returned for STALL_S."""
 
     @property
     def used(self) -> int:
@@ -134,10 +158,13 @@ class MemoryBudget:
         """Counts what the service holds beyond its charges (a sample of its resident memory) as
         used until the next sample."""
         with self._cond:
+            before = self._in_use()
             self._resident = int(resident)
             self._resident_peak = max(self._resident_peak, self._resident)
             self._uncharged = max(0, self._resident - self._used)
-            self._cond.notify_all()
+            if self._in_use() < before:
+                self._progress = time.monotonic()
+            self._serve()
 
     def _in_use(self) -> int:
         return self._used + self._uncharged
@@ -151,39 +178,87 @@ class MemoryBudget:
     def peak(self) -> int:
         return self._peak
 
+    @property
+    def waiting(self) -> int:
+        """Charges waiting for room now."""
+        return len(self._waiting)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._in_use() + nbytes <= self._ceiling
+
     def try_reserve(self, nbytes: int) -> bool:
-        """Reserves ``nbytes`` if they fit now; never waits."""
+        """Reserves ``nbytes`` if they fit now and no charge is waiting for room; never waits."""
         with self._cond:
-            if self._in_use() + nbytes > self._ceiling:
+            if self._waiting or not self._fits(nbytes):
                 return False
             self._take(nbytes)
             return True
 
     def reserve(self, nbytes: int, *, what: str, stop: threading.Event | None = None) -> None:
-        """Reserves ``nbytes``, waiting up to wait_s for room (less if ``stop`` is set);
-        ResourceExhausted naming ``what`` otherwise. A request larger than the whole budget fails at once."""
-        if nbytes > self.data_total:
+        """Reserves ``nbytes``, waiting in arrival order up to wait_s for room (less if ``stop`` is
+        set); ResourceExhausted naming ``what`` otherwise. A request larger than the budget's whole
+        room for data fails at once."""
+        room = self.data_total - int(HEADROOM * self.data_total) if self.baseline else self.data_total
+        if nbytes > room:
             raise ResourceExhausted(f"{what} needs {nbytes} bytes, more than the server's whole memory budget "
-                                    f"leaves for data ({self.data_total} of {self.total} bytes, memory_budget_bytes)")
+                                    f"leaves for data ({room} of {self.total} bytes above the idle service's "
+                                    f"{self.baseline}, memory_budget_bytes)")
         deadline = time.monotonic() + self.wait_s
-        while True:
-            with self._cond:
-                if self._in_use() + nbytes <= self._ceiling:
-                    self._take(nbytes)
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0 or (stop is not None and stop.is_set()):
-                    raise ResourceExhausted(f"the server's memory budget is in use ({self._used} bytes charged, "
-                                            f"{self._uncharged} more resident: the idle service's {self.baseline} "
-                                            f"and memory nobody charged; of {self.total}); {what} needs {nbytes} "
-                                            "more", retry_after_s=5.0)
-                pressed = self._uncharged > self.baseline and time.monotonic() - self._last_pressure >= 1.0
+        with self._cond:
+            if not self._waiting and self._fits(nbytes):
+                self._take(nbytes)
+                return
+            waiter = _Waiter(nbytes)
+            if not self._waiting:
+                self._progress = time.monotonic()  # the first to wait: its stall clock starts now
+            self._waiting.append(waiter)
+        try:
+            while True:
+                with self._cond:
+                    self._serve()
+                    if waiter.granted:
+                        return
+                    left = deadline - time.monotonic()
+                    if left <= 0 or (stop is not None and stop.is_set()):
+                        raise ResourceExhausted(
+                            f"the server's memory budget is in use ({self._used} bytes charged, {self._uncharged} "
+                            f"more resident: the idle service's {self.baseline} and memory nobody charged; of "
+                            f"{self.total}; {len(self._waiting) - 1} more charges waiting); {what} needs "
+                            f"{nbytes} more", retry_after_s=5.0)
+                    pressed = self._uncharged > self.baseline and time.monotonic() - self._last_pressure >= 1.0
+                    if pressed:
+                        self._last_pressure = time.monotonic()
+                    else:
+                        self._cond.wait(min(left, 0.2))
                 if pressed:
-                    self._last_pressure = time.monotonic()
-                else:
-                    self._cond.wait(min(left, 0.2))
-            if pressed:
-                self.on_pressure()
+                    self.on_pressure()
+        finally:
+            with self._cond:
+                if not waiter.granted:
+                    self._waiting.remove(waiter)
+                    self._serve()  # those behind it may fit now
+
+    def _serve(self) -> None:
+        """Gives room to the waiting charges in order (the caller holds the lock); after STALL_S with
+        nothing returned, to the first one behind the first that fits."""
+        served = False
+        while self._waiting and self._fits(self._waiting[0].nbytes):
+            self._grant(self._waiting.popleft())
+            served = True
+        if not served and len(self._waiting) > 1 and time.monotonic() - self._progress >= STALL_S:
+            ahead = next((w for w in list(self._waiting)[1:] if self._fits(w.nbytes)), None)
+            if ahead is not None:
+                self._waiting.remove(ahead)
+                self._grant(ahead)
+                self.bypassed += 1
+                served = True
+        if served:
+            self._cond.notify_all()
+
+    def _grant(self, waiter: _Waiter) -> None:
+        self._take(waiter.nbytes)
+        waiter.granted = True
+        self._progress = time.monotonic()
 
     def _take(self, nbytes: int) -> None:
         self._used += nbytes
@@ -193,6 +268,9 @@ class MemoryBudget:
         with self._cond:
             self._used -= nbytes
             assert self._used >= 0, "released more than was reserved"
+            if nbytes:
+                self._progress = time.monotonic()
+            self._serve()
             self._cond.notify_all()
 
     @property
@@ -231,9 +309,10 @@ class MemoryBudget:
                                     retry_after_s=5.0)
 
     def try_cache(self, nbytes: int) -> bool:
-        """Charges cache bytes (kept media) if they fit in the cache share and the budget; never waits."""
+        """Charges cache bytes (kept media) if they fit in the cache share and the budget and no
+        charge is waiting for room; never waits."""
         with self._cond:
-            if self._cache + nbytes > self.data_total * CACHE_SHARE or self._in_use() + nbytes > self._ceiling:
+            if self._waiting or self._cache + nbytes > self.data_total * CACHE_SHARE or not self._fits(nbytes):
                 return False
             self._cache += nbytes
             self._take(nbytes)

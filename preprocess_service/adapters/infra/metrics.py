@@ -243,8 +243,6 @@ def microbatch_sent(arrays, nbytes: int) -> None:
                            ("video", "video_spans")):
         if name in arrays.arrays:
             ITEMS_SENT.labels(modality).inc(len(arrays.arrays[name]))
-    for record in arrays.skipped:
-        DECODE_ERRORS.labels(record.kind, "decode").inc()
 
 
 def step_planned(job_id: str, plan) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import repeatable
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded, Decoder
-from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits, HookSpec
+from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits, HookSpec, is_plugin_failure
 from preprocess_service.adapters.plugins.registry import plugin_class
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.packing import PackedSequence
@@ -85,8 +85,7 @@ class Assembly:
         self.first_out.set()
         shards_of = {doc.key: doc.shard for seq in pending.sequences for doc in seq.documents}
         arrays.skipped.extend(pending.skipped)
-        failed = [SkippedRecord(key, shards_of[key], f"decode failed: {repeatable(reason)}",
-                                "decode_worker_died" if reason.startswith(WORKER_DIED) else "decode_failed")
+        failed = [SkippedRecord(key, shards_of[key], f"decode failed: {repeatable(reason)}", _kind(reason))
                   for key, reason in decoded.errors.items()]
         arrays.skipped.extend(failed)
         if failed:
@@ -99,3 +98,10 @@ class Assembly:
         arrays.arrays = {name: np.array(a) for name, a in arrays.arrays.items()}
         release()
         return arrays
+
+
+def _kind(reason: str) -> str:
+    """The report's kind of a document that failed to decode, from its reason."""
+    if reason.startswith(WORKER_DIED):
+        return "decode_worker_died"
+    return "plugin_failed" if is_plugin_failure(reason) else "decode_failed"

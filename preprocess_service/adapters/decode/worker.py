@@ -77,7 +77,7 @@ def worker_main(conn, worker_id: int) -> None:
         for key, items in documents:
             try:
                 if hook_spec is not None and hooks is None:
-                    hooks = MediaHooks(hook_spec)
+                    hooks = MediaHooks(hook_spec, hold_memory=True)  # this process's one working thread
                 for in_offset, in_nbytes, item in items:
                     data = bytes(buffer[in_offset:in_offset + in_nbytes])
                     decode_into(buffer, item, data, CONTROL_BYTES, hooks, key)

@@ -2,15 +2,19 @@
 memory budget (the worker's supervisor, host.py or the decode pool, is the backstop).
 
 A hook that raises, runs past ``time_s`` or grows the worker past ``memory_bytes`` fails its
-sample with a PluginFailed naming the plugin; a sample hook's Skip leaves the sample out as
-"filtered". What a sample hook returns is checked: it may change or add text and JSON members and
-drop media members, but never change or add media (they were priced from their headers and are
-re-read from the shard when decoded), nor the sample's key or shard.
+sample with a PluginFailed naming the plugin (in a decode worker, a media hook is held to
+``memory_bytes`` while it runs: the worker's data limit, RLIMIT_DATA, is set that far above what it
+maps, so an allocation past it fails inside the hook instead of growing the worker); a sample
+hook's Skip leaves the sample out as "filtered". What a sample hook returns is checked: it may
+change or add text and JSON members and drop media members, but never change or add media (they
+were priced from their headers and are re-read from the shard when decoded), nor the sample's key
+or shard.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 import time
@@ -32,7 +36,18 @@ TEXT_EXTENSIONS = ("txt", "json")
 
 
 class PluginFailed(Exception):
-    """A hook raised, hung, leaked or returned something it may not; the sample fails with this."""
+    """A hook raised, hung, leaked or returned something it may not; the sample fails with this.
+    Its message starts with PLUGIN_FAILED ("plugin 'name' ..."), which is how a decode error
+    reported as text is known as a plugin's (is_plugin_failure)."""
+
+
+PLUGIN_FAILED = "plugin "
+
+
+def is_plugin_failure(reason: str) -> bool:
+    """A decode error's reason came from a PluginFailed (other decode errors start with the
+    exception's type, or with the pool's WORKER_DIED)."""
+    return reason.startswith(PLUGIN_FAILED)
 
 
 class PluginTimeout(BaseException):
@@ -70,27 +85,74 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _data_bytes() -> int:
+    """The process's private writable mappings (VmData: what RLIMIT_DATA counts), or 0."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmData:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class _DataLimit:
+    """RLIMIT_DATA set ``nbytes`` above what the process maps now, for the duration of a hook call;
+    the previous limit comes back after. Only for a process whose one working thread runs the hook
+    (a decode worker): the limit is the whole process's."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.previous: tuple[int, int] | None = None
+
+    def __enter__(self) -> _DataLimit:
+        mapped = _data_bytes()
+        if mapped:
+            soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+            limit = mapped + self.nbytes
+            if hard == resource.RLIM_INFINITY or limit <= hard:
+                if soft == resource.RLIM_INFINITY or limit < soft:
+                    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+                    self.previous = (soft, hard)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, self.previous)
+
+
 def _alarm(signum, frame):
     raise PluginTimeout()
 
 
-def call_bounded(name: str, what: str, fn: Callable, limits: HookLimits):
+def call_bounded(name: str, what: str, fn: Callable, limits: HookLimits, *, hold_memory: bool = False):
     """``fn()`` under the time limit and the memory budget; anything it raises but Skip becomes
     PluginFailed naming ``name``. The time limit is an alarm, so it holds in a process's main
-    thread (the workers'); elsewhere (InlineDecoder's threads, for tests) only the supervisor's."""
+    thread (the workers'); elsewhere (InlineDecoder's threads, for tests) only the supervisor's.
+    ``hold_memory`` (a decode worker): the budget holds while ``fn`` runs (_DataLimit), not only
+    when it returns."""
     before = _rss_bytes()
     alarm = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGALRM, _alarm) if alarm else None
     if alarm:
         signal.setitimer(signal.ITIMER_REAL, limits.time_s)
     started = time.monotonic()
+    held = hold_memory and alarm
     try:
-        result = fn()
+        if held:
+            with _DataLimit(limits.memory_bytes):
+                result = fn()
+        else:
+            result = fn()
     except PluginTimeout:
         raise PluginFailed(f"plugin {name!r} {what} ran past its {limits.time_s:g} s limit") from None
     except Skip:
         raise
     except MemoryError:
+        if held:
+            raise PluginFailed(f"plugin {name!r} {what} tried to grow the worker past its memory budget of "
+                               f"{limits.memory_bytes >> 20} MiB; stopped") from None
         raise PluginFailed(f"plugin {name!r} {what} ran out of memory") from None
     except Exception as exc:
         raise PluginFailed(f"plugin {name!r} {what} failed: {type(exc).__name__}: {str(exc)[:300]}") from None
@@ -171,9 +233,11 @@ def _checked(name: str, before: dict, after) -> dict:
 class MediaHooks:
     """A job's media hooks for one decode task (built in the worker from a HookSpec)."""
 
-    def __init__(self, spec: HookSpec):
+    def __init__(self, spec: HookSpec, *, hold_memory: bool = False):
         self.spec = spec
         self.plugins = _loaded(spec, lambda cls: cls.has_media_hook())
+        self.hold_memory = hold_memory
+        """In a decode worker: each hook is held to its memory budget while it runs (call_bounded)."""
 
     def apply(self, kind: str, array: np.ndarray, key: str, member: str) -> np.ndarray:
         """``array`` after every hook for ``kind``: the same shape and dtype (PluginFailed otherwise)."""
@@ -184,7 +248,7 @@ class MediaHooks:
             ctx = MediaContext(key=key, member=member, seed=spec.seed, epoch=spec.epoch,
                                rng=np.random.default_rng(rng_seed(spec.seed, key, spec.epoch, name, member)))
             out = call_bounded(name, f"media hook on {member!r}", partial(plugin.media, kind, array, ctx),
-                               spec.limits)
+                               spec.limits, hold_memory=self.hold_memory)
             if out is not None and out is not array:
                 if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
                     raise PluginFailed(f"plugin {name!r} media hook returned "

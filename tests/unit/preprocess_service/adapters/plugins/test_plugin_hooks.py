@@ -65,6 +65,15 @@ SOURCE = textwrap.dedent('''
         def media(self, kind, array, ctx):
             return np.clip(array.astype(np.int16) + ctx.rng.integers(-3, 4, array.shape), 0, 255).astype(array.dtype)
 
+    class MediaHog(Plugin):
+        """Allocates 16 MiB at a time (every page written) up to 768 MiB, noting each in params["log"]."""
+        def media(self, kind, array, ctx):
+            held = []
+            for chunk in range(48):
+                held.append(np.ones(2 << 20))
+                with open(self.params["log"], "a") as log:
+                    log.write(f"{chunk + 1} ")
+
     class MediaFaulty(Plugin):
         """Raises on keys ending in 1, hangs on 2, returns a wrong shape on 6."""
         def media(self, kind, array, ctx):
@@ -79,7 +88,7 @@ SOURCE = textwrap.dedent('''
 ''').replace("import time\n", "import time\n\nimport numpy as np\n", 1)
 
 ENTRY_POINTS = {"caption": "Caption", "drop_odd": "DropOdd", "faulty": "Faulty", "swap_media": "SwapMedia",
-                "invert": "Invert", "jitter": "Jitter", "media_faulty": "MediaFaulty"}
+                "invert": "Invert", "jitter": "Jitter", "media_faulty": "MediaFaulty", "media_hog": "MediaHog"}
 FAST = HookLimits(time_s=1.0, memory_bytes=200 << 20)
 
 
@@ -204,7 +213,27 @@ def test_media_hooks_run_in_the_decode_workers_deterministically_and_fail_only_t
         assert "'media_faulty' media hook on 'jpg' failed: ValueError: bad pixels" in reasons["1"]
         assert "1 s limit" in reasons["2"]
         assert "returned (1," in reasons["6"]
+        assert {s["kind"] for s in skipped.values()} == {"plugin_failed"}
         assert collections.Counter(delivered) == collections.Counter(keys - set(skipped))
         assert sorted(plain_keys) == sorted(keys)
     finally:
         pool.close()
+
+
+def test_a_media_hook_is_held_to_its_memory_budget_while_it_runs(tmp_path, plugins):
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=2)
+    log = tmp_path / "hog.log"
+    pool = DecodePool(1)
+    try:
+        job = Job(_config(tmp_path / "d", "media_hog", media_hog={"log": str(log)}),
+                  plugin_limits=HookLimits(time_s=30.0, memory_bytes=200 << 20))
+        _, delivered = _delivered(job, pool)
+    finally:
+        pool.close()
+    skipped = _skipped(job)
+    assert set(skipped) == shard_keys(paths) and not delivered
+    assert {s["kind"] for s in skipped.values()} == {"plugin_failed"}
+    assert all("past its memory budget of 200 MiB; stopped" in s["reason"] for s in skipped.values()), skipped
+    # each call stopped within a chunk of the budget (it would have written 48 lines: 768 MiB)
+    chunks = [int(line) for line in log.read_text().split()]
+    assert chunks and max(chunks) * 16 <= 200, max(chunks)

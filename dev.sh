@@ -64,9 +64,10 @@ case "$cmd" in
           "$VENV/bin/mypy" >&2
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
-          # one process (what CI runs); `-n 2 --dist loadfile` runs it in two, faster but with more
-          # load on the tests that watch a service recover
-          exec "$VENV/bin/python" -m pytest "$@" ;;
+          # in 4 processes (pytest-xdist; most tests wait on subprocesses, sockets and Redis, so more
+          # than the cores); the 15 slowest tests printed at the end. ARGS come after, so `-n 0` runs
+          # it in one process and `-n 8` in more.
+          exec "$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_PROCESSES:-4}" --durations=15 "$@" ;;
     run) exec "$VENV/bin/python" -m disttrain_tools run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
     *) exec "$VENV/bin/python" -m disttrain_tools "$cmd" "$@" ;;
 esac

@@ -198,7 +198,7 @@ def test_a_call_whose_stop_is_set_gives_up_at_the_first_fault(server, admin):
     began = time.monotonic()
     with pytest.raises(ServiceUnavailableError, match="refused writes when the call was stopped .*OOM"):
         store.commit_plan("j", 0, b"plan", 1, {}, "token", 5, stop=stop)
-    assert time.monotonic() - began < 1.0
+    assert time.monotonic() - began < 10, "gave up at the first fault, not after the 20 s deadline"
 
 
 # --- errors that retrying cannot fix --------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_a_wrong_type_is_a_bug_raised_at_once(server, admin, key, call):
     began = time.monotonic()
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         call(store)
-    assert time.monotonic() - began < 1.0, "raised at once, not after the deadline"
+    assert time.monotonic() - began < 10, "raised at once, not after the 20 s deadline"
     assert store.stats()["retries"] == 0
 
 

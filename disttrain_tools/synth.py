@@ -20,9 +20,9 @@ Besides plain image-caption samples (img2dataset's layout, unchanged) a dataset 
   ``txt``; json ``conversations`` holds 2-4 turns (``{"from": "system"|"human"|"gpt", "value"}``),
   the first human turn starting with the ``<image>`` marker, the answers caption-like; ``caption``
   repeats the first answer;
-* phone videos (off by default, ``video_share``): an ``mp4`` (H.264, stored landscape) and a
-  caption, most with a display matrix that turns them (json ``rotation``: degrees clockwise a
-  viewer turns the frames; ``width``/``height`` the stored frame size; ``num_video``,
+* phone videos (off by default, ``video_share``; 2% in ``./dev.sh run``'s demo): an ``mp4``
+  (H.264, stored landscape) and a caption, most with a display matrix that turns them (json
+  ``rotation``: degrees clockwise a viewer turns the frames; ``width``/``height`` the stored frame size; ``num_video``,
   ``video_seconds``).
 
 A sample without ``order`` is read in the default order: images, then audio clips, then texts,
@@ -160,9 +160,8 @@ class SynthConfig:
     text_share: float = 0.0  # share of text-only documents (no media)
     text_words: int = 150  # median words of a text-only document (lognormal, sigma 0.8, 20..2000)
     conversation_share: float = 0.03  # share of LLaVA-style samples: an image and a conversation in the json
-    # share of phone videos (mp4, most with a display rotation) and a caption. Off by default for now:
-    # the demo's figures (README, docs/usage.md, benches) were measured without them; the extra host
-    # syncs that first kept them out (trainer/models/video.py) are fixed, test_train passes with 0.02.
+    # share of phone videos (mp4, most with a display rotation) and a caption. None by default (the
+    # benches' committed figures were measured without them); the embedded demo (jobs.demo_config) has 2%.
     video_share: float = 0.0
     camera_every: int = 4  # every camera_every-th shard holds camera originals with a plain parquet; 0: none
 

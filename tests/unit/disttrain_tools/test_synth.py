@@ -436,6 +436,17 @@ def test_the_default_demo_has_a_camera_shard(tmp_path):
     assert not any(synth.SynthConfig(camera_every=0).is_camera_shard(s) for s in range(8))
 
 
+def test_the_demo_carries_phone_videos_turned_by_their_display_matrix(tmp_path):
+    """``./dev.sh run``'s corpus (jobs.demo_config): synth's defaults plus phone videos, most turned."""
+    from disttrain_tools.jobs import demo_config
+
+    demo = demo_config()
+    assert dataclasses.replace(demo, video_share=0.0) == synth.SynthConfig() and demo.video_share > 0
+    tars = synth.write_dataset(tmp_path, dataclasses.replace(demo, num_shards=1, samples_per_shard=200))
+    metas = [json.loads(s["json"]) for s in read_samples(tars[0]).values() if "mp4" in s]
+    assert metas and any(m["rotation"] for m in metas), metas
+
+
 def test_videos_are_phone_videos_with_a_display_rotation(tmp_path):
     """Videos: H.264 mp4s stored landscape, most turned by a display matrix; the service shows them
     turned (a quarter turn swaps the planned frame's sides)."""

@@ -44,6 +44,9 @@ import benchjson  # noqa: E402
 
 SEQ_LEN = 2048
 LAYERS = 4
+QUICK_SEQ_LEN = 256
+QUICK_LAYERS = 2
+"""--quick's model and sequences: the same runs and checks, on a CPU in seconds per step, not minutes."""
 
 
 def _torchrun(nproc: int, args: list[str], timeout_s: float, log: Path) -> tuple[float, list[dict], str]:
@@ -70,18 +73,20 @@ def _torchrun(nproc: int, args: list[str], timeout_s: float, log: Path) -> tuple
     return time.monotonic() - started, records, stdout[-2000:]
 
 
-def _params() -> int:
+def _params(layers: int, seq_len: int) -> int:
     from trainer.models.config import ModelConfig
     from trainer.models.mllm import MultimodalModel
 
-    model = MultimodalModel(ModelConfig(layers=LAYERS, max_positions=SEQ_LEN))
+    model = MultimodalModel(ModelConfig(layers=layers, max_positions=seq_len))
     return sum(p.numel() for p in model.parameters())
 
 
-def _figures(name: str, records: list[dict], gpus: int, tokens_per_step: int, peak_tflops: float) -> list:
+def _figures(name: str, records: list[dict], gpus: int, microbatches: int, peak_tflops: float, *,
+             layers: int, seq_len: int) -> list:
     steady = [r["step_s"] for r in records[2:]] or [r["step_s"] for r in records]
     step_s = statistics.median(steady)
-    flops = 6 * _params() * tokens_per_step
+    tokens_per_step = microbatches * seq_len
+    flops = 6 * _params(layers, seq_len) * tokens_per_step
     mfu = f"{flops / (step_s * gpus * peak_tflops * 1e12):.2e}" if gpus else "n/a (CPU)"
     syncs = max(r.get("host_syncs_max", -1) for r in records)
     return [name, gpus or 1, len(records), round(step_s, 4), round(tokens_per_step / step_s), mfu, syncs,
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and gpus == 0:
         raise SystemExit("--device cuda: no GPU is visible")
     steps = 2 if args.quick else max(args.steps, 4)
-    shards = benchjson.quick_shards(1, 160)
+    seq_len, layers = (QUICK_SEQ_LEN, QUICK_LAYERS) if args.quick else (SEQ_LEN, LAYERS)
+    size = {"layers": layers, "seq_len": seq_len}
+    shards = benchjson.quick_shards(1, 40 if args.quick else 160)
     server, port, _ = create_server("127.0.0.1:0", decode_workers=2 if device == "cuda" else 0)
     address = f"127.0.0.1:{port}"
     rows, notes = [], []
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def common(layout: list[str], microbatches: int, seed: int, n: int) -> list[str]:
                 return ["--address", address, "--shards", *shards, "--device", device, *precision, *costs,
-                        "--count-host-syncs", "--seq-len", str(SEQ_LEN), "--model-layers", str(LAYERS),
+                        "--count-host-syncs", "--seq-len", str(seq_len), "--model-layers", str(layers),
                         "--num-microbatches", str(microbatches), "--seed", str(seed), "--steps", str(n),
                         "--enc-dp", layout[0], "--bb-dp", layout[1], "--bb-pp", layout[2], "--gen-dp", layout[3]]
 
@@ -133,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             whole = common(["0", "1", "1", "0"], 4, 21, 2 * k) + ["--deterministic"]
             _, uninterrupted, out = _torchrun(1, whole, args.timeout_s, work / "one.jsonl")
             rows.append(_figures("1 GPU, monolithic, M=4" if gpus else "1 CPU process, monolithic, M=4",
-                                 uninterrupted, gpus, 4 * SEQ_LEN, args.peak_tflops))
+                                 uninterrupted, gpus, 4, args.peak_tflops, **size))
             print(out, flush=True)
             # 2. four devices, disaggregated, P = 4 stages, M = 8
             if gpus >= 4:
                 four = common(["1", "1", "2", "1"], 8, 22, steps)
                 _, records, out = _torchrun(4, four, args.timeout_s, work / "four.jsonl")
-                rows.append(_figures("4 GPUs, disaggregated enc|bb|bb|gen, M=8", records, 4, 8 * SEQ_LEN,
-                                     args.peak_tflops))
+                rows.append(_figures("4 GPUs, disaggregated enc|bb|bb|gen, M=8", records, 4, 8,
+                                     args.peak_tflops, **size))
                 print(out, flush=True)
             else:
                 notes.append(f"the 4-GPU disaggregated run needs 4 GPUs; {gpus} visible: not run")
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"FAILED: the resumed losses differ from the uninterrupted run's by {worst:.2e} "
                                  f"(relative; allowed {tolerance:g})")
             rows.append(_figures(f"resumed at step {k} (losses within {worst:.1e} of the uninterrupted run)",
-                                 resumed, gpus, 4 * SEQ_LEN, args.peak_tflops))
+                                 resumed, gpus, 4, args.peak_tflops, **size))
     finally:
         server.stop(0).wait()
 

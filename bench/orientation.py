@@ -171,10 +171,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--photos", type=int, default=1200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="120 photos, one round (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="40 photos, one round (a smoke test)")
     parser.add_argument("--json", help="write the results here (bench/benchjson.py)")
     args = parser.parse_args()
-    photos, rounds = (120, 1) if args.quick else (args.photos, args.rounds)
+    photos, rounds = (40, 1) if args.quick else (args.photos, args.rounds)
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="orientation-") as tmp:
         folder = Path(tmp)

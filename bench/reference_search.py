@@ -114,6 +114,24 @@ def _rank_pick(spans, power, top):
 
 
 @nb.njit(cache=True)
+def _max(values):
+    top = values[0]
+    for v in values[1:]:
+        if v > top:
+            top = v
+    return top
+
+
+@nb.njit(cache=True)
+def _copy_plan(src, dst):
+    D, M, S = src.shape
+    for r in range(D):
+        for m in range(M):
+            for k in range(S):
+                dst[r, m, k] = src[r, m, k]
+
+
+@nb.njit(cache=True)
 def smooth_descent(plan, F, B, spans, sf, sb, sched, latency, max_evals, seed, power, best):
     """Random moves kept when they lower sum over ranks of (span / top) ** power (top: the slowest
     rank's span at the call): a smooth stand-in for the slowest rank that lets every rank make room.
@@ -121,13 +139,15 @@ def smooth_descent(plan, F, B, spans, sf, sb, sched, latency, max_evals, seed, p
     another place, swap two sequences between two of the rank's microbatches, swap one sequence with
     a uniformly drawn other rank's (any places), or swap one whole microbatch with another rank's.
     ``best`` int[D, M, S] receives the plan with the lowest slowest rank seen; returns its span."""
+    # Copies and maxima are written as loops: numba's slice assignment compiles a shape check with a
+    # formatted error message, which doubled this kernel's compile time (seconds on a cold cache).
     np.random.seed(seed)
     D, M, S = plan.shape
     P = F.shape[1]
     end, last = np.empty(sched.shape[0]), np.empty(P)
-    top = spans.max()
+    top = _max(spans)
     best_span = top
-    best[:] = plan
+    _copy_plan(plan, best)
     colF, colB = np.empty(P), np.empty(P)
     row = np.empty(S, dtype=np.int64)
     for _ in range(max_evals):
@@ -156,23 +176,27 @@ def smooth_descent(plan, F, B, spans, sf, sb, sched, latency, max_evals, seed, p
                 for k in range(S):
                     plan[r, i, k], plan[r, j, k] = plan[r, j, k], plan[r, i, k]
             elif kind == 1:
-                row[:] = plan[r, i]
+                for k in range(S):
+                    row[k] = plan[r, i, k]
                 step = 1 if i < j else -1
                 k = i
                 while k != j:
-                    plan[r, k] = plan[r, k + step]
+                    for q in range(S):
+                        plan[r, k, q] = plan[r, k + step, q]
                     k += step
-                plan[r, j] = row
+                for k in range(S):
+                    plan[r, j, k] = row[k]
             elif kind == 2 or kind == 3:
                 plan[r, i, a], plan[w, j, b] = plan[w, j, b], plan[r, i, a]
             else:
-                row[:] = plan[r, i]
-                plan[r, i] = plan[w, j]
-                plan[w, j] = row
-            slowest = spans.max()
+                for k in range(S):
+                    row[k] = plan[r, i, k]
+                    plan[r, i, k] = plan[w, j, k]
+                    plan[w, j, k] = row[k]
+            slowest = _max(spans)
             if slowest < best_span:
                 best_span = slowest
-                best[:] = plan
+                _copy_plan(plan, best)
             continue
         # undo: a swap is its own inverse, a move goes back from j to i, an exchange of x for y back
         _move_times(F, B, kind, r, w, j if kind == 1 else i, i if kind == 1 else j, plan[w, j, b],

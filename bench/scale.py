@@ -142,9 +142,9 @@ def expansion_rows(args) -> list[list]:
     policy = ShardPolicy(allowed_schemes=("file", "https"), max_shards=1_000_000)
     lazy_limit = sources.EAGER_NAMES
     cases = [(f"{n:,} https", [f"https://data.example/laion/{{000000..{n - 1:06d}}}.tar"])
-             for n in ((10_000, 100_000) if args.quick else (args.shards, 1_000_000))]
+             for n in ((5_000, 20_000) if args.quick else (args.shards, 1_000_000))]  # quick: above EAGER_NAMES
     with tempfile.TemporaryDirectory() as tmp:
-        files = 10_000 if args.quick else 100_000
+        files = 5_000 if args.quick else 100_000
         for i in range(files):
             open(os.path.join(tmp, f"{i:06d}.tar"), "wb").close()
         cases.append((f"{files:,} in a folder", [tmp]))
@@ -179,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=230_000)
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--stretch", type=int, default=3_000_000, help="samples planned per stretch")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a 50,000-sample stretch")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 20,000-sample stretches, keys of 5 shards, 5,000 and 20,000 names")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.quick:
-        args.stretch = 50_000
+        args.stretch = 20_000
     config = JobConfig(shards=("/laion/{000000..229999}.tar",), seq_len=8192, dp_size=8, num_microbatches=8,
                        dedup="shard", reorder_algorithm="lpt")
     source = LazyManifests(args.shards, args.rows, config)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     # dedup "pass": the part that is not a function of the position
     began = time.perf_counter()
     keys = 0
-    for url in source.urls[:20]:
+    for url in source.urls[:5 if args.quick else 20]:
         for key in source.shard_keys(url):
             _key_hash(key)
             keys += 1

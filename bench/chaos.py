@@ -38,8 +38,6 @@ from preprocess_service.service.job import Job  # noqa: E402
 def chaos(*, num_replicas: int = 3, num_ranks: int = 4, duration_s: float = 120.0,
           kill_every_s: tuple[float, float] = (3.0, 6.0), seed: int = 0, shards: list[str] | None = None,
           workdir: Path | None = None, log=print) -> dict:
-    from trainer import DataClient
-
     workdir = Path(workdir or tempfile.mkdtemp(prefix="disttrain-chaos-"))
     shards = shards or [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")]
     config = JobConfig(shards=tuple(shards), seq_len=4096, dp_size=num_ranks, num_microbatches=2,
@@ -52,6 +50,8 @@ def chaos(*, num_replicas: int = 3, num_ranks: int = 4, duration_s: float = 120.
                     for i in range(num_replicas)]
         for replica in replicas:
             replica.start(wait=False)
+        from trainer import DataClient  # torch loads while the replicas start
+
         for replica in replicas:
             replica.wait_ready()
         deadline = time.monotonic() + duration_s
@@ -75,7 +75,8 @@ def chaos(*, num_replicas: int = 3, num_ranks: int = 4, duration_s: float = 120.
             thread.start()
         kills = 0
         while time.monotonic() < deadline:
-            time.sleep(rng.uniform(*kill_every_s))
+            # no sleeping past the deadline: the loop ends there (no kill comes after it)
+            time.sleep(max(0.0, min(rng.uniform(*kill_every_s), deadline - time.monotonic())))
             alive = [r for r in replicas if r.alive()]
             if len(alive) < 2 or time.monotonic() >= deadline:
                 continue  # keep one replica up: the clients must be able to go somewhere
@@ -136,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between kills, uniform in [MIN, MAX]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 replicas, 2 ranks, 4 s, a kill every 1-2 s, 2 shards of 40 samples")
+                        help="smoke run: 2 replicas, 2 ranks, 2.5 s, a kill every 1-2 s, 2 shards of 40 samples")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     shards = None
     if args.quick:
-        args.replicas, args.ranks, args.duration = min(args.replicas, 2), min(args.ranks, 2), min(args.duration, 4.0)
+        args.replicas, args.ranks, args.duration = min(args.replicas, 2), min(args.ranks, 2), min(args.duration, 2.5)
         args.kill_every = (1.0, 2.0)
         shards = benchjson.quick_shards(2, 40)
     print(f"chaos: {args.replicas} replicas, {args.ranks} ranks, {args.duration:g} s, a replica SIGKILLed "

@@ -36,7 +36,7 @@ process tree: VmRSS counts shared libraries and arenas once per process) with th
 Exit status 0 whatever the memory figures (the printed output is the evidence); 1 only when the
 run itself fails (the server does not start or dies, no reading rank gets any microbatch).
 DISTTRAIN_* variables are not passed to the server, so only the flags here configure it.
-``--quick`` is a smoke run (4 streams, one stalled, 6 s from the first microbatch delivered, a 3 s
+``--quick`` is a smoke run (4 streams, one stalled, 4 s from the first microbatch delivered, a 3 s
 stall timeout, one synthetic shard of 40 samples), not a measurement.
 """
 
@@ -441,12 +441,12 @@ def main(argv: list[str] | None = None) -> int:
                              "--serve-arg=10)")
     parser.add_argument("--workdir", type=Path, help="where the server log goes (default: a new temp directory)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 4 streams (one stalled) in one client process for 6 s from the first "
+                        help="smoke run: 4 streams (one stalled) in one client process for 4 s from the first "
                              "microbatch, samples every second, a 3 s stall timeout, one synthetic shard of 40 samples")
     parser.add_argument("--json", type=Path, help="also write the samples and the summary here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.minutes, args.streams, args.stalled, args.client_processes = 0.1, 4, 1, 1
+        args.minutes, args.streams, args.stalled, args.client_processes = 4 / 60, 4, 1, 1
         args.interval_s, args.stall_timeout_s = 1.0, 3.0
     if not 0 <= args.stalled < args.streams:
         parser.error("--stalled must be in [0, --streams)")

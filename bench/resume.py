@@ -17,8 +17,9 @@ checkpoints does. Printed:
   and without (the baseline: every plan kept, as before).
 
 Ratios, not seconds, are what to compare: these machines are noisy. ``--quick`` is a smoke run (2
-shards of 400 samples, steps 2 and 30, one repeat), not a measurement; it writes this bench's own
-tiny samples rather than benchjson.quick_shards', which hold too few samples for a long epoch.
+shards of 400 samples, steps 2 and 30, one repeat, held memory up to step 10), not a measurement; it
+writes this bench's own tiny samples rather than benchjson.quick_shards', which hold too few samples
+for a long epoch.
 """
 
 from __future__ import annotations
@@ -122,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--late", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 shards of 400 samples, resume at steps 2 and 30, one repeat")
+                        help="smoke run: 2 shards of 400 samples, resume at steps 2 and 30, one repeat, "
+                             "held memory after 2, 5 and 10 steps")
     parser.add_argument("--json", type=Path, help="also write the tables here")
     args = parser.parse_args(argv)
     memory_steps = (10, 100, 300, 1000)
     if args.quick:
         args.shards, args.per_shard, args.early, args.late, args.repeats = 2, 400, 2, 30, 1
-        memory_steps = (2, 10, 30)
+        memory_steps = (2, 5, 10)  # under tracemalloc a step is slow: steps to 30 took half the run
     with tempfile.TemporaryDirectory() as tmp:
         shards = Path(tmp)
         write_shards(shards, args.shards, args.per_shard)

@@ -237,3 +237,16 @@ def search(inst: RefInstance, seconds: float, seed: int = 0) -> tuple[float, np.
             return best_s, best
         restart += 1
         plan = vector_lpt_plan(inst, rng, 0.3) if restart % 2 else _kick(best, rng, 0.01)
+
+
+def warm_up() -> None:
+    """Compiles the search's kernels (or loads them from numba's on-disk cache) on a tiny instance,
+    with the argument types search() passes: a search is boxed by CPU time, and on a cold cache
+    compiling takes seconds of it (a 0.5 s --quick search returned no plan at all)."""
+    inst = RefInstance(D=2, M=2, S=1, seq_fwd=np.ones((2, 4)), seq_bwd=np.ones((2, 4)), latency=0.0)
+    sched = schedule(inst.P, inst.M)
+    sf, sb = np.ascontiguousarray(inst.seq_fwd), np.ascontiguousarray(inst.seq_bwd)
+    plan = check_plan(inst, vector_lpt_plan(inst, np.random.default_rng(0), 0.3)).copy()
+    F, B = plan_times(inst, plan)
+    spans = replay_many(F, B, inst.latency, sched)
+    smooth_descent(plan, F, B, spans, sf, sb, sched, inst.latency, 1, 0, SMOOTH_POWER, plan.copy())

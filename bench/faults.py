@@ -21,7 +21,9 @@ history and the shards (tarfile, no code of ours):
 
 Exit status 1 if any key is lost or repeated, any microbatch conflicts or any acknowledged step
 replays. Needs root for the namespaces; prints why and exits 0 when they cannot be made.
-``--quick`` is one run of each fault on a small data set (the test suite's version).
+``--quick`` is one run of each fault on a small data set (the test suite's version), with short
+fault windows and the timeouts that recovery waits on (client keepalive, a stream's wait on Redis)
+shortened to fit them.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def rank_main(args: argparse.Namespace) -> int:
     state_path, pace_path = out / f"rank{rank}.state.json", out / f"rank{rank}.pace"
     state = json.loads(state_path.read_text()) if state_path.exists() else None
     with open(out / f"rank{rank}.jsonl", "a") as history, \
-            DataClient(addresses, config, rank, prefetch=2, reconnect_timeout_s=180) as client:
+            DataClient(addresses, config, rank, prefetch=2, reconnect_timeout_s=180, keepalive_s=args.keepalive) \
+            as client:
         if state is not None:
             client.load_state_dict(state)
         history.write(json.dumps({"event": "start", "t": time.time(), "from_step": state["next_step"] if state else 0,
@@ -150,10 +153,15 @@ class Cluster:
       bounded at 2.2 times the largest shard (a job may hold half: one shard at a time), less than
       the shards, so it evicts and fetches again, on a tmpfs of 1.5 times that bound;
     - "sentinel": the same with a Redis primary and its replica under a Sentinel;
-    - "solo": one node without Redis, its state_dir on a small tmpfs."""
+    - "solo": one node without Redis, its state_dir on a small tmpfs.
 
-    def __init__(self, lab, workdir: Path, shards: list[str], *, kind: str = "shared", log=print):
+    Its nodes' names in the lab begin with ``name`` (clusters of one lab side by side);
+    ``replica_args``: settings passed to every node."""
+
+    def __init__(self, lab, workdir: Path, shards: list[str], *, kind: str = "shared", name: str = "",
+                 replica_args: tuple[str, ...] = (), log=print):
         self.lab, self.workdir, self.log, self.kind = lab, workdir, log, kind
+        self.name, self.replica_args = name, replica_args
         self.processes: list[subprocess.Popen] = []
         self.replicas: list = []
         self.sentinel = self.web = self.cache_dir = self.state_dir = None
@@ -165,32 +173,42 @@ class Cluster:
             self.close()  # nothing left running in namespaces about to go
             raise
 
+    def node(self, name: str) -> str:
+        """The lab's name of this cluster's node ``name``."""
+        return self.name + name
+
+    def _add(self, name: str) -> str:
+        return self.lab.add(self.node(name))
+
+    def _prefix(self, name: str) -> tuple[str, ...]:
+        return tuple(self.lab.exec_prefix(self.node(name)))
+
     def _start(self, shards: list[str]) -> None:
         from disttrain_tools.localcluster import LocalSentinel, Replica
 
-        lab, workdir = self.lab, self.workdir
+        workdir = self.workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        self.clients_ip = lab.add("clients")
-        web_ip = lab.add("web")
-        self.web = Nginx(Path(shards[0]).parent, workdir / "web", host=web_ip, port=80,
-                         prefix=tuple(lab.exec_prefix("web")))
+        self.clients_ip = self._add("clients")
+        web_ip = self._add("web")
+        self.web = Nginx(Path(shards[0]).parent, workdir / "web", host=web_ip, port=80, prefix=self._prefix("web"))
         self.shard_urls = [f"{self.web.url}/{Path(shard).name}" for shard in shards]
         if self.kind == "solo":
             self.state_dir = self._tmpfs("state-disk", 4 << 20)
-            replica = Replica(None, port=SERVICE_PORT, host=lab.add("solo"), prefix=tuple(lab.exec_prefix("solo")),
-                              log_path=workdir / "solo.log", extra_args=("--state-dir", str(self.state_dir)))
+            replica = Replica(None, port=SERVICE_PORT, host=self._add("solo"), prefix=self._prefix("solo"),
+                              log_path=workdir / "solo.log",
+                              extra_args=("--state-dir", str(self.state_dir), *self.replica_args))
             self.replicas.append(replica.start(timeout_s=180))
             self.addresses = [replica.address]
             return
-        redis_ip = lab.add("redis")
-        replica_ips = [lab.add(f"rep{i}") for i in range(3)]
-        relay_redis, relay_clients = lab.add("link-r0"), lab.add("link-c0")
+        redis_ip = self._add("redis")
+        replica_ips = [self._add(f"rep{i}") for i in range(3)]
+        relay_redis, relay_clients = self._add("link-r0"), self._add("link-c0")
         self.redis = self._redis_server("redis", redis_ip)
         if self.kind == "sentinel":  # a primary with one replica under a Sentinel; the replicas ask it where it is
-            self._redis_server("redis2", lab.add("redis2"), "--replicaof", redis_ip, str(REDIS_PORT))
-            sentinel_ip = lab.add("sentinel")
+            self._redis_server("redis2", self._add("redis2"), "--replicaof", redis_ip, str(REDIS_PORT))
+            sentinel_ip = self._add("sentinel")
             self.sentinel = LocalSentinel(workdir / "sentinel", REDIS_PORT, port=26379, master_host=redis_ip,
-                                          host=sentinel_ip, prefix=tuple(lab.exec_prefix("sentinel"))).start(30)
+                                          host=sentinel_ip, prefix=self._prefix("sentinel")).start(30)
         python = sys.executable
         self.relays = {
             "redis": self._spawn("link-r0", [python, "-m", "disttrain_tools.impair", "--listen",
@@ -211,8 +229,9 @@ class Cluster:
             url = self.sentinel.url if self.sentinel else direct
             cache = ("--shard-cache-dir", str(self.cache_dir), "--shard-cache-bytes", str(cache_bytes)) \
                 if i == 0 else ()
-            replica = Replica(url, port=SERVICE_PORT, host=ip, prefix=tuple(lab.exec_prefix(f"rep{i}")),
-                              log_path=workdir / f"rep{i}.log", extra_args=("--lease-ttl", "2", *cache))
+            replica = Replica(url, port=SERVICE_PORT, host=ip, prefix=self._prefix(f"rep{i}"),
+                              log_path=workdir / f"rep{i}.log",
+                              extra_args=("--lease-ttl", "2", *cache, *self.replica_args))
             replica.start(wait=False)
             self.replicas.append(replica)
         for replica in self.replicas:
@@ -240,20 +259,22 @@ class Cluster:
 
     def _spawn(self, node: str, command: list[str]) -> subprocess.Popen:
         with open(self.workdir / f"{node}.out", "ab") as log:
-            process = subprocess.Popen(self.lab.exec_prefix(node) + command, stdout=log, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(list(self._prefix(node)) + command, stdout=log, stderr=subprocess.STDOUT,
                                        cwd=REPO)
         self.processes.append(process)
         return process
 
-    def start_ranks(self, num_ranks: int, config: dict, out: Path, pace: float) -> subprocess.Popen:
+    def start_ranks(self, num_ranks: int, config: dict, out: Path, pace: float,
+                    keepalive_s: float = 5.0) -> subprocess.Popen:
         """The ranks as one torchrun (its elastic agent restarts the group when a worker dies), in its
         own session so that nothing of it outlives the run."""
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc-per-node", str(num_ranks), "--max-restarts", "3", "--monitor-interval", "0.2",
                    str(REPO / "bench" / "faults.py"), "rank", "--addresses", ",".join(self.addresses),
-                   "--config", json.dumps(config), "--out", str(out), "--pace", str(pace)]
+                   "--config", json.dumps(config), "--out", str(out), "--pace", str(pace),
+                   "--keepalive", str(keepalive_s)]
         with open(out / "torchrun.out", "ab") as log:  # the child has its own copy
-            return subprocess.Popen(self.lab.exec_prefix("clients") + command, stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen(list(self._prefix("clients")) + command, stdout=log, stderr=subprocess.STDOUT,
                                     cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
 
     def log_sizes(self) -> dict[Path, int]:
@@ -341,29 +362,29 @@ class Filler:
 # --- faults --------------------------------------------------------------------------------------
 def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Random, out: Path, pace: float):
     """Starts ``fault``; returns what heals it."""
-    lab = cluster.lab
+    lab, node = cluster.lab, cluster.node
     if fault == "redis-cut":
-        lab.cut("rep0", "link-r0")
-        return lambda: lab.heal("rep0", "link-r0")
+        lab.cut(node("rep0"), node("link-r0"))
+        return lambda: lab.heal(node("rep0"), node("link-r0"))
     if fault == "clients-cut":
-        lab.cut("clients", "link-c0")
-        return lambda: lab.heal("clients", "link-c0")
+        lab.cut(node("clients"), node("link-c0"))
+        return lambda: lab.heal(node("clients"), node("link-c0"))
     if fault == "minority":
-        lab.isolate("rep0")
-        return lambda: lab.heal("rep0")
+        lab.isolate(node("rep0"))
+        return lambda: lab.heal(node("rep0"))
     if fault in ("slow-clients-link", "slow-redis-link"):
         relay = cluster.relays["clients" if fault == "slow-clients-link" else "redis"]
         relay.send_signal(signal.SIGUSR1)
         return lambda: relay.send_signal(signal.SIGUSR2)
     if fault == "redis-failover":
-        lab.cut("redis", "redis2")  # replication stops; the primary goes on taking writes
+        lab.cut(node("redis"), node("redis2"))  # replication stops; the primary goes on taking writes
         time.sleep(rng.uniform(1.0, 2.0))
         # then its machine is gone, with them (kept cut off: its kernel would still send what the
         # dead process had buffered); the Sentinel promotes a replica that never got them
-        lab.isolate("redis")
+        lab.isolate(node("redis"))
         cluster.redis.kill()
         cluster.redis.wait(timeout=30)
-        return lambda: lab.heal("redis")
+        return lambda: lab.heal(node("redis"))
     if fault == "rank-kill":  # torchrun sees the worker die and restarts the group from their checkpoints
         os.kill(int((out / "rank0.pid").read_text()), signal.SIGKILL)
         return lambda: None
@@ -465,14 +486,14 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
 
 
 def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epochs: int, num_ranks: int,
-              pace: float, duration_s: float, workdir: Path, log=print) -> dict:
+              pace: float, duration_s: float, workdir: Path, keepalive_s: float = 5.0, log=print) -> dict:
     rng = random.Random(seed)
     out = workdir / f"{fault}-{seed}"
     out.mkdir(parents=True)
     config = {"shards": cluster.shard_urls, "seq_len": 4096, "dp_size": num_ranks, "num_microbatches": 2,
               "seqs_per_microbatch": 1, "seed": seed, "num_epochs": epochs}
     since = cluster.log_sizes()
-    agent = cluster.start_ranks(num_ranks, config, out, pace)
+    agent = cluster.start_ranks(num_ranks, config, out, pace, keepalive_s)
     try:
         deadline = time.monotonic() + 240
         while not all(_delivered(out, rank) >= 2 for rank in range(num_ranks)):  # every rank streaming
@@ -557,44 +578,90 @@ def _delivered(out: Path, rank: int) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"step"' in line) if path.exists() else 0
 
 
+class SharedLab:
+    """A NetLab that clusters in threads of their own share: nodes are added and links cut one
+    call at a time (everything else passes through)."""
+
+    def __init__(self, lab):
+        self._lab, self._lock = lab, threading.Lock()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._lab, name)
+        if name not in ("add", "cut", "isolate", "heal"):
+            return attr
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+        return locked
+
+
 def faults(*, names: list[str], runs: int, shards: list[str], epochs: int, num_ranks: int, pace: float,
            duration_s: tuple[float, float], slow_rank_s: float, short_s: float = 1e9, seed: int = 0,
-           log=print) -> dict:
+           keepalive_s: float = 5.0, replica_args: tuple[str, ...] = (), log=print) -> dict:
+    """Runs each fault ``runs`` times. The faults of the shared cluster run one after another (each
+    acts on replica 0 or its links); the redis-failover and state-disk-full runs each have a
+    cluster of their own, and those clusters run at the same time as the shared one (one lab,
+    nodes of their own: no fault reaches another cluster's nodes)."""
     from disttrain_tools import netlab
 
     rng = random.Random(seed)
     workdir = Path(tempfile.mkdtemp(prefix="disttrain-faults-"))
-    results: dict[str, list[dict]] = {name: [] for name in names}
-
-    def one(cluster: Cluster, name: str, run: int) -> None:
-        seconds = slow_rank_s if name == "slow-rank" else rng.uniform(*duration_s)
-        if name in SHORT:
-            seconds = min(seconds, short_s)
-        result = run_fault(cluster, name, seed=seed * 1000 + run * 100 + list(FAULTS).index(name), shards=shards,
-                           epochs=epochs, num_ranks=num_ranks, pace=pace, duration_s=seconds, workdir=workdir,
-                           log=log)
-        log(f"  {name} run {run + 1}: " + ", ".join(f"{k} {v}" for k, v in result.items()))
-        results[name].append(result)
-
+    results: dict[str, list[dict]] = {name: [None] * runs for name in names}
     own = {"redis-failover": "sentinel", "state-disk-full": "solo"}  # a fresh cluster of their own each run
     shared = [name for name in names if name not in own]
-    if shared:
-        with netlab.NetLab() as lab:
-            cluster = Cluster(lab, workdir / "cluster", shards, log=log)
+    # every random draw made here, in one order, whatever the threads below do first
+    order = [rng.sample(shared, len(shared)) for _ in range(runs)]  # a random order each round
+    seconds = {(name, run): slow_rank_s if name == "slow-rank" else rng.uniform(*duration_s)
+               for name in names for run in range(runs)}
+    started = time.monotonic()
+
+    def one(cluster: Cluster, name: str, run: int) -> None:
+        duration = min(seconds[name, run], short_s) if name in SHORT else seconds[name, run]
+        began = time.monotonic()
+        result = run_fault(cluster, name, seed=seed * 1000 + run * 100 + list(FAULTS).index(name), shards=shards,
+                           epochs=epochs, num_ranks=num_ranks, pace=pace, duration_s=duration, workdir=workdir,
+                           keepalive_s=keepalive_s, log=log)
+        log(f"  {name} run {run + 1} ({time.monotonic() - began:.0f} s, at {time.monotonic() - started:.0f} s): "
+            + ", ".join(f"{k} {v}" for k, v in result.items()))
+        results[name][run] = result
+
+    def shared_runs(lab) -> None:
+        cluster = Cluster(lab, workdir / "cluster", shards, replica_args=replica_args, log=log)
+        try:
+            for run in range(runs):
+                for name in order[run]:
+                    one(cluster, name, run)
+        finally:
+            cluster.close()
+
+    def own_runs(lab, name: str) -> None:
+        for run in range(runs):
+            cluster = Cluster(lab, workdir / f"{own[name]}-{run}", shards, kind=own[name],
+                              name=f"{own[name][:2]}{run}-", replica_args=replica_args, log=log)
             try:
-                for run in range(runs):
-                    for name in rng.sample(shared, len(shared)):  # a random order each round
-                        one(cluster, name, run)
+                one(cluster, name, run)
             finally:
                 cluster.close()
-    for name in [name for name in own if name in names]:
-        for run in range(runs):
-            with netlab.NetLab() as lab:
-                cluster = Cluster(lab, workdir / f"{own[name]}-{run}", shards, kind=own[name], log=log)
-                try:
-                    one(cluster, name, run)
-                finally:
-                    cluster.close()
+
+    with netlab.NetLab() as plain:
+        lab = SharedLab(plain)
+        bodies = ([lambda: shared_runs(lab)] if shared else []) \
+            + [lambda name=name: own_runs(lab, name) for name in own if name in names]
+        errors: list[BaseException] = []
+
+        def guarded(body) -> None:
+            try:
+                body()
+            except BaseException as exc:  # raised below, once every cluster is closed
+                errors.append(exc)
+        threads = [threading.Thread(target=guarded, args=(body,)) for body in bodies]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
     return {"workdir": str(workdir), "results": results}
 
 
@@ -621,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--config", required=True)
     rank.add_argument("--out", required=True)
     rank.add_argument("--pace", type=float, default=0.2)
+    rank.add_argument("--keepalive", type=float, default=5.0, help="seconds between the client's keepalive pings")
     parser.add_argument("--faults", nargs="+", choices=list(FAULTS), default=list(FAULTS))
     parser.add_argument("--runs", type=int, default=3, help="runs of each fault, in a random order each round")
     parser.add_argument("--seed", type=int, default=0)
@@ -636,16 +704,21 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"faults: skipped: {reason}")
         return 0
-    if args.quick:
-        runs, shards, epochs, pace, duration, slow_rank_s = 1, benchjson.quick_shards(4, 20), 6, 0.12, (10.0, 10.0), 4.0
-        short_s = 4.0
+    if args.quick:  # the test suite's: short windows, and timeouts to match, so that a fault's recovery shows
+        runs, shards, epochs, pace, duration, slow_rank_s = 1, benchjson.quick_shards(4, 20), 6, 0.1, (5.0, 5.0), 2.0
+        short_s = 2.0
+        # a cut link found dead within ~4 s (pings every 2 s, 2 s to answer); a stream cut from Redis
+        # ends within 1.5 s: both within the 5 s partitions
+        keepalive_s, replica_args = 2.0, ("--stream-redis-timeout-s", "1.5")
     else:
         shards = benchjson.quick_shards(4, 50)
         runs, epochs, pace, duration, slow_rank_s, short_s = args.runs, 16, 0.1, (8.0, 15.0), 60.0, 1e9
+        keepalive_s, replica_args = 5.0, ()
     print(f"faults: {', '.join(args.faults)}; {runs} run(s) each, {epochs} epochs of {len(shard_keys(shards))} "
           f"samples, 3 replicas, 2 ranks")
     figures = faults(names=args.faults, runs=runs, shards=shards, epochs=epochs, num_ranks=2, pace=pace,
-                     duration_s=duration, slow_rank_s=slow_rank_s, short_s=short_s, seed=args.seed)
+                     duration_s=duration, slow_rank_s=slow_rank_s, short_s=short_s, seed=args.seed,
+                     keepalive_s=keepalive_s, replica_args=replica_args)
     rows = summary(figures["results"])
     header = ["fault", "runs", "keys lost", "keys repeated", "conflicting microbatches", "acked steps replayed",
               "stall s (median)", "stall s (worst)", "restarted ranks back s (median)", "runs that said it",

@@ -45,7 +45,7 @@ def _args(address, shards, tmp_path, steps, layout=("1", "2", "1", "1"), extra=(
     return ["--address", address, "--shards", shards, "--enc-dp", layout[0], "--bb-dp", layout[1],
             "--bb-pp", layout[2], "--gen-dp", layout[3], "--enc-tp", tp[0], "--bb-tp", tp[1], "--gen-tp", tp[2],
             "--steps", str(steps), "--num-microbatches", str(microbatches),
-            "--seq-len", "2048", "--model-layers", "2", "--log-json", str(tmp_path / "log.jsonl"),
+            "--seq-len", "512", "--model-layers", "2", "--log-json", str(tmp_path / "log.jsonl"),
             "--profile-microbatches", "0", *extra]
 
 

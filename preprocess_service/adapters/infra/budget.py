@@ -86,6 +86,7 @@ that waits behind it and fits goes ahead (its holder may be what would free the 
 @dataclass(eq=False, slots=True)
 class _Waiter:
     nbytes: int
+    deadline: float
     granted: bool = False
 
 
@@ -208,7 +209,7 @@ class MemoryBudget:
             if not self._waiting and self._fits(nbytes):
                 self._take(nbytes)
                 return
-            waiter = _Waiter(nbytes)
+            waiter = _Waiter(nbytes, deadline)
             if not self._waiting:
                 self._progress = time.monotonic()  # the first to wait: its stall clock starts now
             self._waiting.append(waiter)
@@ -235,12 +236,18 @@ class MemoryBudget:
         finally:
             with self._cond:
                 if not waiter.granted:
-                    self._waiting.remove(waiter)
+                    if waiter in self._waiting:  # else dropped by _serve, its wait over
+                        self._waiting.remove(waiter)
                     self._serve()  # those behind it may fit now
 
     def _serve(self) -> None:
         """Gives room to the waiting charges in order (the caller holds the lock); after STALL_S with
-        nothing returned, to the first one behind the first that fits."""
+        nothing returned, to the first one behind the first that fits. A charge whose wait is over
+        leaves the queue here, whichever thread runs first: the one behind it need not wait for its
+        thread to be scheduled."""
+        now = time.monotonic()
+        if any(w.deadline <= now for w in self._waiting):
+            self._waiting = deque(w for w in self._waiting if w.deadline > now)
         served = False
         while self._waiting and self._fits(self._waiting[0].nbytes):
             self._grant(self._waiting.popleft())

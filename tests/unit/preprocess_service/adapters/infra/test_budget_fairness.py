@@ -116,6 +116,7 @@ def test_a_charge_that_can_never_fit_fails_at_once_and_one_that_waits_too_long_b
     huge = Waiting(budget, 100, "a large arena")
     huge.start()
     _queued(budget, 1)
+    budget.wait_s = 30.0  # the one behind waits longer: it is served once the large one gives up
     small = Waiting(budget, 30, "a small message")
     small.start()
     _queued(budget, 2)
@@ -124,6 +125,42 @@ def test_a_charge_that_can_never_fit_fails_at_once_and_one_that_waits_too_long_b
     assert huge.error.retry_after_s
     assert small.granted.wait(10), "the charge behind one that gave up was never served"
     assert budget.used == 530 and budget.waiting == 0
+
+
+class FakeClock:
+    """budget.time with a monotonic clock the test moves (sleep and the rest pass through)."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def test_a_charge_whose_wait_is_over_leaves_the_queue_before_its_thread_runs(monkeypatch):
+    """On a loaded machine the thread of a charge whose wait is over may not run for a while; the
+    charge behind it must not wait for that thread (it gave up with its own wait in a CI run)."""
+    clock = FakeClock()
+    monkeypatch.setattr(budget_module, "time", clock)
+    budget = MemoryBudget(100, wait_s=0.3)
+    budget.reserve(80, what="held")
+    huge = Waiting(budget, 50, "a large arena")
+    huge.start()
+    _queued(budget, 1)
+    budget.wait_s = 60.0
+    small = Waiting(budget, 10, "a small message")
+    small.start()
+    _queued(budget, 2)
+    with budget._cond:  # no waiting thread runs in here: only what the budget does for itself
+        clock.now += 1.0  # past the large charge's wait, well inside the small one's
+        budget._serve()
+        assert budget.waiting == 0, "the charge behind one whose wait was over stayed queued"
+    assert small.granted.wait(10) and budget.used == 90
+    huge.join(10)
+    assert isinstance(huge.error, ResourceExhausted) and "a large arena needs 50" in str(huge.error)
 
 
 def test_a_cancelled_waiter_leaves_the_queue_to_the_next():

@@ -428,6 +428,10 @@ class SharedJobs:
                  stream_timeout_s: float | None = None, **plan_options):
         self.store, self.replica_id, self.budget = store, replica_id, budget
         self.stream_store = store.impatient(stream_timeout_s) if stream_timeout_s else store
+        # the planners' tries are bounded like the streams' (a primary gone in a failover is left in
+        # about stream_timeout_s, not the socket timeout), and retried as long as the store's
+        self.planner_store = store.impatient(stream_timeout_s, retry_deadline_s=store.retry_deadline_s) \
+            if stream_timeout_s else store
         self.plugin_limits = plugin_limits
         self.reader = reader
         """Used for jobs this replica learns of from Redis (a spec there is checked like a request)."""
@@ -435,13 +439,13 @@ class SharedJobs:
 
     def close(self) -> None:
         """Closes the connections to Redis (server shutdown, after its jobs)."""
-        if self.stream_store is not self.store:
-            self.stream_store.close()
-        self.store.close()
+        for store in {id(s): s for s in (self.stream_store, self.planner_store, self.store)}.values():
+            store.close()
 
     def new(self, config: JobConfig, reader: shards.ShardReader, shard_urls: list[ShardNames] | None) -> Job:
         def plans(job: Job) -> SharedPlans:
-            return SharedPlans(job, self.store, self.replica_id, stream_store=self.stream_store, **self.plan_options)
+            return SharedPlans(job, self.planner_store, self.replica_id, stream_store=self.stream_store,
+                               **self.plan_options)
 
         job = Job(config, reader=reader, shard_urls=shard_urls, budget=self.budget, plans=plans,
                   plugin_limits=self.plugin_limits)

@@ -284,3 +284,19 @@ def test_a_call_waiting_on_a_primary_that_went_silent_moves_to_the_promoted_repl
             store.close()
             sentinel.stop()
             primary.process.send_signal(signal.SIGCONT)
+
+
+def test_the_planner_s_wait_for_a_want_holds_under_a_short_socket_timeout(server):
+    """The planner's store bounds each try like the streams' (impatient, with the long retry
+    deadline): its blocking wait for a stream's want is held below that socket timeout, so a
+    quiet job is a wait that ends, not a timeout retried until the deadline."""
+    base = RedisStore(server.url, retry_deadline_s=4.0)
+    planner = base.impatient(1.0, retry_deadline_s=base.retry_deadline_s)
+    try:
+        assert (planner.socket_timeout_s, planner.retry_deadline_s) == (0.5, 4.0)
+        _, took = _timed(lambda: planner.wait_for_want("job-q", timeout_s=5.0))
+        assert took < BOUND_S
+        assert planner.stats()["retries"] == 0  # the wait ended, no try timed out
+    finally:
+        planner.close()
+        base.close()

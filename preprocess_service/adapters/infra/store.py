@@ -293,7 +293,7 @@ class RedisStore:
                  retry_deadline_s: float = 30.0):
         self.url = url
         self.address = describe(url)
-        self.retry_deadline_s = retry_deadline_s
+        self.retry_deadline_s, self.socket_timeout_s = retry_deadline_s, socket_timeout_s
         # redis-py's own retries (10 by default, up to seconds apart) would hide faults from _call
         # and stretch its deadline: one at once replaces a pooled connection Redis closed while
         # idle, anything longer is _call's to back off from, count and bound.
@@ -317,14 +317,16 @@ class RedisStore:
             threading.Thread(target=_watch_primary, args=(weakref.ref(self), self._closing),
                              name="redis-primary-watch", daemon=True).start()
 
-    def impatient(self, timeout_s: float) -> RedisStore:
-        """The same Redis with every call bounded by about ``timeout_s`` (the connect, each reply and
-        the retries: a silent partition fails in that time, not the socket timeout's 10 s). For
-        streams: a client moves to another replica rather than wait out a fault that may be this
-        replica's alone (cut from Redis while its clients still reach it)."""
+    def impatient(self, timeout_s: float, *, retry_deadline_s: float | None = None) -> RedisStore:
+        """The same Redis with every try bounded by about ``timeout_s`` (the connect, each reply and,
+        unless ``retry_deadline_s`` says otherwise, the retries): a silent partition or a primary
+        gone in a failover fails a try in that time, not the socket timeout's 10 s. For streams (a
+        client moves to another replica rather than wait out a fault that may be this replica's
+        alone) and, with a longer ``retry_deadline_s``, the planner (it tries again at once, on the
+        primary the Sentinels name)."""
         # redis-py's one reconnect after a failed read may take another connect timeout: halves
         clone = RedisStore(self.url, connect_timeout_s=timeout_s / 2, socket_timeout_s=timeout_s / 2,
-                           retry_deadline_s=timeout_s)
+                           retry_deadline_s=timeout_s if retry_deadline_s is None else retry_deadline_s)
         clone._stats, clone._lock = self._stats, self._lock  # one replica's counts, whichever pool
         return clone
 
@@ -457,7 +459,9 @@ class RedisStore:
                 None if done is None else int(done))
 
     def wait_for_want(self, job_id: str, timeout_s: float, *, stop=None) -> None:
-        """Blocks until a stream wants a plan (read_plan with want) or ``timeout_s`` passes."""
+        """Blocks until a stream wants a plan (read_plan with want) or ``timeout_s`` passes (held
+        below the socket timeout, which would take a longer wait for a dead link)."""
+        timeout_s = max(0.05, min(timeout_s, 0.6 * self.socket_timeout_s))
         self._call(lambda r: r.blpop([self._key(job_id, "wake")], timeout=timeout_s), commands=1, stop=stop)
 
     def resume_state(self, job_id: str, *, stop=None) -> bytes | None:

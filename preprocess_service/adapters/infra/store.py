@@ -535,6 +535,9 @@ class RedisStore:
             self._call(lambda r: self._release(keys=[key], args=[token], client=r), commands=1, deadline_s=2.0)
         except ServiceUnavailableError:
             pass  # it expires on its own
+        except (OSError, ValueError):  # the store was closed under the call (shutdown): it expires too
+            if not self._closing.is_set():
+                raise
 
     def claim_rank(self, job_id: str, rank: int, lease: dict, ttl_s: float, spec: bytes, *, stop=None) -> int:
         """Starts a stream of ``rank``: returns its fence token (newer streams get larger ones). Also

@@ -69,7 +69,7 @@ FAULTS = {
     "state-disk-full": "a single node's state_dir disk (a tmpfs) filled; the node killed and restarted on it",
 }
 PROMISES = {
-    "redis-cut": "exactly-once; the replica's streams end within stream_redis_timeout_s (3 s) and their ranks "
+    "redis-cut": "exactly-once; the replica's streams end within stream_redis_timeout_s (2 s) and their ranks "
                  "resume on another replica",
     "clients-cut": "exactly-once; a rank resumes on another replica once gRPC keepalive finds the link dead",
     "minority": "exactly-once; the majority serves on, the planning lease passes within lease_ttl_s",

@@ -450,6 +450,8 @@ class DataClient:
                         continue
                     if exc.code() not in _RETRYABLE or attempt + 1 >= 2 * len(self.addresses):
                         raise
+                    log.info("call to %s failed: %s %s; trying the next address", self._control.address,
+                             exc.code().name, exc.details())
                     self._control.connect(self.connect_timeout_s)
 
     def _open(self, stub, job: JobConfig | str) -> pb.JobInfo:

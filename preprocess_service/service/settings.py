@@ -51,7 +51,8 @@ class ServiceSettings(ReaderConfig, BudgetConfig):
     stream_redis_timeout_s: float = _doc(
         "replicas: the longest a stream waits on Redis (a connect, a reply, retries) before it ends with "
         "UNAVAILABLE and its client moves to another replica (a replica cut from Redis while its clients still "
-        "reach it); the planner rides out longer faults", 3.0)
+        "reach it); each try (a connect, a reply) gets half of it; the planner's tries are bounded the same, and it "
+        "rides out longer faults", 2.0)
     log_format: str = _doc("text or json (one JSON object per line, with job, step and rank where known)", "text")
     log_level: str = _doc("DEBUG, INFO, WARNING or ERROR", "INFO")
     tls_cert: str | None = _doc("PEM certificate chain to serve TLS with (needs tls_key)")

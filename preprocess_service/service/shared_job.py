@@ -74,7 +74,7 @@ class SharedPlans:
 
     def __init__(self, job: Job, store: RedisStore, replica_id: str, *, lookahead: int = 2,
                  lease_ttl_s: float = 5.0, rank_lease_ttl_s: float = 30.0, cache_steps: int = 64,
-                 poll_s: float = 0.02, snapshot_every: int = 16, stream_store: RedisStore | None = None):
+                 poll_s: float = 0.02, snapshot_every: int = 4, stream_store: RedisStore | None = None):
         self.config, self.job_id = job.config, job.job_id
         self.reader = job.reader
         self.documents = job.documents.with_sink(

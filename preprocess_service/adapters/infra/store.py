@@ -167,7 +167,7 @@ def _failure(exc: redis.RedisError) -> str:
 
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
-SENTINEL_WATCH_S = 0.5
+SENTINEL_WATCH_S = 0.2
 """How often a replica on Sentinels asks them where the primary is (RedisStore._watch_primary)."""
 
 
@@ -290,15 +290,17 @@ class RedisStore:
     """One replica's connection to the job state in Redis (thread-safe: redis-py pools connections)."""
 
     def __init__(self, url: str, *, connect_timeout_s: float = 5.0, socket_timeout_s: float = 10.0,
-                 retry_deadline_s: float = 30.0):
+                 retry_deadline_s: float = 30.0, quiet_retries: int = 1):
         self.url = url
         self.address = describe(url)
         self.retry_deadline_s, self.socket_timeout_s = retry_deadline_s, socket_timeout_s
         # redis-py's own retries (10 by default, up to seconds apart) would hide faults from _call
-        # and stretch its deadline: one at once replaces a pooled connection Redis closed while
-        # idle, anything longer is _call's to back off from, count and bound.
+        # and stretch its deadline: one at once (``quiet_retries``) replaces a pooled connection
+        # Redis closed while idle, anything longer is _call's to back off from, count and bound.
+        # redis-py retries a failed connect and then the command, each that many times: a silent
+        # partition costs (1 + 2 * quiet_retries) timeouts before _call sees it.
         self._redis = _connect(url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
-                               health_check_interval=30, retry=Retry(NoBackoff(), 1))
+                               health_check_interval=30, retry=Retry(NoBackoff(), quiet_retries))
         try:
             self._redis.ping()
         except _RETRYABLE + (redis.ResponseError, OSError) as exc:
@@ -324,9 +326,12 @@ class RedisStore:
         client moves to another replica rather than wait out a fault that may be this replica's
         alone) and, with a longer ``retry_deadline_s``, the planner (it tries again at once, on the
         primary the Sentinels name)."""
-        # redis-py's one reconnect after a failed read may take another connect timeout: halves
-        clone = RedisStore(self.url, connect_timeout_s=timeout_s / 2, socket_timeout_s=timeout_s / 2,
-                           retry_deadline_s=timeout_s if retry_deadline_s is None else retry_deadline_s)
+        # no quiet retries (each would add a timeout unseen): a try is one connect or one reply, so
+        # a silent partition fails a read (half of ``timeout_s``) and then connects (a quarter each:
+        # a connect to a primary gone in a failover gives way sooner to one the Sentinels name)
+        clone = RedisStore(self.url, connect_timeout_s=timeout_s / 4, socket_timeout_s=timeout_s / 2,
+                           retry_deadline_s=timeout_s if retry_deadline_s is None else retry_deadline_s,
+                           quiet_retries=0)
         clone._stats, clone._lock = self._stats, self._lock  # one replica's counts, whichever pool
         return clone
 
@@ -374,7 +379,8 @@ class RedisStore:
         if stop is not None and stop.is_set():
             raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} when the call was stopped "
                                           f"after {elapsed:.1f} s: {_error_text(exc)}") from None
-        if elapsed >= deadline_s:
+        # no try starts at the deadline: one failing there would overrun it by its own timeouts
+        if elapsed + min(delay, 0.05) >= deadline_s:
             raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} for {elapsed:.1f} s of retries "
                                           f"(deadline {deadline_s:g} s): {_error_text(exc)}") from None
         return min(delay, deadline_s - elapsed)

@@ -265,7 +265,7 @@ class Cluster:
         return process
 
     def start_ranks(self, num_ranks: int, config: dict, out: Path, pace: float,
-                    keepalive_s: float = 5.0) -> subprocess.Popen:
+                    keepalive_s: float = 2.0) -> subprocess.Popen:
         """The ranks as one torchrun (its elastic agent restarts the group when a worker dies), in its
         own session so that nothing of it outlives the run."""
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -486,7 +486,7 @@ def verdict(out: Path, num_ranks: int, keys: set[str], epochs: int, fault_at: fl
 
 
 def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epochs: int, num_ranks: int,
-              pace: float, duration_s: float, workdir: Path, keepalive_s: float = 5.0, log=print) -> dict:
+              pace: float, duration_s: float, workdir: Path, keepalive_s: float = 2.0, log=print) -> dict:
     rng = random.Random(seed)
     out = workdir / f"{fault}-{seed}"
     out.mkdir(parents=True)
@@ -598,7 +598,7 @@ class SharedLab:
 
 def faults(*, names: list[str], runs: int, shards: list[str], epochs: int, num_ranks: int, pace: float,
            duration_s: tuple[float, float], slow_rank_s: float, short_s: float = 1e9, seed: int = 0,
-           keepalive_s: float = 5.0, replica_args: tuple[str, ...] = (), log=print) -> dict:
+           keepalive_s: float = 2.0, replica_args: tuple[str, ...] = (), log=print) -> dict:
     """Runs each fault ``runs`` times. The faults of the shared cluster run one after another (each
     acts on replica 0 or its links); the redis-failover and state-disk-full runs each have a
     cluster of their own, and those clusters run at the same time as the shared one (one lab,
@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     rank.add_argument("--config", required=True)
     rank.add_argument("--out", required=True)
     rank.add_argument("--pace", type=float, default=0.2)
-    rank.add_argument("--keepalive", type=float, default=5.0, help="seconds between the client's keepalive pings")
+    rank.add_argument("--keepalive", type=float, default=2.0, help="seconds between the client's keepalive pings")
     parser.add_argument("--faults", nargs="+", choices=list(FAULTS), default=list(FAULTS))
     parser.add_argument("--runs", type=int, default=3, help="runs of each fault, in a random order each round")
     parser.add_argument("--seed", type=int, default=0)
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shards = benchjson.quick_shards(4, 50)
         runs, epochs, pace, duration, slow_rank_s, short_s = args.runs, 16, 0.1, (8.0, 15.0), 60.0, 1e9
-        keepalive_s, replica_args = 5.0, ()
+        keepalive_s, replica_args = 2.0, ()  # the client's default
     print(f"faults: {', '.join(args.faults)}; {runs} run(s) each, {epochs} epochs of {len(shard_keys(shards))} "
           f"samples, 3 replicas, 2 ranks")
     figures = faults(names=args.faults, runs=runs, shards=shards, epochs=epochs, num_ranks=2, pace=pace,

@@ -368,7 +368,7 @@ class DataClient:
 
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
                  connect_timeout_s: float = 10.0, reconnect_timeout_s: float = 60.0,
-                 credentials: Credentials | None = None, keepalive_s: float = 5.0, call_timeout_s: float = 20.0,
+                 credentials: Credentials | None = None, keepalive_s: float = 2.0, call_timeout_s: float = 20.0,
                  message_timeout_s: float = 900.0, pin_memory: bool = False, shared_memory: bool = True):
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
@@ -392,7 +392,9 @@ class DataClient:
         """Microbatches received in shared memory."""
         self.message_timeout_s = message_timeout_s
         """A stream that delivers nothing for this long (a live but stuck replica) is cancelled and
-        resumed elsewhere; a stopped or unreachable one is found sooner, by keepalive pings."""
+        resumed elsewhere; a stopped or unreachable one is found sooner, by keepalive pings (every
+        ``keepalive_s``, each given as long to answer: a cut link is found in 2-4 s by default; the
+        service takes pings up to once a second)."""
         self._options = channel_options(keepalive_s, min(5.0, keepalive_s))
         self._last_progress: float | None = None
         self._stalled = False

@@ -394,8 +394,14 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Ra
     if fault == "cache-disk-full":
         return Filler(cluster.cache_dir).stop
     if fault == "state-disk-full":  # the node dies while its disk is full and restarts on it
+        since = cluster.log_sizes()
         filler = Filler(cluster.state_dir)
-        time.sleep(rng.uniform(1.0, 3.0))
+        # it dies after a save the full disk refused (an acknowledgement comes every step or so; a
+        # loaded machine may take seconds for one), at a random moment after
+        deadline = time.monotonic() + 60
+        while not cluster.said(since, SAID[fault]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, 2.0))
         node = cluster.replicas[0]
         node.kill()
         node.start(timeout_s=180)

@@ -541,7 +541,8 @@ class RedisStore:
             self._call(lambda r: self._release(keys=[key], args=[token], client=r), commands=1, deadline_s=2.0)
         except ServiceUnavailableError:
             pass  # it expires on its own
-        except (OSError, ValueError):  # the store was closed under the call (shutdown): it expires too
+        except (OSError, ValueError, AttributeError):  # the store was closed under the call (shutdown;
+            # redis-py drops a closed connection's reader: AttributeError): it expires too
             if not self._closing.is_set():
                 raise
 

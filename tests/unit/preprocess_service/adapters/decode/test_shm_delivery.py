@@ -162,7 +162,12 @@ def test_a_client_that_takes_nothing_holds_at_most_the_window_and_its_objects_ar
 
             reader = threading.Thread(target=read, daemon=True)
             reader.start()
-            time.sleep(3.0)
+            # until the server has filled its window (seconds on a loaded machine), then a while
+            # longer, in which a server that ran past its window would send more
+            deadline = time.monotonic() + 60
+            while len(messages) < servicer.prefetch + 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(1.0)
             assert messages and all(m.shm_name and len(m.shm_token) == 16 for m in messages)
             assert len(messages) <= servicer.prefetch + 2
             assert all(_token(m.shm_name) == m.shm_token for m in messages)  # none reused meanwhile

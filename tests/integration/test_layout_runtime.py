@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _trace_run(tmp_path: Path, address: str, shards: str, argv: list[str], nproc: int) -> dict[int, dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "trainer.train", "--address", address, "--shards", shards, "--steps", "2", "--seq-len", "1024",
+           "-m", "trainer.train", "--address", address, "--shards", shards, "--steps", "2", "--seq-len", "512",
            "--model-layers", "2", "--trace", str(tmp_path / "trace"), *argv]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -94,11 +94,11 @@ def test_generator_loss_is_seeded_and_trains_the_backbone_queries(microbatches):
     assert model.generator.inp.weight.grad.abs().sum() > 0
 
 
-def test_loss_decreases_when_training_on_a_few_microbatches(microbatches):
+def test_loss_decreases_when_training_on_one_microbatch(microbatches):
     torch.manual_seed(0)
     model = MultimodalModel(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    batch = microbatches[:2]
+    batch = microbatches[:1]
     losses = []
     for _ in range(8):
         loss = step_loss([model(mb, torch.Generator().manual_seed(i)) for i, mb in enumerate(batch)], 1.0)

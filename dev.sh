@@ -65,10 +65,9 @@ case "$cmd" in
           echo "[test] layer contracts (lint-imports, pyproject.toml [tool.importlinter])" >&2
           "$VENV/bin/lint-imports" --no-cache >&2
           # in 4 processes (pytest-xdist; most tests wait on subprocesses, sockets and Redis, so more
-          # than the cores), the longest first (tests/conftest.py) and an idle process taking queued
-          # tests from a busy one (worksteal); the 15 slowest tests printed at the end. ARGS come
-          # after, so `-n 0` runs it in one process and `-n 8` in more.
-          exec "$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_PROCESSES:-4}" --dist worksteal --durations=15 "$@" ;;
+          # than the cores); the 15 slowest tests printed at the end. ARGS come after, so `-n 0` runs
+          # it in one process and `-n 8` in more.
+          exec "$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_PROCESSES:-4}" --durations=15 "$@" ;;
     run) exec "$VENV/bin/python" -m disttrain_tools run --dp-size 2 "$@" ;;  # the demo: 2 client ranks
     *) exec "$VENV/bin/python" -m disttrain_tools "$cmd" "$@" ;;
 esac

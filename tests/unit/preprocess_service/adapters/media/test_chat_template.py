@@ -5,7 +5,6 @@ ids while the same text in a turn is text; hostile templates are refused when th
 
 import json
 import re
-import time
 
 import numpy as np
 import pytest
@@ -131,10 +130,11 @@ def test_a_template_that_rejects_a_conversation_skips_that_sample_only(tmp_path)
 def test_hostile_templates_are_refused_when_the_tokenizer_loads(tmp_path, hostile, why):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": hostile}))
     tokenizers.train_bpe(["a b c"] * 5, tmp_path / "tokenizer.json", 300)
-    began = time.monotonic()
+    # refused by the bound named in ``why``: a size, a refused operation, or a count of render
+    # steps (not a time: a count holds on a loaded machine; the suite's per-test timeout catches a
+    # render no bound stopped)
     with pytest.raises(tokenizers.TokenizerError, match=f"chat template.*({why})"):
         tokenizers.HFTokenizer(tmp_path / "tokenizer.json")
-    assert time.monotonic() - began < 10, "bounded in time"
 
 
 def test_without_a_template_the_fixed_headers_stay(tmp_path):

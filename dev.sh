@@ -19,9 +19,11 @@ setup() {
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     # torch first, at the locked version; the index picks its build (CPU here, CUDA on a GPU machine).
-    "$VENV/bin/python" -m pip install -q -r requirements/torch.txt >&2
+    # (--no-compile: Python compiles a module when it is first imported; compiling all of torch's
+    # sources up front was a third of the setup)
+    "$VENV/bin/python" -m pip install -q --no-compile -r requirements/torch.txt >&2
     # then everything else at the lock's exact versions, and this project on top without resolving again
-    "$VENV/bin/python" -m pip install -q -r requirements/lock.txt >&2
+    "$VENV/bin/python" -m pip install -q --no-compile -r requirements/lock.txt >&2
     "$VENV/bin/python" -m pip install -q --no-deps -e . >&2
     echo "$want" > "$stamp"
     echo "[setup] done" >&2
@@ -55,10 +57,12 @@ ensure_compose() {
 
 cmd=${1:-run}
 [[ $# -gt 0 ]] && shift
+compose=""
+if [[ "$cmd" == setup || "$cmd" == test ]]; then ensure_compose & compose=$!; fi  # beside the main setup
 setup
 case "$cmd" in
-    setup) ensure_redis; ensure_compose ;;
-    test) ensure_redis; ensure_compose
+    setup) ensure_redis; wait "$compose" ;;
+    test) ensure_redis; wait "$compose"
           echo "[test] lint and types (ruff, mypy: pyproject.toml [tool.ruff], [tool.mypy])" >&2
           "$VENV/bin/ruff" check . >&2
           "$VENV/bin/mypy" >&2

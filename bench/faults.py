@@ -379,6 +379,7 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Ra
     if fault == "redis-failover":
         lab.cut(node("redis"), node("redis2"))  # replication stops; the primary goes on taking writes
         time.sleep(rng.uniform(1.0, 2.0))
+        _wait_for_unreplicated_writes(lab, node("redis"), node("redis2"))
         # then its machine is gone, with them (kept cut off: its kernel would still send what the
         # dead process had buffered); the Sentinel promotes a replica that never got them
         lab.isolate(node("redis"))
@@ -407,6 +408,23 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Ra
         node.start(timeout_s=180)
         return filler.stop
     raise ValueError(f"unknown fault {fault!r}")
+
+
+def _repl_offset(lab, name: str) -> int:
+    """The replication offset of the Redis on node ``name`` (INFO replication)."""
+    done = subprocess.run([*lab.exec_prefix(name), "redis-cli", "-h", lab.address(name), "-p", str(REDIS_PORT),
+                           "info", "replication"],
+                          capture_output=True, text=True, timeout=10)
+    fields = dict(line.strip().split(":", 1) for line in done.stdout.splitlines() if ":" in line)
+    return int(fields.get("master_repl_offset", 0))
+
+
+def _wait_for_unreplicated_writes(lab, primary: str, replica: str, timeout_s: float = 20.0) -> None:
+    """Until the primary holds writes its cut-off replica lacks (on a loaded machine the job may
+    write nothing for a while): the failover then loses them, which the service must say."""
+    deadline = time.monotonic() + timeout_s
+    while _repl_offset(lab, primary) <= _repl_offset(lab, replica) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def shard_keys(shards: list[str]) -> set[str]:

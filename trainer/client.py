@@ -363,7 +363,8 @@ class DataClient:
 
     ``job`` is a JobConfig (the job is opened, or joined if open) or the id of an open job.
     Raises ServiceUnavailableError when no address can be reached within ``connect_timeout_s``,
-    or, while iterating, when the stream cannot be re-established within ``reconnect_timeout_s``.
+    or, once running, when the stream or a call (acknowledge, status) cannot reach a service again
+    within ``reconnect_timeout_s`` of its failure.
     """
 
     def __init__(self, address: str | Sequence[str], job: JobConfig | str, dp_rank: int, *, prefetch: int = 4,
@@ -438,6 +439,7 @@ class DataClient:
         resumes it there). A job a client closed is FAILED_PRECONDITION, never opened again."""
         with self._control_lock:
             reopened = False
+            failing_since = None
             for attempt in range(2 * len(self.addresses) + 1):
                 try:
                     if reopened is None:  # the job is opened again first (retried like any call)
@@ -454,7 +456,11 @@ class DataClient:
                         raise
                     log.info("call to %s failed: %s %s; trying the next address", self._control.address,
                              exc.code().name, exc.details())
-                    self._control.connect(self.connect_timeout_s)
+                    # a service gone mid-run (a single node restarting) is waited for as a stream
+                    # waits: up to reconnect_timeout_s from the first failure
+                    failing_since = failing_since or time.monotonic()
+                    self._control.connect(max(self.connect_timeout_s,
+                                              self.reconnect_timeout_s - (time.monotonic() - failing_since)))
 
     def _open(self, stub, job: JobConfig | str) -> pb.JobInfo:
         if isinstance(job, JobConfig):

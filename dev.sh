@@ -19,11 +19,11 @@ setup() {
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     # torch first, at the locked version; the index picks its build (CPU here, CUDA on a GPU machine).
-    # (--no-compile: Python compiles a module when it is first imported; compiling all of torch's
-    # sources up front was a third of the setup)
-    "$VENV/bin/python" -m pip install -q --no-compile -r requirements/torch.txt >&2
+    # (compiled to bytecode here, as pip does by default: where PYTHONDONTWRITEBYTECODE is set, as on
+    # this machine, a module left uncompiled is compiled again by every process that imports it)
+    "$VENV/bin/python" -m pip install -q -r requirements/torch.txt >&2
     # then everything else at the lock's exact versions, and this project on top without resolving again
-    "$VENV/bin/python" -m pip install -q --no-compile -r requirements/lock.txt >&2
+    "$VENV/bin/python" -m pip install -q -r requirements/lock.txt >&2
     "$VENV/bin/python" -m pip install -q --no-deps -e . >&2
     echo "$want" > "$stamp"
     echo "[setup] done" >&2

@@ -217,6 +217,16 @@ class RangeServer:
         with self._lock:
             self.requests.append((path, rng, status, len(sent)))
 
+    def served(self, count: int, timeout_s: float = 10.0) -> list[tuple[str, str, int, int]]:
+        """``requests`` once ``count`` are recorded: a request is recorded after its last byte is
+        written, which the client may have read (and returned) before the server's thread records it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if len(self.requests) >= count or time.monotonic() > deadline:
+                    return list(self.requests)
+            time.sleep(0.01)
+
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()

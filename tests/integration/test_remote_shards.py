@@ -153,7 +153,7 @@ def test_a_slow_but_progressing_download_is_not_abandoned(data, tmp_path):
         keys = {s["__key__"] for s in reader.iter_shard(server.url + name, problems.append)}
         assert not problems and keys == shard_keys(data[:1])  # no read_timeout, nothing lost
         size = data[0].stat().st_size
-        assert server.requests == [(name, "", 200, size)]  # one request, sent whole
+        assert server.served(1) == [(name, "", 200, size)]  # one request, sent whole
         stats = reader.cache.stats()
         assert stats.fetched_total == size and stats.events["miss"] == 1 and stats.events["retry"] == 0
     finally:

@@ -357,6 +357,10 @@ class DecodePool:
         except (EOFError, OSError):
             return  # the sentinel reports the death
         if message[0] == "ready":
+            if time.monotonic() - worker.started > self.start_timeout_s:
+                # read past its deadline (the dispatcher may read a little late): too slow, as the
+                # rule says, whatever raced here first; _kill_slow_starters kills it next
+                return
             idle = procmem.pss_bytes([worker.process.pid])  # before any work is dispatched to it
             with self._lock:
                 worker.ready = True
@@ -391,8 +395,7 @@ class DecodePool:
                 message = worker.conn.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "ready":
-                worker.ready = True
+            if message[0] == "ready":  # one never read while it lived was not ready: a start failure
                 continue
             task_id, errors = message
             task = worker.in_flight.pop(task_id, None)

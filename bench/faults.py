@@ -97,8 +97,9 @@ recovery (a stream timing out, keepalive, a lease passing) takes seconds to show
 
 # --- a client rank (a process in the clients' namespace) ----------------------------------------
 def rank_main(args: argparse.Namespace) -> int:
-    """One client rank: a torchrun worker (its rank from RANK), restarted by torchrun's elastic agent
-    when a worker of the group dies, resuming from the state it saved at its last step end."""
+    """One client rank (its rank from RANK): a plain process, or a torchrun worker that torchrun's
+    elastic agent restarts when a worker of the group dies, resuming from the state it saved at its
+    last step end."""
     import logging
 
     from trainer import DataClient
@@ -147,7 +148,7 @@ def rank_main(args: argparse.Namespace) -> int:
 # --- the cluster ---------------------------------------------------------------------------------
 class Cluster:
     """The service's nodes in their namespaces, and nginx serving the shards (the replicas read them
-    over HTTP, through their shard caches); the ranks (one torchrun) are started per run. ``kind``:
+    over HTTP, through their shard caches); the ranks are started per run. ``kind``:
 
     - "shared": Redis, three replicas, the relays on replica 0's links; replica 0's shard cache
       bounded at 2.2 times the largest shard (a job may hold half: one shard at a time), less than
@@ -159,8 +160,11 @@ class Cluster:
     ``replica_args``: settings passed to every node."""
 
     def __init__(self, lab, workdir: Path, shards: list[str], *, kind: str = "shared", name: str = "",
-                 replica_args: tuple[str, ...] = (), log=print):
+                 replica_args: tuple[str, ...] = (), sentinel_down_after_ms: int = 1000, log=print):
         self.lab, self.workdir, self.log, self.kind = lab, workdir, log, kind
+        self.sentinel_down_after_ms = sentinel_down_after_ms
+        self.killed_at: float | None = None
+        """time.time() when the redis-failover fault killed the primary."""
         self.name, self.replica_args = name, replica_args
         self.processes: list[subprocess.Popen] = []
         self.replicas: list = []
@@ -208,7 +212,8 @@ class Cluster:
             self._redis_server("redis2", self._add("redis2"), "--replicaof", redis_ip, str(REDIS_PORT))
             sentinel_ip = self._add("sentinel")
             self.sentinel = LocalSentinel(workdir / "sentinel", REDIS_PORT, port=26379, master_host=redis_ip,
-                                          host=sentinel_ip, prefix=self._prefix("sentinel")).start(30)
+                                          host=sentinel_ip, prefix=self._prefix("sentinel"),
+                                          down_after_ms=self.sentinel_down_after_ms).start(30)
         python = sys.executable
         self.relays = {
             "redis": self._spawn("link-r0", [python, "-m", "disttrain_tools.impair", "--listen",
@@ -264,18 +269,24 @@ class Cluster:
         self.processes.append(process)
         return process
 
-    def start_ranks(self, num_ranks: int, config: dict, out: Path, pace: float,
-                    keepalive_s: float = 2.0) -> subprocess.Popen:
-        """The ranks as one torchrun (its elastic agent restarts the group when a worker dies), in its
-        own session so that nothing of it outlives the run."""
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc-per-node", str(num_ranks), "--max-restarts", "3", "--monitor-interval", "0.2",
-                   str(REPO / "bench" / "faults.py"), "rank", "--addresses", ",".join(self.addresses),
-                   "--config", json.dumps(config), "--out", str(out), "--pace", str(pace),
-                   "--keepalive", str(keepalive_s)]
-        with open(out / "torchrun.out", "ab") as log:  # the child has its own copy
-            return subprocess.Popen(list(self._prefix("clients")) + command, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    def start_ranks(self, num_ranks: int, config: dict, out: Path, pace: float, keepalive_s: float = 2.0,
+                    torchrun: bool = False) -> subprocess.Popen | RankGroup:
+        """The ranks, each in a session of its own so that nothing of them outlives the run: as one
+        torchrun (its elastic agent restarts the group when a worker dies) where a fault kills one,
+        else as plain processes (a torchrun's agent would only add its own start and imports)."""
+        rank = [str(REPO / "bench" / "faults.py"), "rank", "--addresses", ",".join(self.addresses),
+                "--config", json.dumps(config), "--out", str(out), "--pace", str(pace), "--keepalive", str(keepalive_s)]
+        prefix, env = list(self._prefix("clients")), {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(out / "torchrun.out", "ab") as log:  # each child has its own copy
+            if not torchrun:
+                return RankGroup([subprocess.Popen(prefix + [sys.executable, *rank], stdout=log,
+                                                   stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                                   env={**env, "RANK": str(r), "WORLD_SIZE": str(num_ranks)})
+                                  for r in range(num_ranks)])
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                       "--nproc-per-node", str(num_ranks), "--max-restarts", "3", "--monitor-interval", "0.2", *rank]
+            return subprocess.Popen(prefix + command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                    start_new_session=True)
 
     def log_sizes(self) -> dict[Path, int]:
         """Where each node's log ends now (what a run says is read from there on)."""
@@ -310,15 +321,53 @@ class Cluster:
                     self.log(f"  cannot unmount {path}: {done.stderr.strip()}")
 
 
-def kill_ranks(agent: subprocess.Popen, out: Path) -> None:
-    """torchrun and every worker it started (none outlives its run): SIGTERM to torchrun, which
-    stops its workers (each in a session of its own), then SIGKILL to anything of the run left."""
+class RankGroup:
+    """Plain rank processes, waited on as one (the part of Popen that run_fault uses): its return
+    code is the first non-zero one of theirs, else 0 once all have exited."""
+
+    def __init__(self, processes: list[subprocess.Popen]):
+        self.processes = processes
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [p.returncode for p in self.processes]
+        failed = [c for c in codes if c not in (None, 0)]
+        return failed[0] if failed else (None if None in codes else 0)
+
+    def poll(self) -> int | None:
+        for process in self.processes:
+            process.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for process in self.processes:
+            process.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return self.returncode
+
+    def terminate(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+
+    def kill_sessions(self) -> None:
+        for process in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def kill_ranks(agent: subprocess.Popen | RankGroup, out: Path) -> None:
+    """The ranks (torchrun and every worker it started; none outlives its run): SIGTERM (torchrun
+    stops its workers, each in a session of its own), then SIGKILL to anything of the run left."""
     if agent.poll() is None:
         agent.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             agent.wait(timeout=15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(agent.pid, signal.SIGKILL)
+    if isinstance(agent, RankGroup):
+        agent.kill_sessions()
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
     for proc in Path("/proc").iterdir():  # a worker of this run (its --out) that is still there
         with contextlib.suppress(ValueError, OSError):
             if str(out).encode() in (proc / "cmdline").read_bytes() and int(proc.name) != os.getpid():
@@ -360,7 +409,8 @@ class Filler:
 
 
 # --- faults --------------------------------------------------------------------------------------
-def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Random, out: Path, pace: float):
+def inject(fault: str, cluster: Cluster, agent: subprocess.Popen | RankGroup, rng: random.Random, out: Path,
+           pace: float):
     """Starts ``fault``; returns what heals it."""
     lab, node = cluster.lab, cluster.node
     if fault == "redis-cut":
@@ -384,6 +434,7 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen, rng: random.Ra
         # dead process had buffered); the Sentinel promotes a replica that never got them
         lab.isolate(node("redis"))
         cluster.redis.kill()
+        cluster.killed_at = time.time()
         cluster.redis.wait(timeout=30)
         return lambda: lab.heal(node("redis"))
     if fault == "rank-kill":  # torchrun sees the worker die and restarts the group from their checkpoints
@@ -517,7 +568,7 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
     config = {"shards": cluster.shard_urls, "seq_len": 4096, "dp_size": num_ranks, "num_microbatches": 2,
               "seqs_per_microbatch": 1, "seed": seed, "num_epochs": epochs}
     since = cluster.log_sizes()
-    agent = cluster.start_ranks(num_ranks, config, out, pace, keepalive_s)
+    agent = cluster.start_ranks(num_ranks, config, out, pace, keepalive_s, torchrun=fault == "rank-kill")
     try:
         deadline = time.monotonic() + 240
         while not all(_delivered(out, rank) >= 2 for rank in range(num_ranks)):  # every rank streaming
@@ -539,10 +590,14 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
         kill_ranks(agent, out)
     result = verdict(out, num_ranks, shard_keys(shards), epochs, fault_at, healed_at)
     result["fault_s"] = round(healed_at - fault_at, 1)
-    result["torchrun_exit"] = agent.returncode
+    result["ranks_exit"] = agent.returncode
     job_id = JobConfig(**{**config, "shards": tuple(config["shards"])}).job_id()
     result["said"] = cluster.said(since, SAID[fault], job_id if fault == "redis-failover" else None) \
         if fault in SAID else None
+    if fault == "redis-failover":  # the Sentinel's own share of the stall: from the kill to its +switch-master
+        switched = _sentinel_switched_at(cluster.sentinel.work_dir / "sentinel.log")
+        result["sentinel_failover_s"] = round(switched - cluster.killed_at, 2) \
+            if switched is not None and cluster.killed_at is not None else None
     if fault == "state-disk-full":
         # the state on the disk comes to stand at the step every rank acknowledged last: saved again
         # (by itself, within its retry back-off, when the job ended while the disk was full)
@@ -566,6 +621,20 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
             time.sleep(0.5)
         result["partial_files_left"] = len(partial)
     return result
+
+
+def _sentinel_switched_at(log_path: Path) -> float | None:
+    """time.time() of the Sentinel's last +switch-master (its log: "PID:X 29 Nov 2026 12:03:06.746 #
+    +switch-master ..."; local time, as time.mktime reads it)."""
+    found = None
+    with contextlib.suppress(OSError):
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "+switch-master" in line:
+                with contextlib.suppress(ValueError, IndexError):
+                    stamp = " ".join(line.split()[1:5])  # 29 Nov 2026 12:03:06.746
+                    whole, _, millis = stamp.rpartition(".")
+                    found = time.mktime(time.strptime(whole, "%d %b %Y %H:%M:%S")) + int(millis) / 1000
+    return found
 
 
 def _partial_files(disk: Path) -> list[Path]:
@@ -622,7 +691,8 @@ class SharedLab:
 
 def faults(*, names: list[str], runs: int, shards: list[str], epochs: int, num_ranks: int, pace: float,
            duration_s: tuple[float, float], slow_rank_s: float, short_s: float = 1e9, seed: int = 0,
-           keepalive_s: float = 2.0, replica_args: tuple[str, ...] = (), log=print) -> dict:
+           keepalive_s: float = 2.0, replica_args: tuple[str, ...] = (), sentinel_down_after_ms: int = 1000,
+           log=print) -> dict:
     """Runs each fault ``runs`` times. The faults of the shared cluster run one after another (each
     acts on replica 0 or its links); the redis-failover and state-disk-full runs each have a
     cluster of their own, and those clusters run at the same time as the shared one (one lab,
@@ -662,7 +732,8 @@ def faults(*, names: list[str], runs: int, shards: list[str], epochs: int, num_r
     def own_runs(lab, name: str) -> None:
         for run in range(runs):
             cluster = Cluster(lab, workdir / f"{own[name]}-{run}", shards, kind=own[name],
-                              name=f"{own[name][:2]}{run}-", replica_args=replica_args, log=log)
+                              name=f"{own[name][:2]}{run}-", replica_args=replica_args,
+                              sentinel_down_after_ms=sentinel_down_after_ms, log=log)
             try:
                 one(cluster, name, run)
             finally:
@@ -717,6 +788,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs of each fault, in a random order each round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="one run of each fault, a few seconds each, small data")
+    parser.add_argument("--sentinel-down-after-ms", type=int, default=None,
+                        help="the Sentinel's down-after-milliseconds in the redis-failover fault: how long the "
+                             "primary must not answer before a failover (an operator's setting; Redis's default is "
+                             "30000): 500 by default, 1000 with --quick (the suite's machine is loaded)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.command == "rank":
@@ -738,11 +813,12 @@ def main(argv: list[str] | None = None) -> int:
         shards = benchjson.quick_shards(4, 50)
         runs, epochs, pace, duration, slow_rank_s, short_s = args.runs, 16, 0.1, (8.0, 15.0), 60.0, 1e9
         keepalive_s, replica_args = 2.0, ()  # the client's default
+    down_after_ms = args.sentinel_down_after_ms or (1000 if args.quick else 500)
     print(f"faults: {', '.join(args.faults)}; {runs} run(s) each, {epochs} epochs of {len(shard_keys(shards))} "
           f"samples, 3 replicas, 2 ranks")
     figures = faults(names=args.faults, runs=runs, shards=shards, epochs=epochs, num_ranks=2, pace=pace,
                      duration_s=duration, slow_rank_s=slow_rank_s, short_s=short_s, seed=args.seed,
-                     keepalive_s=keepalive_s, replica_args=replica_args)
+                     keepalive_s=keepalive_s, replica_args=replica_args, sentinel_down_after_ms=down_after_ms)
     rows = summary(figures["results"])
     header = ["fault", "runs", "keys lost", "keys repeated", "conflicting microbatches", "acked steps replayed",
               "stall s (median)", "stall s (worst)", "restarted ranks back s (median)", "runs that said it",
@@ -750,6 +826,14 @@ def main(argv: list[str] | None = None) -> int:
     print("  " + " | ".join(header[:-1]))
     for row in rows:
         print("  " + " | ".join(str(v) for v in row[:-1]))
+    failovers = [r for r in figures["results"].get("redis-failover", []) if r.get("sentinel_failover_s") is not None]
+    sentinel_note = []
+    if failovers:  # the stall's share that is the Sentinel's own: detection (down-after) and promotion
+        own = statistics.median(r["sentinel_failover_s"] for r in failovers)
+        sentinel_note = [f"redis-failover: the Sentinel (down-after-milliseconds {down_after_ms}) named the new "
+                         f"primary {own:.2f} s (median) after the kill; the stall's median "
+                         f"{statistics.median(r['stall_s'] for r in failovers):.2f} s includes it"]
+        print("  " + sentinel_note[0])
     doc = benchjson.document("faults", quick=args.quick) | {"results": figures["results"]}
     doc["tables"].append(benchjson.table(
         "faults: 3 replicas on one Redis, 2 ranks, each fault injected at a random time and healed",
@@ -759,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
            "restarted ranks back: from the kill to the first microbatch of every restarted rank (torchrun's "
            "restart, the imports, the resume)",
            "runs that said it: runs whose service logged the fault (lost writes, a shard not cached, a state not "
-           "saved)", "verdict from the ranks' histories and the shards read with tarfile"]))
+           "saved)", "verdict from the ranks' histories and the shards read with tarfile", *sentinel_note]))
     benchjson.write(args.json, doc)
     bad = any(row[2] or row[3] or row[4] or row[5] for row in rows)
     unfinished = [name for name, runs_ in figures["results"].items() for r in runs_ if r["ranks_finished"] < 2]
@@ -772,9 +856,9 @@ def main(argv: list[str] | None = None) -> int:
     if unsaved:
         print("faults: the state was not saved again once its disk had room")
     crashed = [name for name, runs_ in figures["results"].items() for r in runs_
-               if r["rank_restarts"] and name != "rank-kill"]
+               if (r["rank_restarts"] and name != "rank-kill") or r["ranks_exit"] != 0]
     if crashed:
-        print(f"faults: a rank crashed (torchrun restarted it) in {crashed}")
+        print(f"faults: a rank crashed (exited with an error, or torchrun restarted it) in {crashed}")
     return 1 if bad or unfinished or partial or unsaved or crashed else 0
 
 

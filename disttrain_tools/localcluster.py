@@ -83,11 +83,13 @@ class LocalRedis:
 
 class LocalSentinel:
     """One Redis Sentinel (redis-server in sentinel mode) watching the primary on ``master_port``
-    as ``name``, quick to act (down after 1 s, quorum 1): a failover promotes its replica. The
-    service reaches it as ``redis+sentinel://127.0.0.1:PORT/NAME/0``."""
+    as ``name``, quick to act (down after ``down_after_ms``, 1 s by default; quorum 1): a failover
+    promotes its replica. The service reaches it as ``redis+sentinel://127.0.0.1:PORT/NAME/0``."""
 
     def __init__(self, work_dir: Path, master_port: int, *, name: str = "disttrain", port: int | None = None,
-                 master_host: str = "127.0.0.1", host: str = "127.0.0.1", prefix: tuple[str, ...] = ()):
+                 master_host: str = "127.0.0.1", host: str = "127.0.0.1", prefix: tuple[str, ...] = (),
+                 down_after_ms: int = 1000):
+        self.down_after_ms = down_after_ms
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.port, self.host, self.name, self.prefix = port or free_port(), host, name, prefix
@@ -103,7 +105,7 @@ class LocalSentinel:
         config.write_text(f"port {self.port}\nbind {self.host}\nprotected-mode no\ndir {self.work_dir}\n"
                           f"logfile {self.work_dir / 'sentinel.log'}\n"
                           f"sentinel monitor {self.name} {self.master[0]} {self.master[1]} 1\n"
-                          f"sentinel down-after-milliseconds {self.name} 1000\n"
+                          f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
                           f"sentinel failover-timeout {self.name} 3000\n")
         binary = shutil.which("redis-server")
         if binary is None:

@@ -699,7 +699,8 @@ def display_matrix(rotation: int) -> list[int]:
 def _encode_video(picture: np.ndarray, width: int, fps: int, num_frames: int, rotation: int) -> bytes:
     """An H.264 mp4 panning across ``picture`` (RGB, wider than ``width``); a display matrix unless
     ``rotation`` is 0. One encoder thread: x264's output depends on its thread count, which would
-    otherwise follow the machine's cores."""
+    otherwise follow the machine's cores. Each frame converted to yuv420p here and given its pts:
+    left to the encoder, a few in 25 encodings of the same frames on a loaded machine differed."""
     import av  # PyAV: only the video samples need it
 
     height = picture.shape[0]
@@ -713,6 +714,8 @@ def _encode_video(picture: np.ndarray, width: int, fps: int, num_frames: int, ro
         for i in range(num_frames):
             x = round(i * step)
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(picture[:, x:x + width]), format="rgb24")
+            frame = frame.reformat(format="yuv420p")
+            frame.pts = i
             muxer.mux(stream.encode(frame))
         muxer.mux(stream.encode())
     return out.getvalue()

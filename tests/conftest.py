@@ -4,7 +4,14 @@ seconds). ``./dev.sh test -m unit`` runs the fast half; a new test file that sta
 under tests/integration/. Shared test code is tests/helpers.py (this folder is on the import path
 because this conftest lives here)."""
 
+import os
+
 import pytest
+
+# The suite runs several processes per core (pytest-xdist, servers, torchrun ranks): torch's
+# intra-op threads would only contend, and spin. One each, here and in every process started
+# from here (set before anything imports torch; a user's own setting is kept).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items):

@@ -18,12 +18,17 @@ setup() {
     echo "[setup] creating virtualenv $VENV and installing the locked dependencies (once: about a minute)" >&2
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    # torch first, at the locked version; the index picks its build (CPU here, CUDA on a GPU machine).
-    # (compiled to bytecode here, as pip does by default: where PYTHONDONTWRITEBYTECODE is set, as on
-    # this machine, a module left uncompiled is compiled again by every process that imports it)
-    "$VENV/bin/python" -m pip install -q -r requirements/torch.txt >&2
-    # then everything else at the lock's exact versions, and this project on top without resolving again
-    "$VENV/bin/python" -m pip install -q -r requirements/lock.txt >&2
+    # torch at the locked version (the index picks its build: CPU here, CUDA on a GPU machine) and
+    # everything else at the lock's exact versions, by two pips at once (disjoint packages: --no-deps;
+    # 48 s instead of 62 here), then once more with their dependencies: nothing to do here, a CUDA
+    # build's own libraries on a GPU machine. (Compiled to bytecode, as pip does by default: where
+    # PYTHONDONTWRITEBYTECODE is set, as here, a module left uncompiled is compiled again by every
+    # process that imports it.) This project goes on top without resolving again.
+    "$VENV/bin/python" -m pip install -q --no-deps -r requirements/torch.txt >&2 &
+    local torch_pip=$!
+    "$VENV/bin/python" -m pip install -q --no-deps -r requirements/lock.txt >&2
+    wait "$torch_pip"
+    "$VENV/bin/python" -m pip install -q -r requirements/torch.txt -r requirements/lock.txt >&2
     "$VENV/bin/python" -m pip install -q --no-deps -e . >&2
     echo "$want" > "$stamp"
     echo "[setup] done" >&2

@@ -1,8 +1,10 @@
-"""The disaggregated runtime under torchrun (gloo, CPU) against the single-process reference."""
+"""The disaggregated runtime (gloo, CPU) against the single-process reference: its ranks started as
+torchrun starts them, and under torchrun itself where a run is killed and restarted."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,49 @@ def service(tmp_path_factory):
     server, port, servicer = create_server("127.0.0.1:0", decode_workers=0)
     yield f"127.0.0.1:{port}", str(root), servicer
     server.stop(0).wait()
+
+
+def _ranks(nproc: int, args: list[str], timeout: float = 240) -> tuple[int, str]:
+    """``trainer.train`` in ``nproc`` processes started as torchrun starts its workers (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the env:// rendezvous, rank 0 holding the
+    store), without torchrun's agent, whose own start costs each run a torch import: for the runs
+    that need no restart. (exit code: the first rank's that failed, else 0; the ranks' output.)
+    A rank that fails ends the others (they would wait for it in a collective)."""
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile("w+") as out:
+        procs = [subprocess.Popen([sys.executable, "-m", "trainer.train", *args], cwd=REPO, stdout=out,
+                                  stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+                 for r in range(nproc)]
+        deadline, code = time.monotonic() + timeout, 0
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    code = failed[0] if failed else -9
+                    break
+                time.sleep(0.05)
+            else:
+                code = next((p.returncode for p in procs if p.returncode), 0)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        out.seek(0)
+        return code, out.read()
+
+
+def _run(nproc: int, args: list[str], timeout: float = 240) -> None:
+    code, output = _ranks(nproc, args, timeout)
+    assert code == 0, output[-6000:]
 
 
 def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
@@ -113,7 +158,7 @@ def test_disaggregated_run_matches_the_single_process_reference(service, tmp_pat
                                                              "--count-host-syncs"], microbatches=max(2 * stages, 4))
     tp = [int(t) for t in layout[4:] or ("1", "1", "1")]
     nproc = int(layout[0]) * tp[0] + int(layout[1]) * int(layout[2]) * tp[1] + int(layout[3]) * tp[2]
-    _torchrun(nproc, argv)
+    _run(nproc, argv)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["host_syncs_max"] for r in records] == [1] * steps, "one host sync per step (reading the loss)"
     logged = [r["loss"] for r in records]
@@ -141,11 +186,9 @@ def test_one_channel_for_every_message_kind_fails_as_nccl_would(service, tmp_pat
     address, shards, _ = service
     argv = _args(address, shards, tmp_path, 1, ("1", "1", "1", "1"), ["--p2p-channels", "shared", "--seed", "12"],
                  microbatches=6)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "trainer.train", *argv]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert done.returncode != 0, "one shared channel at M > P should mismatch messages"
-    assert "Mismatch in shape" in done.stderr, done.stderr[-3000:]  # media where embed_grad was expected
+    code, output = _ranks(3, argv)
+    assert code != 0, "one shared channel at M > P should mismatch messages"
+    assert "Mismatch in shape" in output, output[-3000:]  # media where embed_grad was expected
 
 
 def _kill_all(marker: str) -> None:
@@ -274,7 +317,7 @@ def test_bf16_autocast_runs_the_same_code_and_stays_near_the_fp32_losses(service
     # a job of its own (seed): other tests acknowledge past step 0 of the default one
     argv = _args(address, shards, tmp_path, 2, ("1", "1", "1", "1"), ["--seed", "11", "--bf16", "--device", "cpu"])
     fp32 = _reference(argv, 2)[1]  # before the run, which may acknowledge its steps
-    _torchrun(3, argv)
+    _run(3, argv)
     bf16 = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert bf16 == pytest.approx(fp32, rel=0.05)
     assert bf16 != fp32

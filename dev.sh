@@ -20,7 +20,7 @@ setup() {
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
     # torch at the locked version (the index picks its build: CPU here, CUDA on a GPU machine) and
     # everything else at the lock's exact versions, by two pips at once (disjoint packages: --no-deps;
-    # 48 s instead of 62 here), then once more with their dependencies: nothing to do here, a CUDA
+    # faster than one after the other), then once more with their dependencies: nothing to do here, a CUDA
     # build's own libraries on a GPU machine. (Compiled to bytecode, as pip does by default: where
     # PYTHONDONTWRITEBYTECODE is set, as here, a module left uncompiled is compiled again by every
     # process that imports it.) This project goes on top without resolving again.
@@ -75,7 +75,7 @@ case "$cmd" in
           "$VENV/bin/lint-imports" --no-cache >&2
           # the repository's modules compiled once: the suite starts hundreds of Python processes
           # (servers, torchrun ranks, CLI runs), each of which would otherwise compile what it imports
-          # from source where PYTHONDONTWRITEBYTECODE is set (about 0.3 CPU-s each)
+          # from source where PYTHONDONTWRITEBYTECODE is set
           "$VENV/bin/python" -m compileall -q -j 0 disttrain_api preprocess_service trainer disttrain_tools \
               bench examples tests >/dev/null
           # in 4 processes (pytest-xdist; most tests wait on subprocesses, sockets and Redis, so more

@@ -700,7 +700,7 @@ def _encode_video(picture: np.ndarray, width: int, fps: int, num_frames: int, ro
     """An H.264 mp4 panning across ``picture`` (RGB, wider than ``width``); a display matrix unless
     ``rotation`` is 0. One encoder thread: x264's output depends on its thread count, which would
     otherwise follow the machine's cores. Each frame converted to yuv420p here and given its pts:
-    left to the encoder, a few in 25 encodings of the same frames on a loaded machine differed."""
+    left to the encoder, encodings of the same frames could differ on a loaded machine."""
     import av  # PyAV: only the video samples need it
 
     height = picture.shape[0]

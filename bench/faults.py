@@ -410,8 +410,8 @@ class Filler:
 
 # --- faults --------------------------------------------------------------------------------------
 def inject(fault: str, cluster: Cluster, agent: subprocess.Popen | RankGroup, rng: random.Random, out: Path,
-           pace: float):
-    """Starts ``fault``; returns what heals it."""
+           pace: float, job_id: str):
+    """Starts ``fault`` on the job ``job_id``'s cluster; returns what heals it."""
     lab, node = cluster.lab, cluster.node
     if fault == "redis-cut":
         lab.cut(node("rep0"), node("link-r0"))
@@ -429,7 +429,7 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen | RankGroup, rn
     if fault == "redis-failover":
         lab.cut(node("redis"), node("redis2"))  # replication stops; the primary goes on taking writes
         time.sleep(rng.uniform(1.0, 2.0))
-        _wait_for_unreplicated_writes(lab, node("redis"), node("redis2"))
+        _wait_for_unreplicated_commits(lab, node("redis"), node("redis2"), job_id)
         # then its machine is gone, with them (kept cut off: its kernel would still send what the
         # dead process had buffered); the Sentinel promotes a replica that never got them
         lab.isolate(node("redis"))
@@ -461,20 +461,20 @@ def inject(fault: str, cluster: Cluster, agent: subprocess.Popen | RankGroup, rn
     raise ValueError(f"unknown fault {fault!r}")
 
 
-def _repl_offset(lab, name: str) -> int:
-    """The replication offset of the Redis on node ``name`` (INFO replication)."""
+def _frontier(lab, name: str, job_id: str) -> int:
+    """How many steps of ``job_id`` the Redis on node ``name`` holds committed."""
     done = subprocess.run([*lab.exec_prefix(name), "redis-cli", "-h", lab.address(name), "-p", str(REDIS_PORT),
-                           "info", "replication"],
+                           "get", "disttrain:{" + job_id + "}:frontier"],
                           capture_output=True, text=True, timeout=10)
-    fields = dict(line.strip().split(":", 1) for line in done.stdout.splitlines() if ":" in line)
-    return int(fields.get("master_repl_offset", 0))
+    return int(done.stdout.strip() or 0)
 
 
-def _wait_for_unreplicated_writes(lab, primary: str, replica: str, timeout_s: float = 20.0) -> None:
-    """Until the primary holds writes its cut-off replica lacks (on a loaded machine the job may
-    write nothing for a while): the failover then loses them, which the service must say."""
+def _wait_for_unreplicated_commits(lab, primary: str, replica: str, job_id: str, timeout_s: float = 20.0) -> None:
+    """Until the primary holds committed plans its cut-off replica lacks (on a loaded machine the
+    job may commit nothing for a while; other writes lost, a lease or an acknowledgement, are
+    written again by their next renewal): the failover then loses them, which the service must say."""
     deadline = time.monotonic() + timeout_s
-    while _repl_offset(lab, primary) <= _repl_offset(lab, replica) and time.monotonic() < deadline:
+    while _frontier(lab, primary, job_id) <= _frontier(lab, replica, job_id) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -567,6 +567,7 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
     out.mkdir(parents=True)
     config = {"shards": cluster.shard_urls, "seq_len": 4096, "dp_size": num_ranks, "num_microbatches": 2,
               "seqs_per_microbatch": 1, "seed": seed, "num_epochs": epochs}
+    job_id = JobConfig(**{**config, "shards": tuple(config["shards"])}).job_id()
     since = cluster.log_sizes()
     agent = cluster.start_ranks(num_ranks, config, out, pace, keepalive_s, torchrun=fault == "rank-kill")
     try:
@@ -577,7 +578,7 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
             time.sleep(0.1)
         time.sleep(rng.uniform(0.2, 2.0))
         fault_at = time.time()
-        heal = inject(fault, cluster, agent, rng, out, pace)
+        heal = inject(fault, cluster, agent, rng, out, pace, job_id)
         time.sleep(duration_s)
         heal()
         healed_at = time.time()
@@ -591,7 +592,6 @@ def run_fault(cluster: Cluster, fault: str, *, seed: int, shards: list[str], epo
     result = verdict(out, num_ranks, shard_keys(shards), epochs, fault_at, healed_at)
     result["fault_s"] = round(healed_at - fault_at, 1)
     result["ranks_exit"] = agent.returncode
-    job_id = JobConfig(**{**config, "shards": tuple(config["shards"])}).job_id()
     result["said"] = cluster.said(since, SAID[fault], job_id if fault == "redis-failover" else None) \
         if fault in SAID else None
     if fault == "redis-failover":  # the Sentinel's own share of the stall: from the kill to its +switch-master

@@ -201,6 +201,28 @@ def test_a_call_whose_stop_is_set_gives_up_at_the_first_fault(server, admin):
     assert time.monotonic() - began < 10, "gave up at the first fault, not after the 20 s deadline"
 
 
+@pytest.mark.parametrize("ended_by", ["new primary", "stop"])
+def test_a_pause_between_tries_ends_when_the_sentinels_name_a_new_primary_or_the_call_stops(server, ended_by):
+    """The backoff between tries grows to 2 s: a failover that ends just after a try must not leave
+    the next one that late. The Sentinel watch (_watch_primary) calls _primary_moved; a pause of a
+    minute started before it (or the call's stop) ends at once, and one without either goes on."""
+    store = RedisStore(server.url)
+    stop = threading.Event()
+    seen = store._primaries_seen  # as _call reads it before a try
+    pause = threading.Thread(target=store._pause, args=(60.0, stop, seen), daemon=True)
+    pause.start()
+    pause.join(0.3)
+    assert pause.is_alive(), "the pause ended with nothing to end it"
+    store._primary_moved() if ended_by == "new primary" else stop.set()
+    pause.join(BOUND_S)
+    assert not pause.is_alive(), f"the pause went on after the {ended_by}"
+    if ended_by == "new primary":  # a primary named during the try (before the pause) ends it too
+        began = time.monotonic()
+        store._pause(60.0, None, seen)
+        assert time.monotonic() - began < BOUND_S
+    store.close()
+
+
 # --- errors that retrying cannot fix --------------------------------------------------------------
 @pytest.mark.parametrize("key, call", [
     ("disttrain:jobs", lambda s: s.register_job("j", b"spec")),  # SADD in a pipeline

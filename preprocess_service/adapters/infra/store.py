@@ -258,6 +258,8 @@ def _watch_primary(ref: weakref.ref, closing: threading.Event) -> None:
             except (redis.RedisError, OSError):
                 continue  # none named (a failover under way) or no Sentinel answered: asked again
             cut = _cut_connections(pool, primary)
+            if cut or (known is not None and primary != known):
+                store._primary_moved()  # calls pausing between tries go to it now
             if known is not None and primary != known:
                 log.warning("Redis at %s: the Sentinels name a new primary, %s:%s (was %s:%s); %d call(s) waiting "
                             "on the old one cut short", store.address, *primary, *known, cut)
@@ -314,6 +316,8 @@ class RedisStore:
         self._lock = threading.Lock()
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
+        self._moved = threading.Condition()
+        self._primaries_seen = 0  # bumped by _primary_moved: a pause between tries ends
         self._closing = threading.Event()
         if urlparse(url).scheme in SENTINEL_SCHEMES:  # holds no reference: it ends with the store
             threading.Thread(target=_watch_primary, args=(weakref.ref(self), self._closing),
@@ -348,6 +352,7 @@ class RedisStore:
         start, delay = time.monotonic(), 0.05
         while True:
             try:
+                seen = self._primaries_seen  # before the try: a primary named during it ends the pause
                 began = time.perf_counter()
                 result = fn(self._redis)
                 REDIS_LATENCY.observe(time.perf_counter() - began)
@@ -355,11 +360,29 @@ class RedisStore:
                 if not _transient(exc):
                     raise  # WRONGTYPE, a syntax error...: a bug, retrying cannot help
                 self._note_fault(exc, deadline_s)
-                (stop or threading.Event()).wait(self._pause_or_give_up(exc, start, delay, stop, deadline_s))
+                self._pause(self._pause_or_give_up(exc, start, delay, stop, deadline_s), stop, seen)
                 delay = min(delay * 2, 2.0)
                 continue
             self._note_success(commands)
             return result
+
+    def _pause(self, seconds: float, stop: threading.Event | None, seen: int) -> None:
+        """Waits ``seconds`` between tries, less once ``stop`` is set or the Sentinels name a new
+        primary after ``seen`` (the backoff grows to 2 s: a failover that ends just after a try
+        would otherwise leave the next one up to 2 s late)."""
+        end = time.monotonic() + seconds
+        with self._moved:
+            while (left := end - time.monotonic()) > 0 and self._primaries_seen == seen:
+                if stop is not None and stop.is_set():
+                    return
+                # ``stop`` is set elsewhere, without this condition: looked at every 50 ms
+                self._moved.wait(left if stop is None else min(left, 0.05))
+
+    def _primary_moved(self) -> None:
+        """The Sentinels name a primary other than the one calls were on (_watch_primary)."""
+        with self._moved:
+            self._primaries_seen += 1
+            self._moved.notify_all()
 
     def _note_fault(self, exc: redis.RedisError, deadline_s: float) -> None:
         with self._lock:

@@ -1,12 +1,16 @@
 """disttrain against its peers on the same corpus and the same work, in interleaved rounds.
 
     python bench/peers.py --setup                 # once: .venv-peers/ with the peers (never ours)
-    python bench/peers.py [--quick] [--rounds 3] [--long] [--json FILE] [--shards TAR ...] [--scale]
+    python bench/peers.py [--quick] [--rounds 3] [--long] [--json FILE] [--corpus demo|camera] [--shards TAR ...]
+                          [--scale]
 
 Corpus: the demo's LAION-layout shards (data/laion-demo/0000[0-3].tar, 1,000 samples: ~80% one
 JPEG + caption, ~10% 2-8 images, 5% PNG and 5% WebP first images, 3% EXIF-rotated, ~10% with 1-2
 audio clips, 5% interleaved, 5% text-to-image targets, 3% conversations; photo-like images of
-150-4000 px). The corrupt shard is left out: not every peer survives it. --long reads the corpus
+150-4000 px). The corrupt shard is left out: not every peer survives it. ``--corpus camera``: users'
+data instead, camera photos in img2dataset's layout with its parquet manifests (bench/peers_corpus.py:
+2,940 JPEGs of 1-12 MP with camera EXIF, some progressive, greyscale or CMYK), which the service
+plans from the parquet by default (manifests="auto"). --long reads the corpus
 LONG_PASSES times over (disttrain with JobConfig.num_epochs, the others the shard list repeated),
 so that start-up is amortised.
 
@@ -60,6 +64,7 @@ import time
 from pathlib import Path
 
 import benchjson
+import peers_corpus
 import peers_figures as figures
 import peers_setup
 import peers_tree
@@ -148,15 +153,19 @@ def measure(system: str, urls: list[str], workdir: Path, mark_at: int, passes: i
     if proc.returncode != 0 or not result.exists():
         return {"error": f"exit {proc.returncode}: " + " | ".join(line.strip() for line in stderr[-4:])}
     got = json.loads(result.read_text())
-    processes = sorted(((tree.names.get(k, "?"), round(c, 2), round(tree.pss.get(k, 0.0)))
+    processes = sorted(((tree.names.get(k, "?"), round(c, 2), round(tree.system.get(k, 0.0), 2),
+                         tree.faults.get(k, 0), round(tree.pss.get(k, 0.0)))
                         for k, c in tree.seen.items()), key=lambda p: -p[1])
-    print(f"    per process (role, CPU s, peak PSS MiB): {processes[:8]}", flush=True)
+    print(f"    per process (role, CPU s, of it system s, minor faults, peak PSS MiB): {processes[:8]}", flush=True)
     try:
         run = figures.run_figures([tuple(e) for e in got["events"]], sorted(series), cpu_total, mark_at, launch,
                                   exit_time)
     except ValueError as e:  # it delivered too few samples to be compared
         return {"error": str(e)}
-    return run | {"peak_pss_mib": tree.peak_pss_mib}
+    samples = max(run["samples"], 1)
+    # as sampled (a process's last period is missed): where the CPU goes, not the headline
+    return run | {"peak_pss_mib": tree.peak_pss_mib, "system_cpu_per_sample": sum(tree.system.values()) / samples,
+                  "minor_faults_per_sample": sum(tree.faults.values()) / samples}
 
 
 def _cell(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
@@ -165,7 +174,7 @@ def _cell(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
 
 
 RUN_COLUMNS = ["system", "samples", "samples/s", "CPU ms/sample", "cores used", "start-up s", "peak PSS MiB",
-               "teardown CPU s"]
+               "teardown CPU s", "of CPU: system ms/sample", "minor faults/sample"]
 WINDOW_COLUMNS = ["system", "from sample", "samples", "samples/s", "CPU ms/sample", "cores used"]
 
 
@@ -174,17 +183,20 @@ def tables(rows: dict, label: str) -> list[dict]:
     run, window = [], []
     for system, row in rows.items():
         if "error" in row:
-            run.append([system, "FAILED", row["error"][:160], "", "", "", "", ""])
+            run.append([system, "FAILED", row["error"][:160], "", "", "", "", "", "", ""])
             continue
         run.append([system, f"{row['samples']['median']:.0f}", _cell(row, "run_samples_per_s", ".1f"),
                     _cell(row, "run_cpu_per_sample", ".2f", 1000), _cell(row, "cores_run", ".2f"),
                     _cell(row, "startup_s", ".2f"), _cell(row, "peak_pss_mib", ".0f"),
-                    _cell(row, "teardown_cpu_s", ".2f")])
+                    _cell(row, "teardown_cpu_s", ".2f"),
+                    _cell(row, "system_cpu_per_sample", ".2f", 1000) if "system_cpu_per_sample" in row else "",
+                    _cell(row, "minor_faults_per_sample", ".0f") if "minor_faults_per_sample" in row else ""])
         window.append([system, f"{row['window_first_sample']['median']:.0f}", f"{row['window_samples']['median']:.0f}",
                        _cell(row, "window_samples_per_s", ".1f"), _cell(row, "window_cpu_per_sample", ".2f", 1000),
                        _cell(row, "cores_window", ".2f")])
     return [benchjson.table(f"{label}: whole run (launch to last sample)", RUN_COLUMNS, run,
                             notes=["CPU: every process of the tree until the last sample; samples/s: since launch",
+                                   "system CPU and minor faults: every process as last sampled (where the CPU goes)",
                                    "teardown: CPU after the last sample (not counted above)"]),
             benchjson.table(f"{label}: common window (k-th sample to the last)", WINDOW_COLUMNS, window,
                             notes=["the same k for every system"])]
@@ -309,7 +321,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-rounds", type=int, default=1, help="interleaved rounds of the long run")
     parser.add_argument("--long-systems", nargs="+", choices=list(SYSTEMS),
                         help="rows of the long run (default: every row but the -nobatch and -nodraft variants)")
-    parser.add_argument("--shards", nargs="+", help="tar files (default: the demo set's four clean shards)")
+    parser.add_argument("--corpus", choices=("demo", "camera"), default="demo",
+                        help="demo: the demo set's four clean shards; camera: camera photos in img2dataset's "
+                             "layout with parquet manifests (bench/peers_corpus.py, written once)")
+    parser.add_argument("--shards", nargs="+", help="tar files (instead of --corpus)")
     parser.add_argument("--systems", nargs="*", choices=list(SYSTEMS), help="rows to run (none: only --scale)")
     parser.add_argument("--json", type=Path, help="also write the tables, every run and the goals here")
     parser.add_argument("--render", type=Path, metavar="JSON",
@@ -334,7 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         rendered_by = benchjson.command(sys.argv if argv is None else ["bench/peers.py", *argv])
         benchjson.write(args.json, doc | {"rendered_by": rendered_by})
         return 1 if bad else 0
-    urls = [str(Path(u).resolve()) for u in args.shards or (benchjson.quick_shards() if args.quick else demo_shards())]
+    if args.shards:
+        urls = args.shards
+    elif args.quick:
+        urls = benchjson.quick_shards()
+    else:
+        urls = peers_corpus.ensure() if args.corpus == "camera" else demo_shards()
+    urls = [str(Path(u).resolve()) for u in urls]
     rounds = 1 if args.quick else args.rounds
     wanted = args.systems if args.systems is not None else list(QUICK_SYSTEMS if args.quick else SYSTEMS)
     installed = peers_setup.installed()

@@ -33,13 +33,14 @@ def descendants() -> list[int]:
     return out
 
 
-def _proc_cpu(pid: int) -> tuple[tuple[int, int], float]:
-    """((pid, start time), utime + stime in seconds) of one live process."""
+def _proc_cpu(pid: int) -> tuple[tuple[int, int], float, float, int]:
+    """((pid, start time), utime + stime in seconds, stime in seconds, minor page faults) of one
+    live process."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return (pid, -1), 0.0
-    return (pid, int(fields[19])), (int(fields[11]) + int(fields[12])) / HZ
+        return (pid, -1), 0.0, 0.0, 0
+    return (pid, int(fields[19])), (int(fields[11]) + int(fields[12])) / HZ, int(fields[12]) / HZ, int(fields[7])
 
 
 class TreeSampler:
@@ -51,6 +52,10 @@ class TreeSampler:
         self.seen: dict[tuple[int, int], float] = {}
         self.names: dict[tuple[int, int], str] = {}
         self.pss: dict[tuple[int, int], float] = {}
+        self.system: dict[tuple[int, int], float] = {}
+        """System CPU seconds of each process (of its CPU in ``seen``), as last sampled."""
+        self.faults: dict[tuple[int, int], int] = {}
+        """Minor page faults of each process, as last sampled."""
         self.peak_pss_mib = 0.0
         self.lock = threading.Lock()
 
@@ -60,8 +65,10 @@ class TreeSampler:
             pids = descendants()
             total = 0.0
             for pid in pids:
-                key, cpu = _proc_cpu(pid)
+                key, cpu, system, faults = _proc_cpu(pid)
                 self.seen[key] = max(cpu, self.seen.get(key, 0.0))
+                self.system[key] = max(system, self.system.get(key, 0.0))
+                self.faults[key] = max(faults, self.faults.get(key, 0))
                 if key not in self.names:
                     self.names[key] = _role(pid)
                 if memory:

@@ -34,6 +34,7 @@ benchjson = _load("benchjson")
 peers_setup = _load("peers_setup")
 peers_tree = _load("peers_tree")
 figures = _load("peers_figures")
+peers_corpus = _load("peers_corpus")
 peers = _load("peers")
 PATH_AFTER = list(sys.path)  # now: other test modules collected later may import benches that do edit it
 
@@ -212,3 +213,37 @@ def test_tree_sampler_counts_a_grandchild_whose_usage_its_parent_discards():
     while proc.poll() is None:
         sampler.sample(memory=False)
     assert sum(sampler.seen.values()) >= 0.4
+
+
+def test_the_camera_corpus_is_img2dataset_s_layout_with_camera_jpegs_and_is_deterministic(tmp_path):
+    """bench/peers_corpus.py: per shard a tar, a parquet the service plans from and a stats file;
+    every photo a JPEG whose stored size (read by Pillow) is the parquet's, with a camera's EXIF
+    orientation, make and model; a seed gives the same bytes."""
+    import hashlib
+    import io
+    import tarfile
+
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from preprocess_service.adapters.io import img2dataset
+
+    config = peers_corpus.CameraCorpus(shards=2, per_shard=6, megapixels=(0.02, 0.06))
+    tars = peers_corpus.ensure(tmp_path / "a", config, log=lambda *_: None)
+    assert [p.rsplit("/", 1)[1] for p in tars] == ["00000.tar", "00001.tar"]
+    for tar_path in tars:
+        rows = {r["key"]: r for r in pq.read_table(tar_path.replace(".tar", ".parquet")).to_pylist()}
+        assert len(rows) == config.per_shard and all(r["status"] == "success" for r in rows.values())
+        with tarfile.open(tar_path) as tar:
+            jpgs = {m.name.split(".")[0]: tar.extractfile(m).read() for m in tar if m.name.endswith(".jpg")}
+        assert set(jpgs) == set(rows)
+        for key, data in jpgs.items():
+            image = Image.open(io.BytesIO(data))
+            assert image.format == "JPEG" and image.size == (rows[key]["width"], rows[key]["height"])
+            exif = image.getexif()
+            assert exif.get(0x0112) in range(1, 9) and exif.get(0x010F) and exif.get(0x0110)
+            assert hashlib.sha256(data).hexdigest() == rows[key]["sha256"]
+        manifest = img2dataset.read_manifest(tar_path)
+        assert manifest is not None and manifest.plannable, "the service would not plan it from the parquet"
+    again = peers_corpus.ensure(tmp_path / "b", config, log=lambda *_: None)
+    assert [open(p, "rb").read() for p in again] == [open(p, "rb").read() for p in tars]

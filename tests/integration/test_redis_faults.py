@@ -308,6 +308,82 @@ def test_a_call_waiting_on_a_primary_that_went_silent_moves_to_the_promoted_repl
             primary.process.send_signal(signal.SIGCONT)
 
 
+def _sentinel_flags(sentinel) -> set[str]:
+    with redis.Redis(port=sentinel.port, socket_timeout=5) as client:
+        flags = client.sentinel_master(sentinel.name)["flags"]
+    return set(flags) if isinstance(flags, set) else set(flags.split(","))
+
+
+def test_a_stream_s_call_waits_past_its_deadline_while_the_sentinels_replace_the_primary(tmp_path):
+    """A stream's calls give up after ~2 s so that its client moves to another replica; but when
+    the Sentinels say the primary is down (a failover every replica waits on), moving only costs
+    a second decode elsewhere: the call waits on. Here no promotion can end it (the replica may
+    not be promoted), so the call is still waiting well past its deadline, until it is stopped."""
+    import signal
+
+    from disttrain_tools.localcluster import LocalSentinel
+
+    with LocalRedis(tmp_path / "primary") as primary, \
+            LocalRedis(tmp_path / "replica", extra_args=("--replicaof", "127.0.0.1", str(primary.port),
+                                                         "--replica-priority", "0")) as replica:
+        sentinel = LocalSentinel(tmp_path / "sentinel", primary.port, down_after_ms=200).start()
+        stream = RedisStore(sentinel.url).impatient(0.4)
+        try:
+            stream.register_job("job-a", b"spec-a")
+            _wait_replicated(replica.port, "disttrain:{job-a}:spec", b"spec-a")
+            assert not stream._failing_over()
+            primary.process.send_signal(signal.SIGSTOP)
+            deadline = time.monotonic() + BOUND_S
+            while not _sentinel_flags(sentinel) & {"s_down", "o_down"}:
+                assert time.monotonic() < deadline, "the Sentinel never saw the primary down"
+                time.sleep(0.05)
+            assert stream._failing_over()
+            stop, outcome = threading.Event(), []
+
+            def call():
+                try:
+                    outcome.append(stream.read_plan("job-a", 0, stop=stop))
+                except ServiceUnavailableError as exc:
+                    outcome.append(exc)
+
+            waiting = threading.Thread(target=call, daemon=True)
+            waiting.start()
+            waiting.join(2.0)  # five times its 0.4 s deadline
+            assert waiting.is_alive(), f"the call gave up during the failover: {outcome}"
+            stop.set()
+            waiting.join(BOUND_S)
+            assert not waiting.is_alive() and "stopped" in str(outcome[0])
+        finally:
+            stream.close()
+            sentinel.stop()
+            primary.process.send_signal(signal.SIGCONT)
+
+
+def test_a_stream_s_call_gives_up_at_its_deadline_when_the_sentinels_see_the_primary_well(tmp_path):
+    """The other side: a primary this replica cannot reach while the Sentinels still see it well
+    (down-after not reached: a fault of this replica's link, as far as anyone knows) fails the
+    stream's call at its deadline, so that its client moves to another replica."""
+    import signal
+
+    from disttrain_tools.localcluster import LocalSentinel
+
+    with LocalRedis(tmp_path / "primary") as primary:
+        sentinel = LocalSentinel(tmp_path / "sentinel", primary.port, down_after_ms=600_000).start()
+        stream = RedisStore(sentinel.url).impatient(0.4)
+        try:
+            stream.register_job("job-a", b"spec-a")
+            primary.process.send_signal(signal.SIGSTOP)
+            began = time.monotonic()
+            with pytest.raises(ServiceUnavailableError, match="deadline"):
+                stream.read_plan("job-a", 0)
+            assert time.monotonic() - began < BOUND_S
+            assert not stream._failing_over()
+        finally:
+            primary.process.send_signal(signal.SIGCONT)
+            stream.close()
+            sentinel.stop()
+
+
 def test_the_planner_s_wait_for_a_want_holds_under_a_short_socket_timeout(server):
     """The planner's store bounds each try like the streams' (impatient, with the long retry
     deadline): its blocking wait for a stream's want is held below that socket timeout, so a

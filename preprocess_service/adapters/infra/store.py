@@ -169,6 +169,11 @@ def _failure(exc: redis.RedisError) -> str:
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_WATCH_S = 0.2
 """How often a replica on Sentinels asks them where the primary is (RedisStore._watch_primary)."""
+FAILOVER_WAIT_S = 10.0
+"""How much longer than its deadline a call waits while the Sentinels say the primary is down or
+being replaced (RedisStore._failing_over): a fault every replica sees, so a stream waits for the
+new primary rather than fail and send its client to another replica, which would wait as well."""
+_FAILOVER_FLAGS = frozenset({"s_down", "o_down", "failover_in_progress"})
 
 
 def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
@@ -316,6 +321,7 @@ class RedisStore:
         self._lock = threading.Lock()
         self._stats = {"commands": 0, "round_trips": 0, "retries": 0}
         self._down_since: float | None = None
+        self._said_failover = False
         self._moved = threading.Condition()
         self._primaries_seen = 0  # bumped by _primary_moved: a pause between tries ends
         self._closing = threading.Event()
@@ -378,6 +384,31 @@ class RedisStore:
                 # ``stop`` is set elsewhere, without this condition: looked at every 50 ms
                 self._moved.wait(left if stop is None else min(left, 0.05))
 
+    def _failing_over(self) -> bool:
+        """Whether a Sentinel this replica reaches says the primary is down or being replaced
+        (its flags: s_down, o_down, failover_in_progress). Then the fault is Redis's own, not this
+        replica's link to it (a replica cut off reaches no Sentinel, or one that sees the primary
+        well). Never with a plain Redis URL. Logged once per outage."""
+        pool = self._redis.connection_pool
+        manager = getattr(pool, "sentinel_manager", None)
+        if manager is None:
+            return False
+        for sentinel in manager.sentinels:
+            try:
+                flags = sentinel.sentinel_master(pool.service_name).get("flags", "")
+            except (redis.RedisError, OSError, AttributeError):
+                continue  # that Sentinel cannot say: the next one may
+            flags = set(flags) if isinstance(flags, (set, frozenset)) else set(str(flags).split(","))
+            under_way = bool(flags & _FAILOVER_FLAGS)
+            with self._lock:
+                first, self._said_failover = under_way and not self._said_failover, self._said_failover or under_way
+            if first:
+                log.warning("Redis at %s: the Sentinels say the primary is down (%s); calls wait up to %g s more "
+                            "for the one they promote", self.address, ",".join(sorted(flags & _FAILOVER_FLAGS)),
+                            FAILOVER_WAIT_S)
+            return under_way
+        return False
+
     def _primary_moved(self) -> None:
         """The Sentinels name a primary other than the one calls were on (_watch_primary)."""
         with self._moved:
@@ -403,6 +434,9 @@ class RedisStore:
             raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} when the call was stopped "
                                           f"after {elapsed:.1f} s: {_error_text(exc)}") from None
         # no try starts at the deadline: one failing there would overrun it by its own timeouts
+        if elapsed + min(delay, 0.05) >= deadline_s and elapsed < deadline_s + FAILOVER_WAIT_S \
+                and self._failing_over():
+            return min(delay, 0.2)  # a new primary named ends the pause at once (_pause)
         if elapsed + min(delay, 0.05) >= deadline_s:
             raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} for {elapsed:.1f} s of retries "
                                           f"(deadline {deadline_s:g} s): {_error_text(exc)}") from None
@@ -415,6 +449,7 @@ class RedisStore:
             if self._down_since is not None:
                 log.warning("Redis at %s is back after %.1f s", self.address, time.monotonic() - self._down_since)
                 self._down_since = None
+                self._said_failover = False
 
     def stats(self) -> dict:
         with self._lock:

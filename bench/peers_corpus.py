@@ -113,7 +113,8 @@ def _write_shard(args: tuple[Path, CameraCorpus, int]) -> tuple[int, int, float]
 
 
 def _marker(config: CameraCorpus) -> dict:
-    return {"version": VERSION, "config": dataclasses.asdict(config)}
+    """What corpus.json holds (as JSON reads it back: tuples are lists)."""
+    return json.loads(json.dumps({"version": VERSION, "config": dataclasses.asdict(config)}))
 
 
 def ensure(out: Path = DEFAULT_OUT, config: CameraCorpus = CameraCorpus(), log=print) -> list[str]:

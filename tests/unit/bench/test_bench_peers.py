@@ -247,3 +247,6 @@ def test_the_camera_corpus_is_img2dataset_s_layout_with_camera_jpegs_and_is_dete
         assert manifest is not None and manifest.plannable, "the service would not plan it from the parquet"
     again = peers_corpus.ensure(tmp_path / "b", config, log=lambda *_: None)
     assert [open(p, "rb").read() for p in again] == [open(p, "rb").read() for p in tars]
+    written = []
+    assert peers_corpus.ensure(tmp_path / "a", config, log=written.append) == tars
+    assert not written, f"a corpus already on disk was written again: {written}"

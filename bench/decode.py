@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="documents per modality in part 2 (a group is cycled up to this)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per group in part 2")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--only", choices=("tokenizers",), help="run only this part")
+    parser.add_argument("--only", choices=("tokenizers", "trim"), help="run only this part (trim: the decode "
+                        "workers' heap trimming on camera photos, bench/peers_corpus.py's unless --shards)")
     parser.add_argument("--tokenizer", action="append", default=[],
                         help="also measure this tokenizer (hf:PATH, sentencepiece:PATH)")
     parser.add_argument("--quick", action="store_true",
@@ -372,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.only == "tokenizers":
         return _tokenizer_part(args, {})
+    if args.only == "trim":
+        return _trim_part(args)
     specs = args.shards or (benchjson.quick_shards() if args.quick else
                             [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
     urls = shards.expand_shards(specs)
@@ -448,6 +451,82 @@ def main(argv: list[str] | None = None) -> int:
           f"{sv_count / sv_seconds:7.1f} samples/s")
     print(f"   ratio service / DataLoader: {figures['end_to_end']['ratio']:.2f}")
     return _tokenizer_part(args, figures)
+
+
+TRIM_POLICIES = {"keep (never trim)": None, "trim above 16 MiB free (before)": 16 << 20,
+                 "trim above TRIM_ABOVE_BYTES (now)": "now", "trim after every photo": 0}
+
+
+def bench_trim(photos: list[bytes], rounds: int) -> dict[str, dict]:
+    """A decode worker's loop over camera photos (decode, EXIF orientation, resize to the planned
+    size into one reused buffer) under each heap-trimming policy: CPU, system CPU and minor page
+    faults per photo (best round), and the heap malloc holds free after a photo."""
+    from disttrain_api.heap import free_heap_bytes, trim_malloc
+    from preprocess_service.adapters.decode.worker import TRIM_ABOVE_BYTES
+    from preprocess_service.adapters.media import imaging
+
+    sizes = []
+    for data in photos:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if image.getexif().get(0x0112, 1) in (5, 6, 7, 8):
+                width, height = height, width
+        sizes.append(imaging.target_size(width, height, CONFIG.image))
+    out = np.empty(max(h * w * 3 for h, w in sizes), np.uint8)
+    results: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, above in TRIM_POLICIES.items():
+            above = TRIM_ABOVE_BYTES if above == "now" else above
+            trim_malloc()
+            free_after = []
+            before, cpu = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds()
+            for data, (h, w) in zip(photos, sizes):
+                imaging.decode_image(data, (h, w), out=out[:h * w * 3].reshape(h, w, 3))
+                free = free_heap_bytes() or 0
+                free_after.append(free)
+                if above is not None and free > above:
+                    trim_malloc()
+            after, cpu = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds() - cpu
+            row = {"cpu_ms": 1000 * cpu / len(photos),
+                   "system_ms": 1000 * (after.ru_stime - before.ru_stime) / len(photos),
+                   "minor_faults": (after.ru_minflt - before.ru_minflt) / len(photos),
+                   "free_mib_median": float(np.median(free_after)) / 2**20, "free_mib_max": max(free_after) / 2**20}
+            if name not in results or row["cpu_ms"] < results[name]["cpu_ms"]:
+                results[name] = row
+    return results
+
+
+def _trim_part(args) -> int:
+    import tarfile
+
+    import peers_corpus
+
+    quick_corpus = peers_corpus.CameraCorpus(shards=1, per_shard=12, megapixels=(1.0, 4.0))
+    urls = args.shards or (peers_corpus.ensure(REPO / "data" / "peers-camera-quick", quick_corpus) if args.quick
+                           else peers_corpus.ensure())
+    count = 12 if args.quick else 160
+    photos: list[bytes] = []
+    for url in urls:
+        with tarfile.open(url) as tar:
+            photos += [tar.extractfile(m).read() for m in tar if m.name.endswith((".jpg", ".jpeg"))]
+        if len(photos) >= count:
+            break
+    photos = photos[:count]
+    rounds = 1 if args.quick else args.rounds
+    print(f"heap trimming in a decode worker's loop: {len(photos)} camera photos, best of {rounds} rounds")
+    rows = bench_trim(photos, rounds)
+    columns = ["policy", "CPU ms/photo", "system ms/photo", "minor faults/photo", "free heap MiB after a photo "
+               "(median)", "(max)"]
+    table = [[name, round(r["cpu_ms"], 2), round(r["system_ms"], 2), round(r["minor_faults"]),
+              round(r["free_mib_median"], 1), round(r["free_mib_max"], 1)] for name, r in rows.items()]
+    for row in table:
+        print("   " + " | ".join(str(c) for c in row))
+    doc = benchjson.document("decode", quick=args.quick) | {"trim": rows}
+    doc["tables"].append(benchjson.table("heap trimming in a decode worker's loop (camera photos)", columns, table,
+                                         notes=["one process; each photo decoded, oriented and resized to its "
+                                                "planned size into one reused buffer"]))
+    benchjson.write(args.json, doc)
+    return 0
 
 
 def _tokenizer_part(args, figures: dict) -> int:

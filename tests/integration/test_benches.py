@@ -53,6 +53,18 @@ def test_every_bench_runs_quick_and_writes_its_result(bench, tmp_path):
     assert doc["tables"] and all(t["rows"] for t in doc["tables"]), f"bench/{bench}.py wrote an empty table"
 
 
+def test_the_decode_bench_s_trim_part_runs_quick_on_camera_photos(tmp_path):
+    """bench/decode.py --only trim (not part of its default run): every policy measured."""
+    out = tmp_path / "trim.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--quick", "--only", "trim", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = benchjson.check(json.loads(out.read_text()))
+    (table,) = doc["tables"]
+    assert [row[0] for row in table["rows"]] == list(doc["trim"]) and len(table["rows"]) == 4
+    assert all(row["cpu_ms"] > 0 and row["minor_faults"] >= 0 for row in doc["trim"].values())
+
+
 def test_table_rejects_rows_that_do_not_fit_their_columns():
     with pytest.raises(ValueError, match="2 cells for 3 columns"):
         benchjson.table("t", ["a", "b", "c"], [[1, 2]])

@@ -18,11 +18,14 @@ TRIM_EVERY_S = 5.0
 """A busy decode worker gives its freed heap back to the system this often."""
 IDLE_TRIM_S = 0.2
 """A decode worker with nothing to do for this long gives its freed heap back at once."""
-TRIM_ABOVE_BYTES = 16 << 20
-"""A busy decode worker whose malloc holds more than this free after a task gives it back at once:
-between the server's memory samples a busy worker would otherwise keep every buffer its decoders
-freed (glibc raises its mmap threshold after large frees, so they stay in the heap), memory the
-budget sees only at the next sample."""
+TRIM_ABOVE_BYTES = 64 << 20
+"""A busy decode worker whose malloc holds more than this free after a task gives it back at once.
+Below it, what its decoders freed stays for the next task to reuse: given back after every task,
+each decode would fault its buffers in again (a camera photo's decode leaves tens of MiB free;
+``bench/decode.py --only trim`` measures what trimming them costs in page faults and CPU, figures
+in docs/benchmarks.md). What is kept is bounded by this, resident and so seen by the memory budget
+at its next sample; under pressure the budget has every worker give it back at once
+(DecodePool.trim_workers), and an idle worker gives it back after IDLE_TRIM_S."""
 
 
 def worker_main(conn, worker_id: int) -> None:

@@ -521,7 +521,7 @@ def _trim_part(args) -> int:
               round(r["free_mib_median"], 1), round(r["free_mib_max"], 1)] for name, r in rows.items()]
     for row in table:
         print("   " + " | ".join(str(c) for c in row))
-    doc = benchjson.document("decode", quick=args.quick) | {"trim": rows}
+    doc = benchjson.document("decode", quick=args.quick) | {"trim": rows, "title": "decode: heap trimming"}
     doc["tables"].append(benchjson.table("heap trimming in a decode worker's loop (camera photos)", columns, table,
                                          notes=["one process; each photo decoded, oriented and resized to its "
                                                 "planned size into one reused buffer"]))

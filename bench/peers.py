@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped |= dict(NOT_RUN)
     systems = [s for s in wanted if s not in skipped]
     doc |= {"urls": urls, "skipped": skipped}
+    if args.corpus == "camera" and not args.shards and not args.quick:
+        doc["title"] = "peers: camera photos"
     if not systems:  # --scale alone
         doc["scale"] = run_scale(urls, args.quick) if args.scale else []
         benchjson.write(args.json, doc)

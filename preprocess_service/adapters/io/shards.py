@@ -26,6 +26,7 @@ beside each tar are never opened.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -391,12 +392,56 @@ def _scan_file(f, url: str, keys: set[str], limits: TarLimits) -> Iterator[dict]
                 return
 
 
-@functools.lru_cache(maxsize=16)  # a step draws from a few shards at a time; ~5 MB per 10k-sample shard
-def _tar_index(path: str, mtime_ns: int, size: int, limits: TarLimits) -> dict[str, dict[str, tuple[int, int]]]:
-    """key -> {member suffix: (data offset, size)} of a local tar (tarstream.index_members).
-    ``mtime_ns`` and ``size`` only key the cache: a rewritten file gets a new index."""
-    with open_regular(path) as f:
-        return tarstream.index_members(f, limits)
+INDEX_CACHE_MEMBERS = 1 << 20
+"""Tar members whose offsets a process keeps indexed (about 160 bytes each), across its shards."""
+INDEX_CACHE_SHARDS = 1024
+"""Shards whose indexes a process keeps, at most."""
+
+
+class _IndexCache:
+    """The tar indexes of the shards read lately, least recently used first out, bounded by their
+    members (INDEX_CACHE_MEMBERS) rather than a count of shards: a job reads by offset from every
+    shard its shuffle draws on (``open_shards``, 16 by default, and the shards whose samples still
+    wait in its shuffle buffer), and an index evicted while its shard is still read is built again
+    from every header of the tar. Thread-safe; an index is built outside the lock."""
+
+    def __init__(self, max_members: int = INDEX_CACHE_MEMBERS, max_shards: int = INDEX_CACHE_SHARDS):
+        self.max_members, self.max_shards = max_members, max_shards
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[tuple, tuple[dict, int]] = collections.OrderedDict()
+        self._members = 0
+        self.builds = 0
+        """Indexes built (misses), for tests and benches."""
+
+    def __call__(self, path: str, mtime_ns: int, size: int, limits: TarLimits) -> dict[str, dict[str, tuple[int, int]]]:
+        """key -> {member suffix: (data offset, size)} of a local tar (tarstream.index_members).
+        ``mtime_ns`` and ``size`` only key the cache: a rewritten file gets a new index."""
+        key = (path, mtime_ns, size, limits)
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                return found[0]
+        with open_regular(path) as f:
+            index = tarstream.index_members(f, limits)
+        members = sum(len(m) for m in index.values()) + 1
+        with self._lock:
+            self.builds += 1
+            if key not in self._entries:
+                self._entries[key] = (index, members)
+                self._members += members
+            while self._entries and (self._members > self.max_members or len(self._entries) > self.max_shards):
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._members -= evicted
+        return index
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._members = 0
+
+
+_tar_index = _IndexCache()
 
 
 DEFAULT_READER = ShardReader()

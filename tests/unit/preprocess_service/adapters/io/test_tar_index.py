@@ -86,3 +86,40 @@ def test_plain_and_pax_tars_are_read_by_pread_and_others_by_tarfile(tmp_path):
             else:
                 with pytest.raises(tarstream._NotPlain):
                     list(tarstream._plain_headers(f.fileno()))
+
+
+def test_a_reader_indexes_each_of_more_shards_than_sixteen_once_whatever_the_order(tmp_path):
+    """A job reads by offset from every shard its shuffle draws on (16 open by default, and the
+    shards whose samples still wait in its buffer): interleaved reads over 30 shards must not build
+    a shard's index again while the members bound allows (a cache of 16 shards built 151 indexes for
+    30 shards in one run). Past the bound, the least recently used index goes first."""
+    import random
+
+    from preprocess_service.adapters.io import shards
+
+    paths = []
+    for s in range(30):
+        path = tmp_path / f"{s:05d}.tar"
+        with wds.TarWriter(str(path)) as writer:
+            for i in range(4):
+                writer.write({"__key__": f"{s:05d}{i:04d}", "jpg": bytes([s, i]) * 50, "txt": b"caption"})
+        paths.append(str(path))
+    cache = shards._IndexCache()
+    reader = shards.ShardReader()
+    try:
+        shards._tar_index = cache
+        rng = random.Random(0)
+        for _ in range(300):
+            s = rng.randrange(30)
+            key = f"{s:05d}{rng.randrange(4):04d}"
+            got = reader.read_samples(paths[s], {key})
+            assert got[key]["jpg"] == bytes([s, int(key[-4:])]) * 50  # by offset, the right bytes
+        assert cache.builds == 30, f"{cache.builds} indexes built for 30 shards"
+    finally:
+        shards._tar_index = shards._IndexCache()
+    small = shards._IndexCache(max_members=3 * 9)  # room for three shards of 4 samples x 2 members (+1)
+    for path in paths[:4]:  # the fourth evicts paths[0]
+        small(path, 0, 0, LIMITS)
+    small(paths[1], 0, 0, LIMITS)  # used again: the oldest is now paths[2]
+    small(paths[0], 0, 0, LIMITS)  # built again, evicting paths[2]
+    assert small.builds == 5 and [k[0] for k in small._entries] == [paths[3], paths[1], paths[0]]

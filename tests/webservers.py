@@ -108,6 +108,22 @@ http {{
             out.append(LogLine(method, uri, int(status), int(sent), int(body), "" if rng == "-" else rng))
         return out
 
+    def log_since(self, start: int, at_least: int, timeout_s: float = 10.0, settle_s: float = 0.3) -> list[LogLine]:
+        """The access log's lines after the first ``start``, once it holds ``at_least`` of them (nginx
+        writes a request's line as it finishes the request, which can be just after the client got
+        its last byte) and nothing more came for ``settle_s``: a line a test expects is waited for,
+        one it does not expect is still seen. Bounded by ``timeout_s`` (then what is there)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.log()) < start + at_least and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen = len(self.log())
+        while time.monotonic() < deadline:
+            time.sleep(settle_s)
+            if len(self.log()) == seen:
+                break
+            seen = len(self.log())
+        return self.log()[start:]
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()

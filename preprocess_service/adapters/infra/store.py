@@ -434,10 +434,9 @@ class RedisStore:
             raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} when the call was stopped "
                                           f"after {elapsed:.1f} s: {_error_text(exc)}") from None
         # no try starts at the deadline: one failing there would overrun it by its own timeouts
-        if elapsed + min(delay, 0.05) >= deadline_s and elapsed < deadline_s + FAILOVER_WAIT_S \
-                and self._failing_over():
-            return min(delay, 0.2)  # a new primary named ends the pause at once (_pause)
         if elapsed + min(delay, 0.05) >= deadline_s:
+            if elapsed < deadline_s + FAILOVER_WAIT_S and self._failing_over():
+                return min(delay, 0.2)  # a new primary named ends the pause at once (_pause)
             raise ServiceUnavailableError(f"Redis at {self.address} {_failure(exc)} for {elapsed:.1f} s of retries "
                                           f"(deadline {deadline_s:g} s): {_error_text(exc)}") from None
         return min(delay, deadline_s - elapsed)

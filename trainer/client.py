@@ -436,11 +436,16 @@ class DataClient:
         ``reopen`` and a client made with the job's JobConfig (not its id), a service that does not
         know the job (NOT_FOUND: a single node restarted, a Redis that lost it) gets it opened
         again, once, and the call is made again (a node that keeps the job's state in state_dir
-        resumes it there). A job a client closed is FAILED_PRECONDITION, never opened again."""
+        resumes it there). A job a client closed is FAILED_PRECONDITION, never opened again.
+
+        UNAVAILABLE (a node down, restarting, or bound but still starting) is retried until
+        ``reconnect_timeout_s`` (at least ``connect_timeout_s``) from the first failure, as the
+        stream waits; the other retryable codes get 2 x addresses tries."""
         with self._control_lock:
             reopened = False
             failing_since = None
-            for attempt in range(2 * len(self.addresses) + 1):
+            tries = 0
+            while True:
                 try:
                     if reopened is None:  # the job is opened again first (retried like any call)
                         self._open(self._control.stub, self._job)
@@ -452,15 +457,18 @@ class DataClient:
                         log.info("%s does not know job %s: opening it again", self._control.address, self.job_id)
                         reopened = None
                         continue
-                    if exc.code() not in _RETRYABLE or attempt + 1 >= 2 * len(self.addresses):
+                    tries += 1
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    left = max(self.connect_timeout_s, self.reconnect_timeout_s) - (now - failing_since)
+                    unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
+                    if exc.code() not in _RETRYABLE or (left <= 0 if unavailable else tries >= 2 * len(self.addresses)):
                         raise
                     log.info("call to %s failed: %s %s; trying the next address", self._control.address,
                              exc.code().name, exc.details())
                     # a service gone mid-run (a single node restarting) is waited for as a stream
                     # waits: up to reconnect_timeout_s from the first failure
-                    failing_since = failing_since or time.monotonic()
-                    self._control.connect(max(self.connect_timeout_s,
-                                              self.reconnect_timeout_s - (time.monotonic() - failing_since)))
+                    self._control.connect(max(self.connect_timeout_s, left))
 
     def _open(self, stub, job: JobConfig | str) -> pb.JobInfo:
         if isinstance(job, JobConfig):

@@ -30,6 +30,15 @@ def cmd_serve(args) -> int:
     from preprocess_service.service import settings
 
     cfg = settings.from_args(args)
+    from preprocess_service.service.front import Front
+    from preprocess_service.service.security import TlsFiles
+
+    tls = TlsFiles(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_client_ca) if cfg.tls_client_ca else None) \
+        if cfg.tls_cert else None
+    # the port first, answering health (NOT_SERVING until the service is attached): a fraction of
+    # a second after launch, where the imports below take seconds (front.py)
+    front = Front(f"{cfg.host}:{cfg.port}", max_workers=cfg.max_workers, max_request_bytes=cfg.max_request_bytes,
+                  tokens=cfg.tokens(), tls=tls)
     if cfg.decode_workers != 0:  # the decode workers' fork server imports torch while this process imports the rest
         from preprocess_service.adapters.decode import forkserver
 
@@ -37,13 +46,14 @@ def cmd_serve(args) -> int:
     from preprocess_service.adapters.infra import metrics
     from preprocess_service.adapters.infra.store import describe
     from preprocess_service.service import logs
-    from preprocess_service.service.security import TlsFiles
     from preprocess_service.service.server import create_server
 
     logs.configure(cfg.log_format, cfg.log_level)
-    tls = TlsFiles(Path(cfg.tls_cert), Path(cfg.tls_key), Path(cfg.tls_client_ca) if cfg.tls_client_ca else None) \
-        if cfg.tls_cert else None
-    server, port, _ = create_server(f"{cfg.host}:{cfg.port}", cfg, tls=tls)
+    try:
+        server, port, _ = create_server(f"{cfg.host}:{cfg.port}", cfg, tls=tls, front=front)
+    except BaseException:
+        front.server.stop(0)
+        raise
     metrics_port = 0
     if cfg.metrics_port:
         _, _, metrics_port = metrics.serve(cfg.metrics_port, cfg.metrics_host, cfg.metrics_tokens())
@@ -107,7 +117,19 @@ def cmd_health(args) -> int:
         except grpc.RpcError as exc:
             print(f"not serving: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        from preprocess_service.service.front import WARM_SERVICE
+
+        with Credentials.from_env().channel(args.address) as channel:
+            try:
+                warm = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=WARM_SERVICE),
+                                                                timeout=args.timeout)
+                if warm.status != health_pb2.HealthCheckResponse.SERVING:
+                    status += " (warming: the planner's kernels or the decode workers are still starting)"
+            except grpc.RpcError:  # an older server: no warm entry
+                pass
+    print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 

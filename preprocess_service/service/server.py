@@ -12,16 +12,14 @@ import logging
 import math
 import threading
 import time
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from disttrain_api import heap
 from disttrain_api import preprocess_pb2 as pb
 from disttrain_api import preprocess_pb2_grpc as pb_grpc
-from disttrain_api.channel import MAX_MESSAGE_BYTES, SERVICE_NAME
+from disttrain_api.channel import SERVICE_NAME
 from disttrain_api.errors import (
     ConfigError,
     DataQualityError,
@@ -40,14 +38,13 @@ from preprocess_service.adapters.io.shards import ShardReader
 from preprocess_service.adapters.plugins.hooks import HookLimits
 from preprocess_service.core.reorder import PLANNERS
 from preprocess_service.service.documents import expand_datasets
+from preprocess_service.service.front import SERVER_KEEPALIVE_OPTIONS, Front  # noqa: F401 (re-exported)
 from preprocess_service.service.job import Job, JobRegistry
 from preprocess_service.service.security import (
     StallWatchdog,
     StreamLimiter,
     TlsFiles,
-    TokenAuth,
     client_identity,
-    server_credentials,
 )
 from preprocess_service.service.settings import ServiceSettings
 from preprocess_service.service.streams import MicrobatchStream, StreamCounters, abort_rpc, status_of
@@ -56,16 +53,6 @@ log = logging.getLogger(__name__)
 MAX_LISTED_SHARDS = 100_000
 """JobInfo lists at most this many shard URLs (every rank asks for it; a million would be ~30 MB)."""
 
-SERVER_KEEPALIVE_OPTIONS = [
-    # the server pings its clients too: a vanished peer's connection (and its stream) is closed
-    ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000), ("grpc.http2.ping_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-    # clients may ping every second (tests, fast failover); more often is abuse
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
-    # a connection with no call for 5 minutes is closed; a handshake must finish in 10 s
-    ("grpc.max_connection_idle_ms", 300_000), ("grpc.server_handshake_timeout_ms", 10_000),
-]
 
 
 
@@ -329,9 +316,10 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
 
-def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
-    """As the generated add_PreprocessServicer_to_server, except that StreamMicrobatches yields
-    messages already serialized by disttrain_api.wire.encode_microbatch."""
+def _handlers(servicer: PreprocessServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The Preprocess service's method handlers, by name: as the generated
+    add_PreprocessServicer_to_server's, except that StreamMicrobatches yields messages already
+    serialized by disttrain_api.wire.encode_microbatch."""
     handlers = {
         "OpenJob": grpc.unary_unary_rpc_method_handler(
             servicer.OpenJob, pb.OpenJobRequest.FromString, pb.JobInfo.SerializeToString),
@@ -352,7 +340,7 @@ def _add_servicer(servicer: PreprocessServicer, server: grpc.Server) -> None:
     }
     missing = set(pb.DESCRIPTOR.services_by_name["Preprocess"].methods_by_name) - set(handlers)
     assert not missing, f"rpcs without a handler: {missing}"
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return handlers
 
 
 def _housekeeping(jobs: JobRegistry, idle_ttl_s: float, stop: threading.Event) -> None:
@@ -392,7 +380,7 @@ def _trim_all(pool: DecodePool):
     return trim
 
 
-def _warm_up(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None, health_servicer,
+def _warm_up(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None, front: Front,
              jobs: JobRegistry, warmed: threading.Event, stop: threading.Event) -> None:
     """After the server started, on a daemon thread: loads the planner's compiled kernels, waits for
     the decode workers, adds their idle memory to the budget's baseline (a budget that leaves too
@@ -401,13 +389,13 @@ def _warm_up(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int 
     meanwhile: a job's first step is planned and decoded as the kernels and workers come up.
     ``warmed`` is set once that is done, or has failed."""
     try:
-        own = _warm(decoder, budget, settings, own, health_servicer, jobs)
+        own = _warm(decoder, budget, settings, own, front, jobs)
     finally:
         warmed.set()
     _sample_memory(decoder, budget, settings, own, stop)
 
 
-def _warm(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None, health_servicer,
+def _warm(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | None, front: Front,
           jobs: JobRegistry) -> int | None:
     """The background start-up; returns the server process's idle memory (the kernels included
     when it could be measured before any job was opened)."""
@@ -425,7 +413,7 @@ def _warm(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | N
             decoder.wait_ready(MAX_START_FAILURES * (decoder.start_timeout_s + 10))
         except RuntimeError as exc:  # its waiting work fails with the same error
             log.error("decode workers cannot start: %s", exc)
-            _not_serving(health_servicer)
+            _not_serving(front)
             return own
     log.info("warm in %.2f s: planner kernels loaded, decode workers up", time.monotonic() - started)
     workers = decoder.idle_memory() if isinstance(decoder, DecodePool) else 0
@@ -434,7 +422,9 @@ def _warm(decoder, budget: MemoryBudget, settings: ServiceSettings, own: int | N
             budget.set_baseline(own + (workers or 0) + _helpers_memory(decoder))
         except ConfigError as exc:
             log.error("%s", exc)
-            _not_serving(health_servicer)
+            _not_serving(front)
+            return own
+    front.warm()
     return own
 
 
@@ -449,9 +439,9 @@ def _helpers_memory(decoder) -> int:
     return procmem.pss_bytes(helpers) or 0
 
 
-def _not_serving(health_servicer) -> None:
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+def _not_serving(front: Front) -> None:
+    front.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    front.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 TRIM_ABOVE_BYTES = 32 << 20
@@ -493,8 +483,15 @@ def create_decoder(decode_workers: int | None, budget: MemoryBudget | None = Non
     return DecodePool(decode_workers, budget=budget, wait=wait)
 
 
+def start_front(address: str, settings: ServiceSettings = DEFAULTS, *, tls: TlsFiles | None = None) -> Front:
+    """The service's port, bound and answering health (NOT_SERVING until create_server attaches the
+    service): what ``serve`` starts first, before it imports the rest (front.py)."""
+    return Front(address, max_workers=settings.max_workers, max_request_bytes=settings.max_request_bytes,
+                 tokens=settings.tokens(), tls=tls)
+
+
 def create_server(address: str = "[::]:0", settings: ServiceSettings = DEFAULTS, *, tls: TlsFiles | None = None,
-                  job_options: dict | None = None, **overrides):
+                  job_options: dict | None = None, front: Front | None = None, **overrides):
     """Builds and starts a server; returns (server, bound port, servicer). ``settings`` (settings.py:
     every setting the ``serve`` command takes, each documented there), with ``overrides`` of any of
     them by name (``decode_workers=0``, ``redis_url=...``, ``memory_budget_bytes=...``).
@@ -505,21 +502,26 @@ def create_server(address: str = "[::]:0", settings: ServiceSettings = DEFAULTS,
     decode workers. With ``redis_url`` the server is one replica of a deployment (shared_job.py);
     ``job_options`` go to every job's SharedPlans (lookahead, lease_ttl_s, ...). Raises
     ServiceUnavailableError, naming the address, if Redis cannot be reached. ``tls`` serves TLS
-    (mutual TLS with a client CA)."""
+    (mutual TLS with a client CA). ``front`` is the port start_front already bound (``address``,
+    ``tls`` and the gRPC settings were its); without it one is bound here."""
     settings = dataclasses.replace(settings, **overrides) if overrides else settings
     budget = MemoryBudget.configured(settings)
     metrics.watch_budget(budget)
     decoder = create_decoder(settings.decode_workers, budget, wait=False)  # workers start while the rest is set up
     shm.sweep_orphans()  # same-host microbatches a killed server left in /dev/shm
+    own_front = front is None
     try:
-        return _serve(decoder, budget, address, settings, tls=tls, job_options=job_options)
+        if front is None:
+            front = start_front(address, settings, tls=tls)
+        return _serve(decoder, budget, front, settings, job_options=job_options)
     except BaseException:
         decoder.close()
+        if own_front and front is not None:
+            front.server.stop(0)
         raise
 
 
-def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSettings, *, tls: TlsFiles | None,
-           job_options: dict | None):
+def _serve(decoder, budget: MemoryBudget, front: Front, settings: ServiceSettings, *, job_options: dict | None):
     plugin_limits = HookLimits(time_s=settings.plugin_timeout_s, memory_bytes=settings.plugin_memory_mb << 20)
     jobs = JobRegistry(budget, state_dir=settings.state_dir, plugin_limits=plugin_limits)
     reader = ShardReader.configured(settings)
@@ -532,7 +534,7 @@ def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSetting
         from preprocess_service.service.shared_job import shared_registry
 
         store = RedisStore(settings.redis_url)
-        replica_id = settings.replica_id or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}:{os.getpid()}"
+        replica_id = settings.replica_id or f"{socket.gethostname()}:{front.port}:{os.getpid()}"
         jobs = shared_registry(store, replica_id, reader=reader, budget=budget, plugin_limits=plugin_limits,
                                stream_timeout_s=settings.stream_redis_timeout_s,
                                **{"lease_ttl_s": settings.lease_ttl_s, **(job_options or {})})
@@ -549,31 +551,16 @@ def _serve(decoder, budget: MemoryBudget, address: str, settings: ServiceSetting
         except ConfigError:
             jobs.close()
             raise
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", settings.max_request_bytes), *SERVER_KEEPALIVE_OPTIONS]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_workers), options=options,
-                         interceptors=[TokenAuth(auth_tokens)] if auth_tokens else [])
     servicer = PreprocessServicer(prefetch=settings.prefetch, decoder=decoder, jobs=jobs, settings=settings,
                                   authenticated=bool(auth_tokens), reader=reader)
     threading.Thread(target=_housekeeping, args=(jobs, settings.job_idle_ttl_s, reaper_stop), daemon=True,
                      name="housekeeping").start()
-    _add_servicer(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
-    port = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
-    if port == 0:
-        raise ConfigError(f"cannot bind the service to {address!r}")
-    server.start()
+    front.attach(_handlers(servicer))
     warmed = threading.Event()
-    threading.Thread(target=_warm_up, args=(decoder, budget, settings, own, health_servicer, jobs, warmed, reaper_stop),
+    threading.Thread(target=_warm_up, args=(decoder, budget, settings, own, front, jobs, warmed, reaper_stop),
                      daemon=True, name="warm-up").start()
-    return (Service(server, decoder=decoder, jobs=jobs, servicer=servicer, background_stop=reaper_stop,
-                    warmed=warmed), port, servicer)
+    return (Service(front.server, decoder=decoder, jobs=jobs, servicer=servicer, background_stop=reaper_stop,
+                    warmed=warmed), front.port, servicer)
 
 
 class Service:

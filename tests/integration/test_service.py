@@ -348,6 +348,51 @@ def test_health_and_reflection(service):
     assert "disttrain.preprocess.v1.Preprocess" in names and "grpc.health.v1.Health" in names
 
 
+def test_the_front_answers_health_at_once_then_the_service_then_says_it_is_warm():
+    """``serve`` binds its port before it imports the rest (front.py): health answers NOT_SERVING
+    and the service's calls UNAVAILABLE ("starting") until create_server attaches the service;
+    then SERVING, and the warm entry turns SERVING once the kernels and decode workers are up.
+    ``health`` prints "warming" while the service serves but is not warm."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+    from preprocess_service.service.front import WARM_SERVICE, Front
+    from preprocess_service.service.server import DEFAULTS
+
+    front = Front("127.0.0.1:0", max_workers=8, max_request_bytes=DEFAULTS.max_request_bytes)
+    address = f"127.0.0.1:{front.port}"
+    server = None
+    try:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.PreprocessStub(channel)
+
+            def status(service: str = "") -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+            assert status() == status(WARM_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            for call in (lambda: stub.ListJobs(pb.ListJobsRequest(), timeout=10),
+                         lambda: next(stub.StreamMicrobatches(pb.StreamRequest(job_id="j"), timeout=10))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "starting" in info.value.details()
+            front.attach({})  # the service without its calls, not warm: what `health` sees mid-start
+            shown = subprocess.run([sys.executable, "-m", "preprocess_service", "health", "--address", address],
+                                   cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert shown.returncode == 0 and "SERVING (warming" in shown.stdout, shown.stdout + shown.stderr
+            server, port, _ = create_server(address, front=front)
+            assert port == front.port and status() == health_pb2.HealthCheckResponse.SERVING
+            assert stub.ListJobs(pb.ListJobsRequest(), timeout=10).jobs == []
+            assert server.wait_warm(120)
+            assert status(WARM_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        if server is not None:
+            server.stop(grace=1).wait(30)
+        else:
+            front.server.stop(0)
+
+
 def test_a_single_node_restarted_on_its_state_dir_is_given_the_job_again_by_a_client_call(dataset, service,
                                                                                           tmp_path, caplog):
     """The node restarts between a rank's microbatches and its acknowledgement (a checkpoint): the

@@ -247,7 +247,7 @@ def summary_tables(rows: dict, long_rows: dict) -> list[dict]:
                             notes=["decoder-normalised: the same decoder (ours) in disttrain and the peer"]),
             benchjson.table("the decoder's own gain: Pillow's CPU per sample / ours in one harness",
                             ["rows", "run", "ratio"], fmt(_like_with_like(figures.decoder_gain, rows, long_rows), 2)),
-            benchjson.table("goals (issue 33): disttrain against each, whole run", [
+            benchjson.table("goals (issue 49): disttrain against each, whole run", [
                 "goal", "run", "measured", "target", "verdict"], goal_rows,
                 notes=[f"true floor: {1 / floor:.1f} samples per CPU-second" if floor == floor else "floor not run",
                        "start-up from the short runs"])]

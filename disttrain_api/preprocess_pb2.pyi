@@ -421,7 +421,7 @@ class ReportRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobReport(_message.Message):
-    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance", "failure", "datasets")
+    __slots__ = ("job_id", "skipped", "num_planned_samples", "num_planned_steps", "planning_done", "num_sent_microbatches", "step_balance", "failure", "datasets", "plugins")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANNED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,7 @@ class JobReport(_message.Message):
     STEP_BALANCE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
+    PLUGINS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedSample]
     num_planned_samples: int
@@ -440,7 +441,20 @@ class JobReport(_message.Message):
     step_balance: _containers.RepeatedCompositeFieldContainer[StepBalance]
     failure: str
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetCount]
-    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ..., failure: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetCount, _Mapping]]] = ...) -> None: ...
+    plugins: _containers.RepeatedCompositeFieldContainer[PluginCost]
+    def __init__(self, job_id: _Optional[str] = ..., skipped: _Optional[_Iterable[_Union[SkippedSample, _Mapping]]] = ..., num_planned_samples: _Optional[int] = ..., num_planned_steps: _Optional[int] = ..., planning_done: _Optional[bool] = ..., num_sent_microbatches: _Optional[int] = ..., step_balance: _Optional[_Iterable[_Union[StepBalance, _Mapping]]] = ..., failure: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetCount, _Mapping]]] = ..., plugins: _Optional[_Iterable[_Union[PluginCost, _Mapping]]] = ...) -> None: ...
+
+class PluginCost(_message.Message):
+    __slots__ = ("plugin", "hook", "cpu_s", "calls")
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
+    HOOK_FIELD_NUMBER: _ClassVar[int]
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    plugin: str
+    hook: str
+    cpu_s: float
+    calls: int
+    def __init__(self, plugin: _Optional[str] = ..., hook: _Optional[str] = ..., cpu_s: _Optional[float] = ..., calls: _Optional[int] = ...) -> None: ...
 
 class DatasetCount(_message.Message):
     __slots__ = ("name", "num_samples", "num_tokens", "epoch_samples", "restarts")

@@ -13,7 +13,13 @@ import numpy as np
 from disttrain_api.config import JobConfig
 from disttrain_api.errors import repeatable
 from preprocess_service.adapters.decode import WORKER_DIED, Decoded, Decoder
-from preprocess_service.adapters.plugins.hooks import DEFAULT_LIMITS, HookLimits, HookSpec, is_plugin_failure
+from preprocess_service.adapters.plugins.hooks import (
+    DEFAULT_LIMITS,
+    HookCosts,
+    HookLimits,
+    HookSpec,
+    is_plugin_failure,
+)
 from preprocess_service.adapters.plugins.registry import plugin_class
 from preprocess_service.core.assemble import Layout, MicrobatchArrays, compact, finish, layout_microbatch
 from preprocess_service.core.packing import PackedSequence
@@ -39,9 +45,12 @@ class Assembly:
     media come from, and where failures are reported)."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer, plans: PlanSource,
-                 first_out: threading.Event | None = None, plugin_limits: HookLimits = DEFAULT_LIMITS):
+                 first_out: threading.Event | None = None, plugin_limits: HookLimits = DEFAULT_LIMITS,
+                 on_hook_costs: Callable[[HookCosts], None] | None = None):
         self.config, self.tokenizer, self.plans = config, tokenizer, plans
         self.plugin_limits = plugin_limits
+        self.on_hook_costs = on_hook_costs
+        """Told what the media hooks spent on each decoded microbatch (the job's PluginCosts)."""
         self.media_plugins = tuple(p for p in config.plugins if plugin_class(p.name).has_media_hook())
         self.first_out = first_out or threading.Event()
         """Set when the job's first microbatch is decoded (side files wait for it)."""
@@ -75,6 +84,8 @@ class Assembly:
         (Decoded.lend: None where the buffer cannot be lent to a client). Documents that failed to
         decode are left out, reported in ``arrays.skipped`` and recorded in the job's report."""
         decoded: Decoded = pending.future.result()
+        if decoded.hook_costs and self.on_hook_costs is not None:
+            self.on_hook_costs(decoded.hook_costs)
         layout, buffer, release, lend = pending.layout, decoded.buffer, decoded.release, decoded.lend
         if decoded.errors:
             survivors = self.layout(pending.sequences, skip=frozenset(decoded.errors))

@@ -180,6 +180,10 @@ def _status_text(info, report) -> str:
                      f"(arrival order {last.arrival_imbalance:.3f}), "
                      f"simulated {last.iteration_s:.3f} s vs {last.arrival_iteration_s:.3f} s unordered, "
                      f"bound {last.lower_bound_s:.3f} s")
+    for cost in report.plugins:
+        per = "sample" if cost.hook == "sample" else "item"
+        lines.append(f"  plugin   {cost.plugin} ({cost.hook} hook): {1e3 * cost.cpu_s / max(1, cost.calls):.3f} ms "
+                     f"CPU per {per} over {cost.calls} {per}s")
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ from preprocess_service.adapters.io import img2dataset, shards, sources
 from preprocess_service.adapters.media import image_heads
 from preprocess_service.adapters.media import tokenizers as text_tokenizers
 from preprocess_service.adapters.media.parse import KnownImage, classify_members, parse_document
-from preprocess_service.adapters.plugins.hooks import HookLimits, HookSpec
+from preprocess_service.adapters.plugins.hooks import HookCosts, HookLimits, HookSpec
 from preprocess_service.adapters.plugins.host import SampleHooks
 from preprocess_service.adapters.plugins.registry import plugin_class
 from preprocess_service.core.sample import EPOCH, Document
@@ -164,10 +164,12 @@ class SideFiles:
                     self._lock.notify_all()
 
 
-def sample_hooks(config: JobConfig, limits: HookLimits) -> SampleHooks | None:
-    """The worker that runs ``config``'s sample hooks, or None if none of its plugins has one."""
+def sample_hooks(config: JobConfig, limits: HookLimits,
+                 on_costs: Callable[[HookCosts], None] | None = None) -> SampleHooks | None:
+    """The worker that runs ``config``'s sample hooks, or None if none of its plugins has one;
+    ``on_costs`` is told what they spend on each sample."""
     plugins = tuple(p for p in config.plugins if plugin_class(p.name).has_sample_hook())
-    return SampleHooks(HookSpec(plugins, config.seed, 0, limits)) if plugins else None
+    return SampleHooks(HookSpec(plugins, config.seed, 0, limits), on_costs) if plugins else None
 
 
 def _manifest_samples(reader: shards.ShardReader, url: str, manifest: img2dataset.Manifest, first: int,

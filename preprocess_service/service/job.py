@@ -46,7 +46,7 @@ from preprocess_service.service.documents import (
     sample_hooks,
 )
 from preprocess_service.service.plans import Lease, LocalPlans, PlanSource
-from preprocess_service.service.report import SkipLog
+from preprocess_service.service.report import PluginCosts, SkipLog
 from preprocess_service.service.retention import MediaRetention
 from preprocess_service.service.state_files import StateFiles
 
@@ -73,6 +73,8 @@ class Job:
         self.tokenizer_info = text_tokenizers.describe(self.tokenizer)
         """Ids, vocabulary size and file digest of the tokenizer (JobInfo.tokenizer)."""
         self.skips = SkipLog()
+        self.plugin_costs = PluginCosts(self.job_id)
+        """What its plugins' hooks have spent here (JobReport.plugins)."""
         self.side_files = SideFiles(self.job_id[:12], self.skips.planning_skip)
         self.retention = MediaRetention(self.reader, budget)
         self.documents = JobDocuments(
@@ -80,12 +82,12 @@ class Job:
             self.tokenizer, self.skips.planning_skip, keep=self.retention.keep, side_files=self.side_files,
             fingerprint=self.tokenizer_info["sha256"] + text_tokenizers.template_digest(self.tokenizer)[:16]
             + (hashlib.sha256(plugins.encode()).hexdigest()[:16] if plugins else ""),
-            hooks=sample_hooks(config, plugin_limits))
+            hooks=sample_hooks(config, plugin_limits, self.plugin_costs.add))
         self.plans: PlanSource = plans(self) if plans is not None else LocalPlans(
             config, self.documents, self.retention, self.skips, retain_steps=retain_steps,
             snapshot_every=snapshot_every)
         self.assembly = Assembly(config, self.tokenizer, self.plans, first_out=self.side_files.first_out,
-                                 plugin_limits=plugin_limits)
+                                 plugin_limits=plugin_limits, on_hook_costs=self.plugin_costs.add)
         self._lock = threading.Lock()
         self._largest_message = 0
         self._acked_low = 0
@@ -211,7 +213,7 @@ class Job:
 
     def report(self) -> dict:
         self.side_files.flush()
-        return self.plans.report()
+        return {**self.plans.report(), "plugins": self.plugin_costs.rows()}
 
     def summary(self) -> dict:
         """What ListJobs says of it: its shape, progress and clients (no shard names)."""

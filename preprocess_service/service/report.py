@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from disttrain_api.errors import SampleError
 from preprocess_service.adapters.infra import metrics
+from preprocess_service.adapters.plugins.hooks import HookCosts, add_costs
 from preprocess_service.core.planner import StepPlan
 
 
@@ -35,6 +36,31 @@ class SkippedRecord:
     def to_json(self) -> str:
         return json.dumps({"key": self.key, "shard": self.shard, "reason": self.reason, "kind": self.kind},
                           sort_keys=True)
+
+
+class PluginCosts:
+    """What a job's plugin hooks have spent in this process's workers (thread-safe): fed by the
+    sample-hook worker after each sample and by each decoded microbatch; read by JobReport.plugins
+    and counted in the disttrain_plugin_* metrics."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self._lock = threading.Lock()
+        self._costs: HookCosts = {}
+
+    def add(self, costs: HookCosts) -> None:
+        if not costs:
+            return
+        with self._lock:
+            add_costs(self._costs, costs)
+        for (plugin, hook), cost in costs.items():
+            metrics.plugin_spent(self.job_id, plugin, hook, cost.cpu_s, cost.calls)
+
+    def rows(self) -> list[dict]:
+        """One dict per (plugin, hook): plugin, hook, cpu_s, calls (JobReport.plugins), sorted."""
+        with self._lock:
+            return [{"plugin": plugin, "hook": hook, "cpu_s": cost.cpu_s, "calls": cost.calls}
+                    for (plugin, hook), cost in sorted(self._costs.items())]
 
 
 class SkipLog:

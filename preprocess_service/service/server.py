@@ -226,7 +226,9 @@ class PreprocessServicer(pb_grpc.PreprocessServicer):
                    for r in report.pop("skipped")]
         balance = [pb.StepBalance(**b) for b in report.pop("step_balance")]
         datasets = [pb.DatasetCount(**d) for d in report.pop("datasets", [])]
-        return pb.JobReport(job_id=job.job_id, skipped=skipped, step_balance=balance, datasets=datasets, **report)
+        plugins = [pb.PluginCost(**c) for c in report.pop("plugins", [])]
+        return pb.JobReport(job_id=job.job_id, skipped=skipped, step_balance=balance, datasets=datasets,
+                            plugins=plugins, **report)
 
     def ReportTimings(self, request, context):
         job = self._job(request.job_id, context)

@@ -39,7 +39,8 @@ class InlineDecoder:
             raise
         done = futures.Future()
         done.set_result(Decoded(buffer, {key: e for key, e in errors.items() if e},
-                                call_once(lambda: self.budget.release(layout.nbytes))))
+                                call_once(lambda: self.budget.release(layout.nbytes)),
+                                hook_costs=media_hooks.take_costs() if media_hooks is not None else {}))
         return done
 
     @staticmethod

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from preprocess_service.adapters.plugins.hooks import HookCosts
 from preprocess_service.core.assemble import MediaItem
 from preprocess_service.core.modalities import MODALITIES
 
@@ -145,6 +146,8 @@ class Decoded:
     """Where the buffer is a shared-memory object a client on this host may map (DecodePool, no
     document failed): lend(arrays) puts the arrays not already in it into its spare room and lends
     it (see Lent); release() is then a no-op. None where it cannot be lent."""
+    hook_costs: HookCosts = field(default_factory=dict)
+    """What the job's media hooks spent decoding it."""
 
     def release(self) -> None:
         """Hands the buffer back for reuse; views of it must not be used afterwards."""

@@ -24,7 +24,7 @@ from preprocess_service.adapters.decode.shm import CONTROL_BYTES
 from preprocess_service.adapters.decode.worker import worker_main
 from preprocess_service.adapters.infra import cpus, procmem
 from preprocess_service.adapters.infra.budget import UNLIMITED, MemoryBudget, call_once
-from preprocess_service.adapters.plugins.hooks import HookSpec
+from preprocess_service.adapters.plugins.hooks import HookCosts, HookSpec, add_costs
 from preprocess_service.core.assemble import Layout, aligned
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class _Batch:
     """Its arena was lent: releasing the batch leaves it to _reclaim."""
     hooks: HookSpec | None = None
     """The job's plugins, whose media hooks the workers run on each item."""
+    hook_costs: HookCosts = field(default_factory=dict)
+    """What those hooks spent on it so far."""
 
 
 @dataclass(slots=True)
@@ -262,7 +264,8 @@ class DecodePool:
         buffer = np.ndarray((batch.nbytes,), dtype=np.uint8, buffer=batch.arena.buf, offset=CONTROL_BYTES)
         lendable = not batch.errors and self.arenas.lendable(batch.arena)
         batch.future.set_result(Decoded(buffer, batch.errors, call_once(lambda: self._release_batch(batch)),
-                                        lend=(lambda arrays: self.arenas.lend(batch, arrays)) if lendable else None))
+                                        lend=(lambda arrays: self.arenas.lend(batch, arrays)) if lendable else None,
+                                        hook_costs=batch.hook_costs))
 
     def _release_batch(self, batch: _Batch) -> None:
         with self._lock:
@@ -368,19 +371,21 @@ class DecodePool:
                 self._start_failures = 0
                 self._ready_changed.notify_all()
             return
-        task_id, errors = message
+        task_id, errors, costs = message
         with self._lock:
             task = worker.in_flight.pop(task_id, None)
         if task is not None:
-            self._complete(task, errors)
+            self._complete(task, errors, costs)
 
-    def _complete(self, task: _Task, errors: list[tuple[str, str]]) -> None:
-        """``task`` is done; ``errors``: (key, why) of its documents that failed."""
+    def _complete(self, task: _Task, errors: list[tuple[str, str]], costs: HookCosts) -> None:
+        """``task`` is done; ``errors``: (key, why) of its documents that failed; ``costs``: what
+        the job's media hooks spent on it."""
         batch = task.batch
         with self._lock:
             self._counters["documents_decoded"] += len(task.documents) - len(errors)
             self._counters["documents_failed"] += len(errors)
             batch.errors.update(errors)
+            add_costs(batch.hook_costs, costs)
             batch.remaining -= 1
             done = batch.remaining == 0
         if done:
@@ -397,10 +402,10 @@ class DecodePool:
                 break
             if message[0] == "ready":  # one never read while it lived was not ready: a start failure
                 continue
-            task_id, errors = message
+            task_id, errors, costs = message
             task = worker.in_flight.pop(task_id, None)
             if task is not None:
-                self._complete(task, errors)
+                self._complete(task, errors, costs)
         worker.process.join(timeout=5)  # reap it, for the exit code
         exitcode = worker.process.exitcode
         worker.conn.close()
@@ -419,7 +424,8 @@ class DecodePool:
         retry = []
         for task in lost:
             if task.attempts >= 2:
-                self._complete(task, [(key, f"{WORKER_DIED} (exit code {exitcode})") for key, _ in task.documents])
+                self._complete(task, [(key, f"{WORKER_DIED} (exit code {exitcode})") for key, _ in task.documents],
+                               {})
                 continue
             # Retried one document per task: the one that kills a worker again fails alone.
             retry += [_Task(next(self._task_ids), task.batch, [document], task.attempts, task.order)

@@ -74,7 +74,7 @@ def worker_main(conn, worker_id: int) -> None:
         try:
             buffer = _attach(arenas, arena_name).buf
         except Exception as exc:  # every document of the task fails with it; the worker carries on
-            conn.send((task_id, [(key, f"{type(exc).__name__}: {exc}") for key, _ in documents]))
+            conn.send((task_id, [(key, f"{type(exc).__name__}: {exc}") for key, _ in documents], {}))
             continue
         hooks, leaked = None, False
         for key, items in documents:
@@ -92,7 +92,7 @@ def worker_main(conn, worker_id: int) -> None:
             except Exception as exc:  # reported for this document; the worker carries on
                 errors.append((key, f"{type(exc).__name__}: {exc}"))
         del buffer
-        conn.send((task_id, errors))
+        conn.send((task_id, errors, hooks.take_costs() if hooks is not None else {}))
         if leaked:  # what a plugin leaked goes with the process; the pool starts another
             return
 

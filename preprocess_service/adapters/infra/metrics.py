@@ -85,6 +85,12 @@ SHARD_FETCHED_BYTES = Counter("disttrain_shard_fetched_bytes", "Bytes of remote 
                               "network, by scheme", ["scheme"])
 SHARD_CACHE_EVENTS = Counter("disttrain_shard_cache_events", "Remote-shard cache events: hit, miss, bypass (streamed "
                              "uncached), eviction, retry, resume, restart, failure", ["event"])
+PLUGIN_CPU = Counter("disttrain_plugin_cpu_seconds", "CPU seconds inside operator plugins' hooks, by job, plugin "
+                     "and hook (sample: once per planned sample; media: once per decoded item)",
+                     ["job", "plugin", "hook"])
+PLUGIN_CALLS = Counter("disttrain_plugin_calls", "Calls of operator plugins' hooks, by job, plugin and hook "
+                       "(rate(disttrain_plugin_cpu_seconds_total) / rate(disttrain_plugin_calls_total): CPU per "
+                       "sample or item)", ["job", "plugin", "hook"])
 SHARD_CACHE_BYTES = Gauge("disttrain_shard_cache_bytes", "Bytes of remote shards cached on disk or reserved for "
                           "downloads under way")
 
@@ -250,6 +256,11 @@ def step_planned(job_id: str, plan) -> None:
     DP_IMBALANCE.labels(job_id).set(plan.imbalance()[0])
     if "bubble_fraction" in plan.simulation:
         BUBBLE.labels(job_id, "predicted").set(plan.simulation["bubble_fraction"])
+
+
+def plugin_spent(job_id: str, plugin: str, hook: str, cpu_s: float, calls: int) -> None:
+    PLUGIN_CPU.labels(job_id, plugin, hook).inc(max(0.0, cpu_s))
+    PLUGIN_CALLS.labels(job_id, plugin, hook).inc(calls)
 
 
 def bubble_measured(job_id: str, fraction: float) -> None:

@@ -77,10 +77,45 @@ class HookSpec:
     limits: HookLimits = field(default_factory=HookLimits)
 
 
+@dataclass(slots=True)
+class HookCost:
+    """What one plugin's hook of one kind has spent so far: CPU seconds over how many calls (a
+    sample hook is called once per sample, a media hook once per decoded item)."""
+
+    cpu_s: float = 0.0
+    calls: int = 0
+
+
+HookCosts = dict[tuple[str, str], HookCost]
+"""(plugin name, "sample" or "media") -> its HookCost."""
+
+
+def add_costs(into: HookCosts, more: HookCosts) -> HookCosts:
+    """``more`` added into ``into`` (returned)."""
+    for key, cost in more.items():
+        total = into.setdefault(key, HookCost())
+        total.cpu_s += cost.cpu_s
+        total.calls += cost.calls
+    return into
+
+
+def _cpu_clock() -> Callable[[], float]:
+    """The process's CPU clock in a worker's main thread (a hook's helper threads count too), the
+    thread's elsewhere (InlineDecoder's threads, the service's own)."""
+    return time.process_time if threading.current_thread() is threading.main_thread() else time.thread_time
+
+
+_STATM: tuple[int, int] | None = None
+"""(pid, descriptor of /proc/self/statm) kept open: read twice per hook call (a fork opens its own)."""
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def _rss_bytes() -> int:
+    global _STATM
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        if _STATM is None or _STATM[0] != os.getpid():
+            _STATM = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -126,13 +161,16 @@ def _alarm(signum, frame):
     raise PluginTimeout()
 
 
-def call_bounded(name: str, what: str, fn: Callable, limits: HookLimits, *, hold_memory: bool = False):
+def call_bounded(name: str, what: str, fn: Callable, limits: HookLimits, *, hold_memory: bool = False,
+                 costs: HookCosts | None = None, hook: str = ""):
     """``fn()`` under the time limit and the memory budget; anything it raises but Skip becomes
     PluginFailed naming ``name``. The time limit is an alarm, so it holds in a process's main
     thread (the workers'); elsewhere (InlineDecoder's threads, for tests) only the supervisor's.
     ``hold_memory`` (a decode worker): the budget holds while ``fn`` runs (_DataLimit), not only
-    when it returns."""
+    when it returns. The CPU the call took, whatever its end, is added to ``costs[(name, hook)]``."""
     before = _rss_bytes()
+    clock = _cpu_clock()
+    cpu_before = clock()
     alarm = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGALRM, _alarm) if alarm else None
     if alarm:
@@ -160,6 +198,10 @@ def call_bounded(name: str, what: str, fn: Callable, limits: HookLimits, *, hold
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+        if costs is not None:
+            cost = costs.setdefault((name, hook), HookCost())
+            cost.cpu_s += clock() - cpu_before
+            cost.calls += 1
     grown = _rss_bytes() - before
     if grown > limits.memory_bytes:
         raise PluginFailed(f"plugin {name!r} {what} grew the worker by {grown >> 20} MiB, over its budget of "
@@ -175,10 +217,10 @@ def is_media(member: str) -> bool:
     return member.rsplit(".", 1)[-1] not in TEXT_EXTENSIONS
 
 
-def sample_changes(spec: HookSpec, sample: dict) -> tuple[dict, list[str]]:
+def sample_changes(spec: HookSpec, sample: dict, costs: HookCosts | None = None) -> tuple[dict, list[str]]:
     """What the job's sample hooks do to ``sample``: (members changed or added, members removed),
     so a worker sends back only those. Raises Skip or PluginFailed as run_sample_hooks."""
-    after = run_sample_hooks(spec, sample)
+    after = run_sample_hooks(spec, sample, costs)
     return ({k: v for k, v in after.items() if sample.get(k) is not v and not k.startswith("__")},
             [k for k in sample if k not in after])
 
@@ -193,9 +235,9 @@ def wanted_members(spec: HookSpec) -> frozenset[str] | None:
     return frozenset(wanted)
 
 
-def run_sample_hooks(spec: HookSpec, sample: dict) -> dict:
+def run_sample_hooks(spec: HookSpec, sample: dict, costs: HookCosts | None = None) -> dict:
     """``sample`` (``__key__``, ``__url__``, member -> bytes) after the job's sample hooks, in
-    order. Raises Skip (a hook left it out) or PluginFailed."""
+    order. Raises Skip (a hook left it out) or PluginFailed. Each hook's CPU goes to ``costs``."""
     key, url = sample["__key__"], sample.get("__url__", "")
     meta = {k: v for k, v in sample.items() if not isinstance(k, str) or k.startswith("__")}
     members = {k: v for k, v in sample.items() if k not in meta}
@@ -203,7 +245,8 @@ def run_sample_hooks(spec: HookSpec, sample: dict) -> dict:
         ctx = SampleContext(key=key, url=url, seed=spec.seed, epoch=spec.epoch,
                             rng=np.random.default_rng(rng_seed(spec.seed, key, spec.epoch, name)))
         given = dict(members)
-        out = call_bounded(name, "sample hook", partial(plugin.sample, given, ctx), spec.limits)
+        out = call_bounded(name, "sample hook", partial(plugin.sample, given, ctx), spec.limits, costs=costs,
+                           hook="sample")
         if out is not None:
             members = _checked(name, members, out)
     return {**members, **meta}
@@ -238,9 +281,26 @@ class MediaHooks:
         self.plugins = _loaded(spec, lambda cls: cls.has_media_hook())
         self.hold_memory = hold_memory
         """In a decode worker: each hook is held to its memory budget while it runs (call_bounded)."""
+        self.costs: HookCosts = {}
+        """What each hook has spent since the last take_costs()."""
+        self._lock = threading.Lock()  # InlineDecoder runs a task's documents on several threads
+
+    def take_costs(self) -> HookCosts:
+        """The hooks' costs since the last call (and from now on, zero again)."""
+        with self._lock:
+            costs, self.costs = self.costs, {}
+        return costs
 
     def apply(self, kind: str, array: np.ndarray, key: str, member: str) -> np.ndarray:
         """``array`` after every hook for ``kind``: the same shape and dtype (PluginFailed otherwise)."""
+        costs: HookCosts = {}
+        try:
+            return self._apply(kind, array, key, member, costs)
+        finally:
+            with self._lock:
+                add_costs(self.costs, costs)
+
+    def _apply(self, kind: str, array: np.ndarray, key: str, member: str, costs: HookCosts) -> np.ndarray:
         spec = self.spec
         for name, plugin in self.plugins:
             if kind not in plugin.media_kinds:
@@ -248,7 +308,7 @@ class MediaHooks:
             ctx = MediaContext(key=key, member=member, seed=spec.seed, epoch=spec.epoch,
                                rng=np.random.default_rng(rng_seed(spec.seed, key, spec.epoch, name, member)))
             out = call_bounded(name, f"media hook on {member!r}", partial(plugin.media, kind, array, ctx),
-                               spec.limits, hold_memory=self.hold_memory)
+                               spec.limits, hold_memory=self.hold_memory, costs=costs, hook="media")
             if out is not None and out is not array:
                 if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
                     raise PluginFailed(f"plugin {name!r} media hook returned "

@@ -74,6 +74,25 @@ SOURCE = textwrap.dedent('''
                 with open(self.params["log"], "a") as log:
                     log.write(f"{chunk + 1} ")
 
+    class Burn(Plugin):
+        """Takes at least params["sample_ms"] of CPU on each sample and params["media_ms"] on each item."""
+        def _burn(self, ms):
+            until = time.process_time() + ms / 1e3
+            while time.process_time() < until:
+                pass
+        def sample(self, members, ctx):
+            self._burn(self.params["sample_ms"])
+        def media(self, kind, array, ctx):
+            self._burn(self.params["media_ms"])
+
+    class Digest(Plugin):
+        """Writes the sha256 of every member it sees into "digest.json"."""
+        def sample(self, members, ctx):
+            import hashlib
+            import json
+            seen = {k: hashlib.sha256(v).hexdigest() for k, v in sorted(members.items())}
+            return {**members, "digest.json": json.dumps(seen).encode()}
+
     class MediaFaulty(Plugin):
         """Raises on keys ending in 1, hangs on 2, returns a wrong shape on 6."""
         def media(self, kind, array, ctx):
@@ -88,7 +107,8 @@ SOURCE = textwrap.dedent('''
 ''').replace("import time\n", "import time\n\nimport numpy as np\n", 1)
 
 ENTRY_POINTS = {"caption": "Caption", "drop_odd": "DropOdd", "faulty": "Faulty", "swap_media": "SwapMedia",
-                "invert": "Invert", "jitter": "Jitter", "media_faulty": "MediaFaulty", "media_hog": "MediaHog"}
+                "invert": "Invert", "jitter": "Jitter", "media_faulty": "MediaFaulty", "media_hog": "MediaHog",
+                "burn": "Burn", "digest": "Digest"}
 FAST = HookLimits(time_s=1.0, memory_bytes=200 << 20)
 
 
@@ -237,3 +257,65 @@ def test_a_media_hook_is_held_to_its_memory_budget_while_it_runs(tmp_path, plugi
     # each call stopped within a chunk of the budget (it would have written 48 lines: 768 MiB)
     chunks = [int(line) for line in log.read_text().split()]
     assert chunks and max(chunks) * 16 <= 200, max(chunks)
+
+
+@pytest.mark.parametrize("workers", [2, 0], ids=["pool", "inline"])
+def test_each_hook_reports_its_cpu_per_sample_in_the_report_and_the_metrics(tmp_path, plugins, workers):
+    """A hook that takes a known CPU time is shown with at least that much per call, and with one
+    call per planned sample (sample hook) or decoded item (media hook), in the job's report (what
+    ``status`` prints) and the disttrain_plugin_* counters."""
+    from preprocess_service.adapters.infra import metrics
+
+    paths = write_tiny_shards(tmp_path / "d", num_shards=1, samples_per_shard=10)
+    keys = shard_keys(paths)
+    decoder = DecodePool(workers) if workers else InlineDecoder()
+    try:
+        job = Job(_config(tmp_path / "d", "burn", "caption", burn={"sample_ms": 4, "media_ms": 3}))
+        arrays, delivered = _delivered(job, decoder)
+    finally:
+        decoder.close()
+    assert sorted(delivered) == sorted(keys)
+    items = sum(len(a["image_spans"]) for a in arrays.values())
+    assert items > 0
+    rows = {(r["plugin"], r["hook"]): r for r in job.report()["plugins"]}
+    assert set(rows) == {("burn", "sample"), ("burn", "media"), ("caption", "sample")}
+    assert rows["burn", "sample"]["calls"] == rows["caption", "sample"]["calls"] == len(keys)
+    assert rows["burn", "media"]["calls"] == items
+    assert rows["burn", "sample"]["cpu_s"] >= 0.004 * len(keys)
+    assert rows["burn", "media"]["cpu_s"] >= 0.003 * items
+    assert 0 < rows["caption", "sample"]["cpu_s"] < rows["burn", "sample"]["cpu_s"]
+    for (plugin, hook), row in rows.items():
+        assert metrics.PLUGIN_CALLS.labels(job.job_id, plugin, hook)._value.get() == row["calls"]
+        assert metrics.PLUGIN_CPU.labels(job.job_id, plugin, hook)._value.get() == pytest.approx(row["cpu_s"])
+
+
+@pytest.mark.parametrize("via", ["shared memory", "pipe"])
+def test_a_sample_hook_sees_every_member_byte_for_byte_whichever_way_it_crossed(plugins, monkeypatch, via):
+    """Large members cross to the hook worker through shared memory (one copy each way), or through
+    the pipe past SHARED_MAX_BYTES; either way the hook sees the same bytes, and a sample that
+    outgrows the shared object gets a bigger one."""
+    import hashlib
+    import json
+
+    from disttrain_api.config import PluginConfig
+    from preprocess_service.adapters.plugins import host
+    from preprocess_service.adapters.plugins.hooks import HookSpec
+
+    if via == "pipe":
+        monkeypatch.setattr(host, "SHARED_MAX_BYTES", 1000)
+    rng = np.random.default_rng(0)
+    hooks = host.SampleHooks(HookSpec((PluginConfig(name="digest"),), 0, 0))
+    try:
+        for size in (5000, 3 << 20, 100_000):  # the second outgrows the first object
+            sample = {"__key__": f"k{size}", "__url__": "u.tar", "txt": b"a caption",
+                      "jpg": rng.integers(0, 256, size, np.uint8).tobytes(),
+                      "png": rng.integers(0, 256, size // 2 + 1, np.uint8).tobytes()}
+            out = hooks.apply(sample, epoch=0)
+            seen = json.loads(out["digest.json"])
+            assert seen == {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+            assert out["jpg"] is sample["jpg"]  # unchanged members are the parent's own
+        assert (hooks._shared is not None) == (via == "shared memory")
+        assert hooks.starts == 1
+    finally:
+        hooks.close()
+    assert hooks._shared is None

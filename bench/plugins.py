@@ -81,7 +81,6 @@ def floor_cpu_per_sample(tars: list[str], rounds: int) -> float:
     """CPU seconds per sample of the floor: each sample parsed and its images decoded into a reused
     buffer by our decode path, one process (bench/peers_work.py); best of ``rounds``."""
     import numpy as np
-
     import peers_systems
     import peers_work
 

@@ -21,7 +21,8 @@ headers), each over the bytes of the shards, the shard GETs nginx served, the wa
 the exactly-once check. (run_job lists every shard's keys itself for that check: those reads are
 made once, before the measured runs, and not counted.) Everything shares this machine's cores:
 compare ratios, not seconds. ``--quick`` is a smoke run (3 synthetic shards of 20 samples instead
-of the demo set, one client rank), not a measurement.
+of the demo set, one client rank, one decode worker; single node cold and warm, and a replica with the
+2-shard cache; no camera originals), not a measurement.
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ def _run(name: str, config: JobConfig, server_and_reader, nginx: Nginx, shard_by
 
 
 class _Service:
-    def __init__(self, limits: ServiceSettings, redis_url: str | None = None):
+    def __init__(self, limits: ServiceSettings, redis_url: str | None = None, decode_workers: int | None = None):
         from preprocess_service.service.server import create_server
 
-        self.server, self.port, self.servicer = create_server("127.0.0.1:0", settings=limits, redis_url=redis_url)
+        self.server, self.port, self.servicer = create_server("127.0.0.1:0", settings=limits, redis_url=redis_url,
+                                                              decode_workers=decode_workers)
 
     def __enter__(self):
         return self, self.servicer.reader
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from preprocess_service.adapters.io import shards
     from preprocess_service.service.settings import ServiceSettings
 
-    paths = ([Path(p) for p in benchjson.quick_shards(3, 20)] if args.quick
+    paths = ([Path(p) for p in benchjson.quick_shards(3, 20, camera=False)] if args.quick
              else ensure_demo_dataset(REPO / "data" / "laion-demo"))
     shard_bytes = sum(p.stat().st_size for p in paths)
     config = JobConfig(shards=tuple(map(str, paths)), dp_size=1 if args.quick else 2)
@@ -119,18 +121,22 @@ def main(argv: list[str] | None = None) -> int:
                                                  (small_label, small, 4)]
                  + ([("no cache (before)", dataclasses.replace(limits, shard_cache_bytes=0), 5)]
                     if args.no_cache_baseline else []))]
+        if args.quick:  # a smoke run of each path (miss, hit, eviction; one node and a replica)
+            runs = [runs[0], ("replica on Redis", redis.url, [(small_label, small, 4)])]
+        decode_workers = 1 if args.quick else None
         for mode, redis_url, steps in runs:
             service = None
             for name, step_limits, seed in steps:
                 if step_limits is not None:
                     if service:
                         service.__exit__()
-                    service = _Service(step_limits, redis_url)
+                    service = _Service(step_limits, redis_url, decode_workers)
                 job = dataclasses.replace(http, seed=config.seed + seed)
                 rows.append(_run(f"{mode}: {name}", job, service.__enter__(), nginx, shard_bytes))
             service.__exit__()
-        with _Service(limits) as service:
-            rows.append(_run("single node: local files", config, (service[0], None), nginx, shard_bytes))
+        if not args.quick:
+            with _Service(limits) as service:
+                rows.append(_run("single node: local files", config, (service[0], None), nginx, shard_bytes))
     print(f"{len(paths)} shards, {shard_bytes / 1e6:.1f} MB, served by nginx on loopback; job: "
           f"dp_size {config.dp_size}, 1 epoch, {config.seq_len}-token sequences")
     print(f"{'run':44s} {'fetched/shards':>14s} {'nginx body':>10s} {'+headers':>9s} {'GETs':>5s} {'wall s':>7s}  ok")

@@ -4,10 +4,10 @@ Parsing (planning, and a replica rebuilding a planned document) happens in the s
 threads; the hooks it calls run in a child process (started from the decode pool's fork server),
 one sample per round trip: its large members (the media's bytes) copied into a shared-memory
 object the parent owns and only writes, the rest pickled through the pipe, and back only what the
-hooks changed, with the CPU each hook took (HookCosts). The child enforces each hook's time limit and memory budget itself
-(hooks.call_bounded); the parent is the backstop: a child that does not answer within the limit
-plus GRACE_S, grows past its budget while it works, or dies, is killed and replaced, and the sample
-fails with that reason. Nothing a hook does reaches the service's own process.
+hooks changed, with the CPU each hook took (HookCosts). The child enforces each hook's time limit
+and memory budget itself (hooks.call_bounded); the parent is the backstop: a child that does not
+answer within the limit plus GRACE_S, grows past its budget while it works, or dies, is killed and
+replaced, and the sample fails with that reason. Nothing a hook does reaches the service's own process.
 """
 
 from __future__ import annotations

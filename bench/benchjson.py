@@ -105,14 +105,11 @@ def _plain(value):
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def quick_shards(num_shards: int = 1, samples_per_shard: int = 40, *, camera: bool = True) -> list[str]:
+def quick_shards(num_shards: int = 1, samples_per_shard: int = 40) -> list[str]:
     """A small synthetic LAION-style shard set for ``--quick`` runs (written once under
-    data/bench-quick/, deterministic), so that a smoke run never waits for the 1,000-sample demo.
-    Its first shard holds camera originals (1-12 MP photos: most of the set's decode time), unless
-    ``camera`` is False (a smoke run of another path)."""
+    data/bench-quick/, deterministic), so that a smoke run never waits for the 1,000-sample demo."""
     from disttrain_tools import synth  # the project's venv only (quick runs are ours)
 
-    out = REPO / "data" / "bench-quick" / f"{num_shards}x{samples_per_shard}{'' if camera else '-web'}"
-    config = synth.SynthConfig(num_shards=num_shards, samples_per_shard=samples_per_shard,
-                               **({} if camera else {"camera_every": 0}))
+    out = REPO / "data" / "bench-quick" / f"{num_shards}x{samples_per_shard}"
+    config = synth.SynthConfig(num_shards=num_shards, samples_per_shard=samples_per_shard)
     return [str(p) for p in synth.ensure_dataset(out, config)]

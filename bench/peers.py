@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards:
         urls = args.shards
     elif args.quick:
-        urls = benchjson.quick_shards(camera=False)
+        urls = benchjson.quick_shards()
     else:
         urls = peers_corpus.ensure() if args.corpus == "camera" else demo_shards()
     urls = [str(Path(u).resolve()) for u in urls]

@@ -22,7 +22,7 @@ the exactly-once check. (run_job lists every shard's keys itself for that check:
 made once, before the measured runs, and not counted.) Everything shares this machine's cores:
 compare ratios, not seconds. ``--quick`` is a smoke run (3 synthetic shards of 20 samples instead
 of the demo set, one client rank, one decode worker; single node cold and warm, and a replica with the
-2-shard cache; no camera originals), not a measurement.
+2-shard cache), not a measurement.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from preprocess_service.adapters.io import shards
     from preprocess_service.service.settings import ServiceSettings
 
-    paths = ([Path(p) for p in benchjson.quick_shards(3, 20, camera=False)] if args.quick
+    paths = ([Path(p) for p in benchjson.quick_shards(3, 20)] if args.quick
              else ensure_demo_dataset(REPO / "data" / "laion-demo"))
     shard_bytes = sum(p.stat().st_size for p in paths)
     config = JobConfig(shards=tuple(map(str, paths)), dp_size=1 if args.quick else 2)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs, args.failovers = 1, 1
-    shards = (benchjson.quick_shards(camera=False) if args.quick
+    shards = (benchjson.quick_shards() if args.quick
               else [str(p) for p in ensure_demo_dataset(REPO / "data" / "laion-demo")])
     workdir = Path(tempfile.mkdtemp(prefix="disttrain-bench-replicas-"))
     figures = {}

@@ -27,6 +27,7 @@ import math
 import mmap
 import os
 import queue
+import random
 import re
 import secrets
 import threading
@@ -89,6 +90,8 @@ STATE_VERSION = 2
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.ABORTED}
 _END = object()
+UNAVAILABLE_BACKOFF_S = 0.05
+"""First pause between unary tries once every address answered UNAVAILABLE (doubling to 1.6 s)."""
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"dtmb_[0-9a-f]{8}_[0-9a-f]{24}")
 
@@ -440,11 +443,12 @@ class DataClient:
 
         UNAVAILABLE (a node down, restarting, or bound but still starting) is retried until
         ``reconnect_timeout_s`` (at least ``connect_timeout_s``) from the first failure, as the
-        stream waits; the other retryable codes get 2 x addresses tries."""
+        stream waits, backing off (from UNAVAILABLE_BACKOFF_S, doubling, jittered) once every
+        address has said so; the other retryable codes get 2 x addresses tries."""
         with self._control_lock:
             reopened = False
             failing_since = None
-            tries = 0
+            tries = waits = 0  # failures of the other retryable codes; UNAVAILABLE ones
             while True:
                 try:
                     if reopened is None:  # the job is opened again first (retried like any call)
@@ -457,15 +461,22 @@ class DataClient:
                         log.info("%s does not know job %s: opening it again", self._control.address, self.job_id)
                         reopened = None
                         continue
-                    tries += 1
                     now = time.monotonic()
                     failing_since = failing_since or now
                     left = max(self.connect_timeout_s, self.reconnect_timeout_s) - (now - failing_since)
                     unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
+                    if unavailable:
+                        waits += 1
+                    else:
+                        tries += 1
                     if exc.code() not in _RETRYABLE or (left <= 0 if unavailable else tries >= 2 * len(self.addresses)):
                         raise
-                    log.info("call to %s failed: %s %s; trying the next address", self._control.address,
-                             exc.code().name, exc.details())
+                    if waits <= len(self.addresses) or waits % 10 == 0:
+                        log.info("call to %s failed: %s %s; trying the next address", self._control.address,
+                                 exc.code().name, exc.details())
+                    if unavailable and waits > len(self.addresses):  # every address said so: back off
+                        time.sleep(min(UNAVAILABLE_BACKOFF_S * 2 ** min(waits - len(self.addresses), 5), left)
+                                   * random.uniform(0.5, 1.0))
                     # a service gone mid-run (a single node restarting) is waited for as a stream
                     # waits: up to reconnect_timeout_s from the first failure
                     self._control.connect(max(self.connect_timeout_s, left))

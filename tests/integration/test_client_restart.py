@@ -69,7 +69,7 @@ class _Starting(grpc.GenericRpcHandler):
 def test_a_call_waits_while_a_bound_port_answers_unavailable_starting(tmp_path):
     """A restarting node whose port answers UNAVAILABLE at once (a front door up before the service,
     a proxy before its backend) is waited for as a refused connection is: the tries do not run out
-    in milliseconds."""
+    in milliseconds, and back off rather than hammer the port."""
     write_tiny_shards(tmp_path / "shards", num_shards=1, samples_per_shard=24)
     config = JobConfig(shards=(str(tmp_path / "shards"),), dp_size=1, seq_len=1024, num_microbatches=2)
     port = _free_port()
@@ -99,7 +99,7 @@ def test_a_call_waits_while_a_bound_port_answers_unavailable_starting(tmp_path):
             finally:
                 thread.join()
             assert time.monotonic() - down_at >= 3.0, "the call was answered while the port said starting"
-            assert 3 <= starting.calls <= 100, f"{starting.calls} calls in 3 s"
+            assert 3 <= starting.calls <= 15, f"{starting.calls} calls in 3 s: no backoff between them"
     finally:
         for node in nodes:
             node.stop(0).wait()

@@ -13,6 +13,8 @@ replaced, and the sample fails with that reason. Nothing a hook does reaches the
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from disttrain_api.plugins import Skip
 from preprocess_service.adapters.decode import forkserver, shm
 from preprocess_service.adapters.infra import procmem
 from preprocess_service.adapters.plugins.hooks import (
+    HookCost,
     HookCosts,
     HookSpec,
     PluginFailed,
@@ -43,6 +46,8 @@ SHARED_MIN_BYTES = 4096
 SHARED_MIN_SIZE = 1 << 20
 SHARED_MAX_BYTES = 256 << 20
 """A sample whose large members hold more goes through the pipe (the object stays this small)."""
+NO_ROOM_RETRY_S = 60.0
+"""After /dev/shm had no room for the object, samples go through the pipe this long before it is tried again."""
 
 
 class InShared(NamedTuple):
@@ -110,6 +115,8 @@ class SampleHooks:
         self._wanted = wanted_members(spec)
         self._shared: shared_memory.SharedMemory | None = None
         """Where large members cross to the worker (grown as a sample needs, up to SHARED_MAX_BYTES)."""
+        self._no_room_until = 0.0
+        """time.monotonic() before which samples go through the pipe (/dev/shm was full)."""
         self.starts = 0
         """Worker processes started (the first, and one after each kill or death)."""
 
@@ -118,18 +125,35 @@ class SampleHooks:
         that object's name; or ``sample`` and "" when none is large or they do not fit."""
         large = [(k, v) for k, v in sample.items() if isinstance(v, (bytes, bytearray)) and len(v) >= SHARED_MIN_BYTES]
         total = sum(len(v) for _, v in large)
-        if not large or total > SHARED_MAX_BYTES:
+        if not large or total > SHARED_MAX_BYTES or time.monotonic() < self._no_room_until:
             return sample, ""
-        if self._shared is None or self._shared.size < total:
+        if self._shared is None or self._shared.size < total or not self._still_named():
             self._drop_shared()
-            self._shared = shared_memory.SharedMemory(name=shm.object_name(), create=True,
-                                                      size=max(SHARED_MIN_SIZE, 1 << (total - 1).bit_length()))
+            size = max(SHARED_MIN_SIZE, 1 << (total - 1).bit_length())
+            try:
+                self._shared = shared_memory.SharedMemory(name=shm.object_name(), create=True, size=size)
+                # its pages taken now: a full /dev/shm is an error here (and the pipe), never a
+                # SIGBUS when a later copy touches a page there is no room for
+                os.posix_fallocate(self._shared._fd, 0, size)
+            except OSError as exc:
+                log.warning("no room in /dev/shm for the sample hooks' %d MiB (%s): samples go through the "
+                            "pipe", size >> 20, exc)
+                self._drop_shared()
+                self._no_room_until = time.monotonic() + NO_ROOM_RETRY_S
+                return sample, ""
         buf, offset, out = self._shared.buf, 0, dict(sample)
         for k, v in large:
             buf[offset:offset + len(v)] = v
             out[k] = InShared(offset, len(v))
             offset += len(v)
         return out, self._shared.name
+
+    def _still_named(self) -> bool:
+        """Whether /dev/shm still holds our object under its name (someone may have cleaned it)."""
+        try:
+            return os.stat(os.path.join(shm.SHM_DIR, self._shared.name)).st_ino == os.fstat(self._shared._fd).st_ino
+        except (OSError, AttributeError):
+            return False
 
     def _drop_shared(self) -> None:
         shared, self._shared = self._shared, None
@@ -149,6 +173,7 @@ class SampleHooks:
             {k: v for k, v in sample.items() if k.startswith("__") or k.rsplit(".", 1)[-1] in self._wanted}
         with self._lock:
             kind, value, costs = self._round_trip(spec, sent)
+        costs = self._checked_costs(costs)
         if costs and self.on_costs is not None:
             self.on_costs(costs)
         if kind == "ok":
@@ -157,6 +182,17 @@ class SampleHooks:
         if kind == "skip":
             raise SampleError(key, f"left out by a plugin: {value}", url, "filtered")
         raise SampleError(key, str(value), url, "plugin_failed")
+
+    def _checked_costs(self, costs) -> HookCosts:
+        """What the worker says its hooks spent, kept only where it is a cost of one of this job's
+        sample hooks with finite, non-negative figures (the worker runs plugin code)."""
+        names = {p.name for p in self.spec.plugins}
+        if not isinstance(costs, dict):
+            return {}
+        return {key: cost for key, cost in list(costs.items())[:len(names)]
+                if isinstance(key, tuple) and len(key) == 2 and key[0] in names and key[1] == "sample"
+                and type(cost) is HookCost and isinstance(cost.cpu_s, float) and math.isfinite(cost.cpu_s)
+                and cost.cpu_s >= 0 and type(cost.calls) is int and 0 <= cost.calls <= 1}
 
     def _round_trip(self, spec: HookSpec, sample: dict) -> tuple[str, object, HookCosts]:
         conn, process = self._started()

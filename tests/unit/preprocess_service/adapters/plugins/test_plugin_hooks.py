@@ -4,6 +4,7 @@ and a hook that raises, hangs, leaks or breaks the rules fails its own sample on
 
 import collections
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -289,11 +290,12 @@ def test_each_hook_reports_its_cpu_per_sample_in_the_report_and_the_metrics(tmp_
         assert metrics.PLUGIN_CPU.labels(job.job_id, plugin, hook)._value.get() == pytest.approx(row["cpu_s"])
 
 
-@pytest.mark.parametrize("via", ["shared memory", "pipe"])
+@pytest.mark.parametrize("via", ["shared memory", "pipe", "full /dev/shm"])
 def test_a_sample_hook_sees_every_member_byte_for_byte_whichever_way_it_crossed(plugins, monkeypatch, via):
     """Large members cross to the hook worker through shared memory (one copy each way), or through
-    the pipe past SHARED_MAX_BYTES; either way the hook sees the same bytes, and a sample that
-    outgrows the shared object gets a bigger one."""
+    the pipe past SHARED_MAX_BYTES or when /dev/shm has no room; either way the hook sees the same
+    bytes, a sample that outgrows the shared object gets a bigger one, and one whose name was
+    removed from /dev/shm a new one."""
     import hashlib
     import json
 
@@ -303,10 +305,18 @@ def test_a_sample_hook_sees_every_member_byte_for_byte_whichever_way_it_crossed(
 
     if via == "pipe":
         monkeypatch.setattr(host, "SHARED_MAX_BYTES", 1000)
+    if via == "full /dev/shm":  # no room for the object's pages: the pipe, never a SIGBUS later
+        def no_room(fd, offset, length):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(host.os, "posix_fallocate", no_room)
     rng = np.random.default_rng(0)
     hooks = host.SampleHooks(HookSpec((PluginConfig(name="digest"),), 0, 0))
     try:
-        for size in (5000, 3 << 20, 100_000):  # the second outgrows the first object
+        for size in (5000, 3 << 20, 100_000, 200_000):  # the second outgrows the first object
+            if size == 200_000:  # someone cleaned /dev/shm, and the worker was replaced: a new object
+                if hooks._shared is not None:
+                    (Path("/dev/shm") / hooks._shared.name).unlink()
+                hooks._stop(kill=True)
             sample = {"__key__": f"k{size}", "__url__": "u.tar", "txt": b"a caption",
                       "jpg": rng.integers(0, 256, size, np.uint8).tobytes(),
                       "png": rng.integers(0, 256, size // 2 + 1, np.uint8).tobytes()}
@@ -315,7 +325,23 @@ def test_a_sample_hook_sees_every_member_byte_for_byte_whichever_way_it_crossed(
             assert seen == {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
             assert out["jpg"] is sample["jpg"]  # unchanged members are the parent's own
         assert (hooks._shared is not None) == (via == "shared memory")
-        assert hooks.starts == 1
+        assert hooks.starts == 2
     finally:
         hooks.close()
     assert hooks._shared is None
+
+
+def test_what_the_hook_worker_says_it_spent_is_kept_only_where_it_is_a_plausible_cost(plugins):
+    """The sample-hook worker runs plugin code: a reply's costs that name another plugin or hook,
+    or carry a negative, infinite or non-number figure, are dropped, never counted or exported."""
+    from disttrain_api.config import PluginConfig
+    from preprocess_service.adapters.plugins import host
+    from preprocess_service.adapters.plugins.hooks import HookCost, HookSpec
+
+    hooks = host.SampleHooks(HookSpec((PluginConfig(name="caption"), PluginConfig(name="digest")), 0, 0))
+    good = HookCost(0.002, 1)
+    assert hooks._checked_costs({("caption", "sample"): good}) == {("caption", "sample"): good}
+    for bad in ({("other", "sample"): good}, {("caption", "media"): good}, {("caption", "sample"): HookCost(-1.0, 1)},
+                {("caption", "sample"): HookCost(float("inf"), 1)}, {("caption", "sample"): HookCost(0.1, 10**9)},
+                {("caption", "sample"): (0.1, 1)}, {"caption": good}, [good], None):
+        assert hooks._checked_costs(bad) == {}, bad

@@ -87,7 +87,11 @@ def one_round(shards: Path, decode_workers: int) -> dict:
     finally:
         stop.set()
         proc.terminate()
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     return out
 
 
@@ -121,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve start-up, seconds from launch ({args.rounds} rounds, {args.decode_workers} decode workers):")
     for row in rows:
         print(f"  {row[0]:<42} {row[1]:>7} s  ({row[2]})  {row[3]} rounds")
-    answer = statistics.median(r["answer"] for r in rounds if "answer" in r)
+    answers = [r["answer"] for r in rounds if "answer" in r]
+    if not answers:
+        raise SystemExit("serve never answered health: see its log (run it by hand)")
+    answer = statistics.median(answers)
     print(f"goal: health answered within 0.5 s of launch: {'met' if answer <= 0.5 else 'NOT met'} ({answer:.3f} s)")
     doc = benchjson.document("startup", quick=args.quick)
     doc["tables"].append(benchjson.table(

@@ -58,10 +58,17 @@ class _Starting(grpc.GenericRpcHandler):
 
     def __init__(self):
         self.calls = 0
+        """Unary calls refused (the client's stream, retrying on its own, is counted apart)."""
+        self.streams = 0
 
     def service(self, handler_call_details):
+        stream = handler_call_details.method.endswith("/StreamMicrobatches")
+
         def refuse(request, context):
-            self.calls += 1
+            if stream:
+                self.streams += 1
+            else:
+                self.calls += 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "starting")
         return grpc.unary_unary_rpc_method_handler(refuse)
 
@@ -99,7 +106,7 @@ def test_a_call_waits_while_a_bound_port_answers_unavailable_starting(tmp_path):
             finally:
                 thread.join()
             assert time.monotonic() - down_at >= 3.0, "the call was answered while the port said starting"
-            assert 3 <= starting.calls <= 15, f"{starting.calls} calls in 3 s: no backoff between them"
+            assert 2 <= starting.calls <= 8, f"{starting.calls} calls in 3 s: no backoff between them"
     finally:
         for node in nodes:
             node.stop(0).wait()
@@ -131,7 +138,7 @@ def test_a_stream_waits_while_a_bound_port_answers_unavailable_starting(tmp_path
             expected = [(step, index) for step in range(seen[-1][0] + 1) for index in range(2)][:len(seen)]
             assert seen == expected and len(seen) >= 4, seen
             assert client.num_reconnects >= 1
-            assert starting.calls >= 1
+            assert starting.streams >= 1
     finally:
         for node in nodes:
             node.stop(0).wait()
